@@ -1,0 +1,92 @@
+"""Tokenizer (``tokenizer.json`` through the ``tokenizers`` library) and chat template.
+
+The chat template is the model's own Jinja template (``tokenizer_config.json`` ->
+``chat_template``), rendered in a sandbox with the variables Hugging Face templates expect.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from common.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                           extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise_exception
+        self._template = env.from_string(source)
+        self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        for i, m in enumerate(messages):
+            if m.get("role") not in CHAT_ROLES:
+                raise InvalidRequestError(f"messages[{i}].role", f"unknown role {m.get('role')!r}; "
+                                          f"expected one of {', '.join(CHAT_ROLES)}")
+            if not isinstance(m.get("content"), str):
+                raise InvalidRequestError(f"messages[{i}].content", "content must be a string")
+        if not messages:
+            raise InvalidRequestError("messages", "at least one message is required")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self._tokens)
+        except TemplateError as exc:
+            raise InvalidRequestError("messages", f"the model's chat template rejected them: {exc}") from None
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        root = Path(model_dir)
+        if not (root / "tokenizer.json").is_file():
+            raise ModelNotFoundError(f"{str(root)!r} has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(root / "tokenizer.json"))
+        config_file = root / "tokenizer_config.json"
+        tcfg = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.bos_token = _token_text(tcfg.get("bos_token"))
+        self.eos_token = _token_text(tcfg.get("eos_token"))
+        self.add_bos = bool(tcfg.get("add_bos_token", False)) and bool(self.bos_token)
+        source = tcfg.get("chat_template")
+        if isinstance(source, list):  # some models ship [{"name": "default", "template": ...}, ...]
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        self.chat_template = ChatTemplate(source, self.bos_token, self.eos_token) if source else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text are recognised as such."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos and not text.startswith(self.bos_token):
+            ids = [self.token_to_id(self.bos_token), *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise UnsupportedModelError("this model ships no chat template; send a plain prompt instead")
+        return self.chat_template.render(messages, add_generation_prompt)
+
+
+def _token_text(value) -> str:
+    # tokenizer_config stores special tokens either as strings or as {"content": ...} objects.
+    if isinstance(value, dict):
+        return value.get("content", "")
+    return value or ""

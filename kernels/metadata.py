@@ -1,0 +1,45 @@
+"""The explicit metadata every attention / KV kernel takes (no hidden globals).
+
+A step runs a flat batch of T new tokens belonging to B sequences. Sequence b owns
+tokens ``query_start_loc[b] : query_start_loc[b+1]`` and, after this step's KV writes,
+``seq_lens[b]`` cached entries, laid out in the paged cache through ``block_tables[b]``::
+
+    kv index  0 ............ prefix_len-1 | prefix_len ... seq_len-1
+              cached before this step     | this step's new tokens (q_len of them)
+              (visible to every new token)| (visibility among them: causal, or a tree mask)
+
+``positions`` (RoPE) are separate from KV indices, so a tree node at depth d sits at
+position prefix_len + d while its KV lives at prefix_len + node_index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Per-step layout of new tokens and their sequences' paged KV. All tensors on device."""
+
+    query_start_loc: torch.Tensor  # int64 [B+1]
+    seq_lens: torch.Tensor  # int64 [B], KV length after this step's writes
+    block_tables: torch.Tensor  # int64 [B, max_blocks], unused entries padded with 0
+    slot_mapping: torch.Tensor  # int64 [T], flat cache slot (block * block_size + offset)
+    positions: torch.Tensor  # int64 [T], RoPE positions
+    token_seq: torch.Tensor  # int64 [T], sequence index of each new token
+    token_q_idx: torch.Tensor  # int64 [T], index of each new token within its sequence's new tokens
+    max_query_len: int  # host-side maxima: sizes known when the batch is built, no device sync
+    max_seq_len: int
+    # bool [T, max_query_len]: row t says which new tokens of t's sequence t may see.
+    # None means causal (each new token sees the new tokens before it and itself).
+    new_token_mask: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]

@@ -1,0 +1,60 @@
+"""Turning logits into tokens: temperature, top-k, top-p, and a sync-free sampler.
+
+Sampling uses the exponential race: with E_i ~ Exp(1) independent,
+``argmax_i p_i / E_i`` is distributed exactly as ``p`` (no cumsum, no ``multinomial``,
+no ``.item()``). The noise for a token depends only on (request seed, token position),
+so a request's samples do not depend on which other requests share its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, offset: int) -> int:
+    """SplitMix64 of (seed, offset): a well-spread 63-bit generator seed."""
+    z = (seed * 0x9E3779B97F4A7C15 + offset * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def exponential_noise_ref(seeds: list[int], offsets: list[int], vocab_size: int, device) -> torch.Tensor:
+    """Exp(1) noise [N, vocab] float32; row n is a pure function of (seeds[n], offsets[n])."""
+    rows = []
+    for seed, offset in zip(seeds, offsets):  # one row per sequence, never per token
+        gen = torch.Generator(device=device).manual_seed(mix_seed(seed, offset))
+        rows.append(torch.empty(vocab_size, device=device).exponential_(generator=gen))
+    return torch.stack(rows)
+
+
+def logits_to_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                        top_k: torch.Tensor) -> torch.Tensor:
+    """Sampling distribution [N, V] float32 per row's parameters.
+
+    temperature == 0 gives a one-hot at the argmax (greedy), so greedy and sampled rows share
+    one path. top_k == 0 and top_p == 1 disable those filters.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it >= top_p.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+    sorted_probs[:, 0] = torch.where(sorted_probs[:, 0] > 0, sorted_probs[:, 0], 1.0)
+    probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def sample_ref(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Tokens [N] int64 drawn from ``probs`` [N, V] with Exp(1) ``noise`` [N, V] (exponential race)."""
+    return (probs / noise).argmax(dim=-1)

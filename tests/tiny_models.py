@@ -1,0 +1,55 @@
+"""Tiny random-weight model directories for each Llama-family variant (fast CPU tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from common.config import ModelConfig
+from verify_service.loader import random_tensors
+
+BASE = {
+    "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "max_position_embeddings": 256, "eos_token_id": 96, "bos_token_id": 95,
+}
+
+VARIANTS = {
+    "llama3": {"architectures": ["LlamaForCausalLM"], "rope_theta": 500000.0,
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": True},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "head_dim": 32},
+    "smollm2": {"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": True,
+                "num_key_value_heads": 1, "num_hidden_layers": 5},
+}
+
+
+def tiny_config(variant: str = "llama3", **overrides) -> dict:
+    return {**BASE, **VARIANTS[variant], **overrides}
+
+
+def make_model_dir(root: Path, variant: str = "llama3", seed: int = 0, std: float = 0.1,
+                   shards: int = 1, **overrides) -> Path:
+    """Write config.json + safetensors (sharded with an index when shards > 1) under ``root``."""
+    raw = tiny_config(variant, **overrides)
+    cfg = ModelConfig.from_hf(raw)
+    tensors = random_tensors(cfg, seed=seed, std=std)
+    if cfg.attention_bias:  # random biases, so the bias path is really exercised
+        tensors = {k: (v + 0.05 if k.endswith(".bias") else v) for k, v in tensors.items()}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(raw))
+    if shards == 1:
+        save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+        return root
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i::shards]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in part}, str(root / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root

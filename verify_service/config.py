@@ -1,0 +1,53 @@
+"""Serving configuration of the target engine (frozen, validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.errors import InvalidRequestError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """``dtype``/``device`` "auto": bfloat16 on CUDA, float32 on the CPU.
+
+    ``max_model_len`` None: the model's ``max_position_embeddings``. ``kv_cache_gib`` None:
+    90% of the GPU memory left after the weights, or 2 GiB on the CPU; either way capped at
+    what ``max_num_seqs`` full-length sequences need.
+    """
+
+    model_dir: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_gib: float | None = None
+    max_num_seqs: int = 64
+    max_batch_tokens: int = 2048
+
+    def __post_init__(self):
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise InvalidRequestError("dtype", f"must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        checks = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
+                  "max_batch_tokens": self.max_batch_tokens}
+        for name, value in checks.items():
+            if value <= 0:
+                raise InvalidRequestError(name, f"must be > 0, got {value}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            raise InvalidRequestError("kv_cache_gib", f"must be > 0, got {self.kv_cache_gib}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

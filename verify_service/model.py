@@ -1,0 +1,153 @@
+"""The target decoder: Llama 3, Qwen2/2.5, Qwen3 and SmolLM2 in one module tree.
+
+Module paths equal Hugging Face checkpoint names (``model.layers.3.self_attn.q_proj``), so
+loading is a loop over the safetensors entries. ``forward`` takes a flat batch of new
+tokens [T] plus explicit ``AttentionMetadata`` and the paged KV cache; it returns the
+final-normed hidden states and, for EAGLE-3, the hidden states *entering* chosen layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.config import ModelConfig
+from kernels import KernelSet
+from kernels.metadata import AttentionMetadata
+from kernels.rope import rope_inv_freq, rope_table
+from verify_service.kv_cache import PagedKVCache
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * w, computed in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    """Everything a layer needs besides its input: metadata, cache, RoPE tables, kernels."""
+
+    meta: AttentionMetadata
+    kv_cache: PagedKVCache
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kernels: KernelSet
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim, per head, before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, h, d)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, kvh, d)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = ctx.kernels.apply_rope(q, ctx.meta.positions, ctx.cos, ctx.sin)
+        k = ctx.kernels.apply_rope(k, ctx.meta.positions, ctx.cos, ctx.sin)
+        k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx)
+        ctx.kernels.write_kv(k_cache, v_cache, k, v, ctx.meta.slot_mapping)
+        out = ctx.kernels.paged_attention(q, k_cache, v_cache, ctx.meta, self.scale)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardOutput:
+    hidden: torch.Tensor  # [T, hidden], after the final norm
+    captured: torch.Tensor | None  # [T, len(capture_layers) * hidden], layer inputs concatenated
+
+
+class CausalLM(nn.Module):
+    """Llama-family decoder with an LM head. Build on the meta device, then load weights."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def init_rope(self, max_positions: int) -> None:
+        """Build the RoPE tables for the runtime context length (not the config's)."""
+        cfg = self.config
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.cos, self.sin = rope_table(inv_freq, max_positions, self.model.norm.weight.device)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache,
+                kernels: KernelSet, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        assert self.cos is not None, "call init_rope() before forward()"
+        ctx = StepContext(meta, kv_cache, self.cos, self.sin, kernels)
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            if i in capture_layers:
+                captured.append(x)
+            x = layer(x, ctx)
+        feats = torch.cat(captured, dim=-1) if captured else None
+        return ForwardOutput(self.model.norm(x), feats)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] in float32 for the rows of ``hidden`` that need them."""
+        return F.linear(hidden, self.lm_head_weight()).float()

@@ -1,0 +1,34 @@
+"""Choosing next tokens for a batch of sequences, each with its own sampling parameters."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import KernelSet
+from verify_service.sequence import Sequence
+
+
+class Sampler:
+    def __init__(self, kernels: KernelSet, device: torch.device):
+        self.kernels = kernels
+        self.device = device
+
+    def probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The target distribution [N, V] each row samples from (one-hot for greedy rows)."""
+        params = [s.params for s in seqs]
+        as_tensor = lambda xs, dtype: torch.tensor(xs, dtype=dtype, device=self.device)
+        return self.kernels.logits_to_probs(
+            logits, as_tensor([p.temperature for p in params], torch.float32),
+            as_tensor([p.top_p for p in params], torch.float32),
+            as_tensor([p.top_k for p in params], torch.int64))
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Next token of each sequence; row n of ``logits`` belongs to ``seqs[n]``."""
+        if all(s.params.greedy for s in seqs):
+            tokens = logits.argmax(dim=-1)
+        else:
+            # Noise keyed by (seed, index of the token being drawn): batch-independent.
+            noise = self.kernels.exponential_noise([s.seed for s in seqs], [s.num_tokens for s in seqs],
+                                                   logits.shape[-1], self.device)
+            tokens = self.kernels.sample(self.probs(logits, seqs), noise)
+        return tokens.tolist()  # the step's one device-to-host sync: the host needs the ids

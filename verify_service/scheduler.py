@@ -1,0 +1,68 @@
+"""Admission and per-step batch composition for the target-only loop.
+
+Admission reserves KV blocks for a request's whole lifetime (prompt + max new tokens), so
+a running sequence never runs out of cache mid-generation and no work is ever preempted
+or lost; a request that does not fit waits. Each step decodes every running sequence
+(one token each) and fills the remaining token budget with prefill chunks, oldest first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from common.errors import CapacityError
+from verify_service.block_manager import BlockManager, blocks_for
+from verify_service.sequence import Sequence
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batch_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._reserved = 0  # blocks promised to running sequences, allocated or not
+
+    def add(self, seq: Sequence) -> None:
+        need = blocks_for(seq.max_kv_len, self.blocks.block_size)
+        if need > self.blocks.num_blocks:
+            raise CapacityError(
+                f"request needs {need} KV blocks ({seq.max_kv_len} tokens) but the cache holds "
+                f"{self.blocks.num_blocks}; lower max_tokens or raise the KV cache size")
+        self.waiting.append(seq)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            need = blocks_for(self.waiting[0].max_kv_len, self.blocks.block_size)
+            if self._reserved + need > self.blocks.num_blocks:
+                return  # first come, first served: later requests wait behind the head
+            self._reserved += need
+            self.running.append(self.waiting.popleft())
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """Sequences to run this step with their number of new tokens."""
+        self._admit()
+        plan = [(s, 1) for s in self.running if not s.prefilling]
+        budget = self.max_batch_tokens - len(plan)
+        for seq in self.running:
+            if seq.prefilling and budget > 0:
+                n = min(len(seq.prompt_ids) - seq.num_cached, budget)
+                plan.append((seq, n))
+                budget -= n
+        for seq, n in plan:
+            self.blocks.ensure_capacity(seq.seq_id, seq.num_cached + n)
+        return plan
+
+    def release(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._reserved -= blocks_for(seq.max_kv_len, self.blocks.block_size)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
