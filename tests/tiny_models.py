@@ -8,6 +8,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from common.config import ModelConfig
+from verify_service.config import EngineConfig
+from verify_service.engine import TargetEngine
 from verify_service.loader import random_tensors
 
 BASE = {
@@ -53,3 +55,9 @@ def make_model_dir(root: Path, variant: str = "llama3", seed: int = 0, std: floa
         weight_map.update({n: fname for n in part})
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return root
+
+
+def engine_for(model_dir: Path, capture: tuple[int, ...] = (), **overrides) -> TargetEngine:
+    """A small engine on the CPU; ``overrides`` are EngineConfig fields."""
+    kw = {"kv_cache_gib": 0.01, "max_num_seqs": 4, **overrides}
+    return TargetEngine.from_config(EngineConfig(str(model_dir), **kw), capture_layers=capture)
