@@ -5,7 +5,7 @@ import torch
 
 from common.errors import CapacityError
 from common.sampling_params import SamplingParams
-from tiny_models import engine_for, make_model_dir
+from tiny_models import engine_for, make_model_dir, tolerance
 from verify_service.block_manager import BlockManager
 from verify_service.generator import TargetGenerator
 from verify_service.model_runner import SeqChunk
@@ -33,8 +33,8 @@ def test_chunked_whole_and_token_by_token_prefill_agree(model_dir):
     whole = run_in_chunks(engine_for(model_dir), ids, [45])
     chunked = run_in_chunks(engine_for(model_dir), ids, [7, 16, 1, 21])
     one_by_one = run_in_chunks(engine_for(model_dir), ids, [1] * 45)
-    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(one_by_one, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked, whole, **tolerance())
+    torch.testing.assert_close(one_by_one, whole, **tolerance())
 
 
 def test_mixed_length_batch_equals_each_sequence_alone(model_dir):
@@ -47,7 +47,7 @@ def test_mixed_length_batch_equals_each_sequence_alone(model_dir):
         batch_engine.blocks.ensure_capacity(i, len(p))
         chunks.append(SeqChunk(p, 0, batch_engine.blocks.block_table(i), logits_rows=(len(p) - 1,)))
     batched = batch_engine.runner.step(chunks).logits
-    torch.testing.assert_close(batched, torch.stack(alone), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched, torch.stack(alone), **tolerance())
 
 
 def test_generator_batch_matches_single_runs_and_frees_every_block(model_dir):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -57,7 +58,20 @@ def make_model_dir(root: Path, variant: str = "llama3", seed: int = 0, std: floa
     return root
 
 
+# The suite runs on the CPU in float32 by default; on a GPU host set EAGLE3_TEST_DEVICE=cuda
+# and EAGLE3_TEST_DTYPE=bfloat16 to run the same tests there (tolerances follow the dtype).
+TEST_DEVICE = os.environ.get("EAGLE3_TEST_DEVICE", "cpu")
+TEST_DTYPE = os.environ.get("EAGLE3_TEST_DTYPE", "float32")
+_TOLERANCES = {"float32": (2e-5, 1e-4), "float16": (2e-2, 2e-2), "bfloat16": (8e-2, 5e-2)}
+
+
+def tolerance(dtype: str = TEST_DTYPE) -> dict:
+    """assert_close tolerances for logits computed in ``dtype``."""
+    atol, rtol = _TOLERANCES[dtype]
+    return {"atol": atol, "rtol": rtol}
+
+
 def engine_for(model_dir: Path, capture: tuple[int, ...] = (), **overrides) -> TargetEngine:
-    """A small engine on the CPU; ``overrides`` are EngineConfig fields."""
-    kw = {"kv_cache_gib": 0.01, "max_num_seqs": 4, **overrides}
+    """A small engine on the test device; ``overrides`` are EngineConfig fields."""
+    kw = {"kv_cache_gib": 0.01, "max_num_seqs": 4, "device": TEST_DEVICE, "dtype": TEST_DTYPE, **overrides}
     return TargetEngine.from_config(EngineConfig(str(model_dir), **kw), capture_layers=capture)

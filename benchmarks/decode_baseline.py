@@ -1,0 +1,141 @@
+"""Baseline (target-only) decode cost per step, next to its memory-bandwidth floor.
+
+For each case: prefill ``batch`` sequences of ``context`` tokens through the engine's own
+chunked prefill, then time full engine decode steps (scheduler, forward, sampling, the one
+host sync). The floor is the bytes one step must read (weights + KV) divided by the
+device-to-device copy bandwidth measured in the same run.
+
+    python benchmarks/decode_baseline.py --case smollm2:1:512 --case llama3-8b:1:4096 --out results.json
+
+A case is GEOMETRY:BATCH:CONTEXT; GEOMETRY is ``smollm2``, ``llama3-8b`` (random bf16
+weights) or a model directory (real weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.config import ModelConfig  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
+from verify_service.config import EngineConfig  # noqa: E402
+from verify_service.engine import TargetEngine  # noqa: E402
+from verify_service.generator import TargetGenerator  # noqa: E402
+from verify_service.loader import build_model, random_tensors  # noqa: E402
+
+GEOMETRIES = {
+    "smollm2": {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+                "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 8192, "tie_word_embeddings": True, "eos_token_id": 2},
+    "llama3-8b": {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+                  "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+                  "max_position_embeddings": 131072, "eos_token_id": 128001,
+                  "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+}
+
+
+def copy_bandwidth_gbs(device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read + written (median of 20)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times[5:]) / 1e9
+
+
+def make_engine(geometry: str, batch: int, context: int, steps: int, device) -> TargetEngine:
+    max_len = context + steps + 16
+    cfg = EngineConfig(geometry if geometry not in GEOMETRIES else "<random>", device=str(device),
+                       dtype="bfloat16", max_model_len=max_len, max_num_seqs=batch,
+                       max_batch_tokens=4096, kv_cache_gib=None)
+    if geometry in GEOMETRIES:
+        mcfg = ModelConfig.from_hf(GEOMETRIES[geometry])
+        tensors = random_tensors(mcfg, seed=0, device=device, dtype=torch.bfloat16)
+        model = build_model(mcfg, tensors.items(), torch.bfloat16, device, max_len)
+        del tensors
+        return TargetEngine(cfg, model, tokenizer=None)
+    return TargetEngine.from_config(cfg)
+
+
+def step_bytes(engine: TargetEngine, batch: int, context: int) -> int:
+    """Bytes one decode step must read: every weight except the embedding table (one row
+    each), the LM head (the embedding itself when tied), and the KV of every sequence."""
+    m, cfg = engine.model, engine.model_config
+    item = engine.dtype.itemsize
+    weights = sum(p.numel() for n, p in m.named_parameters() if "embed_tokens" not in n) * item
+    if cfg.tie_word_embeddings:
+        weights += m.model.embed_tokens.weight.numel() * item
+    kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * item
+    return weights + kv
+
+
+def run_case(case: str, steps: int, bandwidth: float, device) -> dict:
+    geometry, batch, context = case.rsplit(":", 2)
+    batch, context = int(batch), int(context)
+    engine = make_engine(geometry, batch, context, steps, device)
+    gen = TargetGenerator(engine)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(batch):
+        prompt = torch.randint(0, engine.model_config.vocab_size, (context,), generator=g).tolist()
+        gen.add_request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    t0 = time.perf_counter()
+    while any(s.prefilling or not s.output_ids for s in gen.scheduler.running) or gen.scheduler.waiting:
+        gen.step()
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        gen.step()  # ends in the step's device-to-host copy of the sampled ids
+        times.append(time.perf_counter() - t)
+    ms = statistics.median(times[3:]) * 1e3
+    floor_ms = step_bytes(engine, batch, context) / (bandwidth * 1e9) * 1e3
+    result = {"case": case, "batch": batch, "context": context, "ms_per_step": round(ms, 3),
+              "p90_ms": round(sorted(times[3:])[int(0.9 * (len(times) - 3))] * 1e3, 3),
+              "floor_ms": round(floor_ms, 3), "floor_ratio": round(ms / floor_ms, 2),
+              "tokens_per_s": round(batch / ms * 1e3, 1), "prefill_s": round(prefill_s, 2),
+              "step_bytes": step_bytes(engine, batch, context)}
+    del gen, engine
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--case", action="append", required=True, help="GEOMETRY:BATCH:CONTEXT")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth_gbs(device)
+    results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+               "copy_bandwidth_gbs": round(bandwidth, 1), "cases": []}
+    print(f"{results['device']}: device-to-device copy {bandwidth:.0f} GB/s (read + write)")
+    for case in args.case:
+        r = run_case(case, args.steps, bandwidth, device)
+        results["cases"].append(r)
+        print(f"{r['case']:>24}: {r['ms_per_step']:8.3f} ms/step  floor {r['floor_ms']:7.3f} ms  "
+              f"x{r['floor_ratio']:<6} {r['tokens_per_s']:9.1f} tok/s  (prefill {r['prefill_s']} s)", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

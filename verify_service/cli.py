@@ -1,0 +1,90 @@
+"""``eagle3`` command line: fetch the embedded default model, generate text.
+
+    eagle3 fetch-default                       # SmolLM2-135M-Instruct -> ~/.cache/eagle3
+    eagle3 generate "What is the capital of France?"
+    eagle3 generate --model /path/to/hf-model --raw "Once upon a time" --temperature 0.8
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from common.errors import EagleError
+from common.sampling_params import SamplingParams
+from verify_service.config import EngineConfig
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the user message (or the raw prompt text with --raw)")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from common.default_model import ensure_default_model
+    from verify_service.engine import TargetEngine
+    from verify_service.generator import TargetGenerator
+
+    model_dir = args.model or str(ensure_default_model())
+    cfg = EngineConfig(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                       max_num_seqs=1)
+    engine = TargetEngine.from_config(cfg)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    if args.raw:
+        ids = engine.encode(prompt=args.prompt)
+    else:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        ids = engine.encode(messages=[*system, {"role": "user", "content": args.prompt}])
+    start, n, reason = time.perf_counter(), 0, None
+    for event in TargetGenerator(engine).stream(ids, params):
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+        n += len(event.token_ids)
+        reason = event.finish_reason or reason
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if args.stats:
+        secs = time.perf_counter() - start
+        print(f"[{len(ids)} prompt tokens, {n} generated in {secs:.2f}s ({n / secs:.1f} tok/s), "
+              f"finish: {reason.value if reason else 'none'}]", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eagle3", description="EAGLE-3 speculative decoding server: command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    fetch = sub.add_parser("fetch-default", help="obtain and convert SmolLM2-135M-Instruct (idempotent)")
+    fetch.add_argument("--cache-dir", default=None)
+    fetch.add_argument("--quiet", action="store_true")
+    _add_generate_args(sub.add_parser("generate", help="generate text with the target model alone"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "fetch-default":
+            from common.default_model import ensure_default_model
+            print(ensure_default_model(args.cache_dir, progress=not args.quiet))
+        else:
+            _generate(args)
+    except EagleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
