@@ -16,6 +16,7 @@ from kernels import attention, rope, sampling
 
 @dataclass(frozen=True, slots=True)
 class KernelSet:
+    prepare_attention: Callable  # AttentionMetadata -> AttentionMetadata, once per step
     write_kv: Callable
     paged_attention: Callable
     apply_rope: Callable
@@ -26,6 +27,7 @@ class KernelSet:
 
 
 REFERENCE = KernelSet(
+    prepare_attention=attention.prepare_attention_ref,
     write_kv=attention.write_kv_ref,
     paged_attention=attention.paged_attention_ref,
     apply_rope=rope.apply_rope_ref,

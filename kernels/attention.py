@@ -10,8 +10,11 @@ an explicit boolean mask; a fused kernel with the same signature replaces it on 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.metadata import AttentionMetadata
 
@@ -45,18 +48,35 @@ def attention_mask_ref(meta: AttentionMetadata) -> torch.Tensor:
     return visible
 
 
+def prepare_attention_ref(meta: AttentionMetadata) -> AttentionMetadata:
+    """Per-step work shared by every layer: the dense mask (computed once, not per layer)."""
+    return dataclasses.replace(meta, dense_mask=attention_mask_ref(meta))
+
+
+# cuDNN's SDPA plans a new graph for every new KV length (every decode step), costing ~2 ms of
+# host time per call; the memory-efficient and math backends take arbitrary masks without it.
+_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of new queries [T, heads, head_dim] over their sequences' cached KV -> [T, heads, head_dim]."""
-    block_size = k_cache.shape[1]
-    num_blocks = -(-meta.max_seq_len // block_size)
-    tables = meta.block_tables[:, :num_blocks]
-    k = k_cache[tables].flatten(1, 2)[:, : meta.max_seq_len]  # (B, K, kvh, d)
-    v = v_cache[tables].flatten(1, 2)[:, : meta.max_seq_len]
-    qp = q.new_zeros(meta.num_seqs, meta.max_query_len, *q.shape[1:])  # (B, Q, h, d)
+    """Attention of new queries [T, heads, head_dim] over their sequences' cached KV -> [T, heads, head_dim].
+
+    Grouped-query attention without repeating KV: the g = heads / kv_heads query heads that
+    share a KV head are folded into the query axis, so SDPA sees kv_heads heads of Q*g rows.
+    """
+    B, Q, K = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    g = q.shape[1] // kvh
+    tables = meta.block_tables[:, : -(-K // k_cache.shape[1])]
+    k = k_cache[tables].flatten(1, 2)[:, :K].transpose(1, 2)  # (B, kvh, K, d)
+    v = v_cache[tables].flatten(1, 2)[:, :K].transpose(1, 2)
+    qp = q.new_zeros(B, Q, kvh * g, d)
     qp[meta.token_seq, meta.token_q_idx] = q
-    mask = attention_mask_ref(meta).unsqueeze(1)  # (B, 1, Q, K)
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=mask, scale=scale, enable_gqa=True)  # (B, h, Q, d)
-    return out.transpose(1, 2)[meta.token_seq, meta.token_q_idx]
+    qp = qp.view(B, Q, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(B, kvh, Q * g, d)  # row = qi*g + gi
+    mask = meta.dense_mask if meta.dense_mask is not None else attention_mask_ref(meta)
+    mask = mask.repeat_interleave(g, dim=1).unsqueeze(1)  # (B, 1, Q*g, K)
+    with sdpa_kernel(_SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(qp, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    out = out.view(B, kvh, Q, g, d).permute(0, 2, 1, 3, 4).reshape(B, Q, kvh * g, d)
+    return out[meta.token_seq, meta.token_q_idx]

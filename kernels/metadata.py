@@ -35,6 +35,9 @@ class AttentionMetadata:
     # bool [T, max_query_len]: row t says which new tokens of t's sequence t may see.
     # None means causal (each new token sees the new tokens before it and itself).
     new_token_mask: torch.Tensor | None = None
+    # bool [B, max_query_len, max_seq_len]: the reference attention's dense visibility mask,
+    # built once per step by ``prepare_attention_ref`` rather than once per layer.
+    dense_mask: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

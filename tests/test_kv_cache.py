@@ -85,17 +85,22 @@ def test_block_manager_exhaustion_is_typed_and_allocates_nothing():
 
 
 def test_request_larger_than_the_whole_cache_is_refused(model_dir):
-    engine = engine_for(model_dir, kv_cache_gib=1.25e-4)  # 8 blocks of 16 tokens
-    assert engine.blocks.num_blocks == 8
+    engine = engine_for(model_dir, num_kv_blocks=8)  # 8 blocks of 16 tokens
     gen = TargetGenerator(engine)
     with pytest.raises(CapacityError, match="KV blocks"):
         gen.add_request(list(range(1, 60)), SamplingParams(max_tokens=150))
 
 
 def test_requests_beyond_capacity_wait_instead_of_failing(model_dir):
-    engine = engine_for(model_dir, kv_cache_gib=1.25e-4)  # 8 blocks of 16 tokens
+    engine = engine_for(model_dir, num_kv_blocks=8)  # 8 blocks of 16 tokens
     gen = TargetGenerator(engine)
     prompts = [list(range(3, 73)) for _ in range(3)]  # 5 blocks each: one fits at a time
     results = gen.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     assert all(len(r.token_ids) == 4 for r in results)
     assert engine.blocks.num_used_blocks == 0
+
+
+def test_kv_cache_size_follows_the_memory_budget(model_dir):
+    engine = engine_for(model_dir, kv_cache_gib=1.25e-4, dtype="float32")
+    assert engine.kv_cache.bytes_per_block(engine.model_config, 16, engine.dtype) == 16384
+    assert engine.blocks.num_blocks == 8  # 1.25e-4 GiB / 16 KiB per block

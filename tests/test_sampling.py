@@ -79,7 +79,7 @@ def test_sampled_first_token_follows_the_model_distribution(model_dir):
     prompt = [7, 8, 9]
     greedy = gen.generate([prompt], SamplingParams(max_tokens=1))
     engine.blocks.ensure_capacity(999, 3)
-    row = engine.runner.step([SeqChunk(prompt, 0, engine.blocks.block_table(999), (2,))]).logits[0]
+    row = engine.runner.step([SeqChunk(prompt, 0, engine.blocks.block_table(999), (2,))]).logits[0].cpu()
     engine.blocks.free(999)
     p = torch.softmax(row / 2.0, dim=-1).double()
     n = 1500

@@ -17,7 +17,7 @@ class EngineConfig:
 
     ``max_model_len`` None: the model's ``max_position_embeddings``. ``kv_cache_gib`` None:
     90% of the GPU memory left after the weights, or 2 GiB on the CPU; either way capped at
-    what ``max_num_seqs`` full-length sequences need.
+    what ``max_num_seqs`` full-length sequences need. ``num_kv_blocks`` sets the count exactly.
     """
 
     model_dir: str
@@ -26,6 +26,7 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_gib: float | None = None
+    num_kv_blocks: int | None = None  # exact block count; overrides kv_cache_gib
     max_num_seqs: int = 64
     max_batch_tokens: int = 2048
 
@@ -39,6 +40,8 @@ class EngineConfig:
                 raise InvalidRequestError(name, f"must be > 0, got {value}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise InvalidRequestError("num_kv_blocks", f"must be > 0, got {self.num_kv_blocks}")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise InvalidRequestError("kv_cache_gib", f"must be > 0, got {self.kv_cache_gib}")
 

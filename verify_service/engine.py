@@ -52,6 +52,8 @@ class TargetEngine:
         return cls(cfg, model, Tokenizer(cfg.model_dir) if has_tokenizer else None, capture_layers)
 
     def _num_kv_blocks(self) -> int:
+        if self.cfg.num_kv_blocks is not None:
+            return self.cfg.num_kv_blocks
         per_block = PagedKVCache.bytes_per_block(self.model_config, self.cfg.block_size, self.dtype)
         if self.cfg.kv_cache_gib is not None:
             budget = self.cfg.kv_cache_gib * 2**30

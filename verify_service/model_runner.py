@@ -80,7 +80,7 @@ class ModelRunner:
             slot_mapping=dev(slots), positions=dev(positions), token_seq=dev(token_seq),
             token_q_idx=dev(token_q_idx), max_query_len=max_q, max_seq_len=int(seq_lens.max()),
             new_token_mask=None if mask is None else dev(mask, torch.bool))
-        return dev(ids), meta, dev(rows)
+        return dev(ids), self.kernels.prepare_attention(meta), dev(rows)
 
     @staticmethod
     def _new_token_mask(chunks: list[SeqChunk], max_q: int) -> np.ndarray | None:

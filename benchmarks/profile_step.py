@@ -1,0 +1,43 @@
+"""Profile target-only decode steps with torch.profiler; prints the top ops by host and device time.
+
+    python benchmarks/profile_step.py MODEL_DIR_OR_GEOMETRY [--batch 1] [--context 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.decode_baseline import make_engine  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
+from verify_service.generator import TargetGenerator  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    engine = make_engine(args.model, args.batch, args.context, 64, torch.device("cuda"))
+    gen = TargetGenerator(engine)
+    for _ in range(args.batch):
+        gen.add_request(list(range(1, args.context + 1)), SamplingParams(max_tokens=64, ignore_eos=True))
+    for _ in range(5):
+        gen.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            gen.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
+
+
+if __name__ == "__main__":
+    main()
