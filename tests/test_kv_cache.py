@@ -6,7 +6,7 @@ import torch
 from common.errors import CapacityError
 from common.sampling_params import SamplingParams
 from tiny_models import engine_for, make_model_dir, tolerance
-from verify_service.block_manager import BlockManager
+from common.block_manager import BlockManager
 from verify_service.generator import TargetGenerator
 from verify_service.model_runner import SeqChunk
 

@@ -11,9 +11,9 @@ from common.config import ModelConfig
 from common.errors import InvalidRequestError
 from common.tokenizer import Tokenizer
 from kernels import select_kernels
-from verify_service.block_manager import BlockManager, blocks_for
+from common.block_manager import BlockManager, blocks_for
 from verify_service.config import EngineConfig
-from verify_service.kv_cache import PagedKVCache
+from common.kv_cache import PagedKVCache
 from verify_service.loader import build_model
 from common.checkpoint import iter_tensors
 from verify_service.model import CausalLM

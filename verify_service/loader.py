@@ -41,12 +41,6 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]],
     model.load_state_dict(state, strict=True, assign=True)
 
 
-def _validate_capture(cfg: ModelConfig, layers: tuple[int, ...]) -> None:
-    for layer in layers:
-        if not 0 <= layer < cfg.num_layers:
-            raise ValueError(f"capture layer {layer} outside [0, {cfg.num_layers})")
-
-
 def build_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
                 device, max_positions: int) -> CausalLM:
     with torch.device("meta"):

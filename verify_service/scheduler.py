@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from common.errors import CapacityError
-from verify_service.block_manager import BlockManager, blocks_for
+from common.block_manager import BlockManager, blocks_for
 from verify_service.sequence import Sequence
 
 
