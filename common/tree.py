@@ -1,0 +1,127 @@
+"""Candidate trees: what the draft proposes and the target verifies, for one sequence.
+
+A tree hangs below the *root*, the sequence's newest committed token (not yet in the
+target's KV cache). Nodes are numbered 0..N-1 with parents before children::
+
+    root ─┬─ 0 "Paris" ─┬─ 2 "."      parents = [-1, -1, 0, 0, 1]
+          │             └─ 3 ","      depths  = [ 1,  1, 2, 2, 2]
+          └─ 1 "the" ───── 4 "city"
+
+When verified, node i sits at RoPE position root_position + depths[i] and attends to the
+sequence's prefix, the root, its ancestors and itself. Siblings are listed in the order the
+draft ranks them (acceptance tries children in that order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.errors import InvalidRequestError
+
+
+class InvalidTreeError(InvalidRequestError):
+    """A candidate tree breaks an invariant (order, depth, vocabulary, size)."""
+
+    def __init__(self, message: str):
+        super().__init__("tree", message)
+
+
+@dataclass(frozen=True, eq=False)
+class CandidateTree:
+    tokens: np.ndarray  # int64 [N], target-vocabulary ids
+    parents: np.ndarray  # int64 [N], -1 for children of the root, else an earlier node index
+    depths: np.ndarray  # int64 [N], 1 for children of the root
+    log_probs: np.ndarray  # float32 [N], cumulative draft log-probability of the path to the node
+
+    @classmethod
+    def from_lists(cls, tokens, parents, depths=None, log_probs=None) -> "CandidateTree":
+        parents = np.asarray(parents, dtype=np.int64).reshape(-1)
+        if depths is None:
+            depths = _depths_from_parents(parents)
+        n = parents.shape[0]
+        lp = np.zeros(n, dtype=np.float32) if log_probs is None else np.asarray(log_probs, dtype=np.float32)
+        return cls(np.asarray(tokens, dtype=np.int64).reshape(-1), parents,
+                   np.asarray(depths, dtype=np.int64).reshape(-1), lp.reshape(-1))
+
+    @classmethod
+    def chain(cls, tokens, log_probs=None) -> "CandidateTree":
+        """A single path: node i is the child of node i - 1."""
+        n = len(tokens)
+        return cls.from_lists(tokens, np.arange(n) - 1, np.arange(1, n + 1), log_probs)
+
+    @classmethod
+    def empty(cls) -> "CandidateTree":
+        return cls.from_lists([], [])
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max()) if self.num_nodes else 0
+
+    def validate(self, vocab_size: int, max_nodes: int | None = None, max_depth: int | None = None) -> None:
+        """Raise InvalidTreeError unless every invariant holds."""
+        n = self.num_nodes
+        arrays = {"parents": self.parents, "depths": self.depths, "log_probs": self.log_probs}
+        if self.tokens.ndim != 1 or any(a.ndim != 1 or a.shape[0] != n for a in arrays.values()):
+            raise InvalidTreeError("tokens, parents, depths and log_probs must be 1-D arrays of one length")
+        if max_nodes is not None and n > max_nodes:
+            raise InvalidTreeError(f"{n} nodes exceed the limit of {max_nodes}")
+        if n == 0:
+            return
+        if ((self.tokens < 0) | (self.tokens >= vocab_size)).any():
+            raise InvalidTreeError(f"token ids must be in [0, {vocab_size})")
+        idx = np.arange(n)
+        if ((self.parents < -1) | (self.parents >= idx)).any():
+            bad = int(idx[(self.parents < -1) | (self.parents >= idx)][0])
+            raise InvalidTreeError(f"node {bad} has parent {int(self.parents[bad])}: parents must come before children")
+        if not np.array_equal(self.depths, _depths_from_parents(self.parents)):
+            raise InvalidTreeError("depths must equal the parent's depth + 1 (1 below the root)")
+        if max_depth is not None and self.max_depth > max_depth:
+            raise InvalidTreeError(f"depth {self.max_depth} exceeds the limit of {max_depth}")
+        pairs = np.stack([self.parents, self.tokens], axis=1)
+        if np.unique(pairs, axis=0).shape[0] != n:
+            raise InvalidTreeError("siblings must carry distinct tokens")
+
+    def ancestor_mask(self) -> np.ndarray:
+        """bool [N+1, N+1] over (root, nodes): row i sees column j iff j is i, the root or an ancestor."""
+        n = self.num_nodes
+        mask = np.zeros((n + 1, n + 1), dtype=bool)
+        mask[:, 0] = True
+        mask[np.arange(n + 1), np.arange(n + 1)] = True
+        for depth in range(1, self.max_depth + 1):  # one vectorized pass per level, never per node
+            level = np.nonzero(self.depths == depth)[0]
+            mask[level + 1] |= mask[self.parents[level] + 1]
+        return mask
+
+    def prune_depth(self, max_depth: int) -> "CandidateTree":
+        """The subtree of nodes at depth <= max_depth (e.g. near the end of the context)."""
+        if self.max_depth <= max_depth:
+            return self
+        keep = np.nonzero(self.depths <= max_depth)[0]
+        remap = np.full(self.num_nodes, -1, dtype=np.int64)
+        remap[keep] = np.arange(keep.shape[0])
+        parents = np.where(self.parents[keep] >= 0, remap[np.maximum(self.parents[keep], 0)], -1)
+        return CandidateTree(self.tokens[keep], parents, self.depths[keep], self.log_probs[keep])
+
+
+def _depths_from_parents(parents: np.ndarray) -> np.ndarray:
+    """Depth of every node by walking all ancestor chains at once (one pass per level).
+
+    Bounded by N passes, so malformed input (cycles) terminates; ``validate`` rejects it.
+    """
+    n = parents.shape[0]
+    depths = np.ones(n, dtype=np.int64)
+    anc = np.where((parents >= 0) & (parents < n), parents, -1)
+    for _ in range(n):
+        live = anc >= 0
+        if not live.any():
+            break
+        depths[live] += 1
+        anc[live] = parents[anc[live]]
+        anc = np.where((anc >= 0) & (anc < n), anc, -1)
+    return depths
