@@ -20,9 +20,10 @@ class SeqChunk:
     """New tokens of one sequence for this step.
 
     Their KV goes to indices ``kv_start ..``; RoPE positions are ``kv_start ..`` unless
-    ``positions`` is given (tree steps). ``new_token_mask`` [n, n] replaces causal
-    visibility among the new tokens when given. ``logits_rows`` selects which of the new
-    tokens get logits (e.g. the last one of a prefill chunk, all nodes of a tree).
+    ``positions`` is given (tree steps). ``custom_mask`` [n, m] replaces causal visibility
+    over the KV indices ``mask_start .. mask_start + m`` (default ``mask_start`` = kv_start;
+    every index before it is visible to all new tokens). ``logits_rows`` selects which of
+    the new tokens get logits (e.g. the last one of a prefill chunk, all nodes of a tree).
     """
 
     token_ids: list[int] | np.ndarray
@@ -30,7 +31,8 @@ class SeqChunk:
     block_table: list[int]
     logits_rows: tuple[int, ...] | np.ndarray = ()
     positions: list[int] | np.ndarray | None = None
-    new_token_mask: np.ndarray | None = None
+    custom_mask: np.ndarray | None = None
+    mask_start: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +60,7 @@ def layout_step(chunks: list[SeqChunk], block_size: int, device: torch.device, k
     positions = np.concatenate([np.asarray(c.positions) if c.positions is not None else
                                 np.arange(c.kv_start, c.kv_start + len(c.token_ids)) for c in chunks])
     max_q = int(q_lens.max())
-    mask = _new_token_mask(chunks, max_q)
+    mask, mask_start = _custom_mask(chunks)
     rows = np.concatenate([qsl[i] + np.asarray(c.logits_rows, dtype=np.int64) for i, c in enumerate(chunks)])
     ids = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks])
 
@@ -69,16 +71,24 @@ def layout_step(chunks: list[SeqChunk], block_size: int, device: torch.device, k
         query_start_loc=dev(qsl), seq_lens=dev(seq_lens), block_tables=dev(tables),
         slot_mapping=dev(slots), positions=dev(positions), token_seq=dev(token_seq),
         token_q_idx=dev(token_q_idx), max_query_len=max_q, max_seq_len=int(seq_lens.max()),
-        new_token_mask=None if mask is None else dev(mask, torch.bool))
+        custom_mask=None if mask is None else dev(mask, torch.bool),
+        mask_start=None if mask is None else dev(mask_start))
     return StepLayout(dev(ids), kernels.prepare_attention(meta), dev(rows), qsl)
 
 
-def _new_token_mask(chunks: list[SeqChunk], max_q: int) -> np.ndarray | None:
-    if all(c.new_token_mask is None for c in chunks):
-        return None
-    blocks = []
+def _custom_mask(chunks: list[SeqChunk]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Stack per-chunk masks into [T, max_cols]; chunks without one get their causal mask."""
+    if all(c.custom_mask is None for c in chunks):
+        return None, None
+    starts, masks = [], []
     for c in chunks:
         n = len(c.token_ids)
-        m = c.new_token_mask if c.new_token_mask is not None else np.tril(np.ones((n, n), dtype=bool))
-        blocks.append(np.pad(m.astype(bool), ((0, 0), (0, max_q - n))))
-    return np.concatenate(blocks)
+        if c.custom_mask is None:
+            starts.append(c.kv_start)
+            masks.append(np.tril(np.ones((n, n), dtype=bool)))
+        else:
+            starts.append(c.kv_start if c.mask_start is None else c.mask_start)
+            masks.append(np.asarray(c.custom_mask, dtype=bool))
+    cols = max(m.shape[1] for m in masks)
+    stacked = np.concatenate([np.pad(m, ((0, 0), (0, cols - m.shape[1]))) for m in masks])
+    return stacked, np.asarray(starts, dtype=np.int64)

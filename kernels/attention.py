@@ -30,19 +30,19 @@ def attention_mask_ref(meta: AttentionMetadata) -> torch.Tensor:
     """Boolean visibility [B, max_query_len, max_seq_len] of cached keys for padded queries."""
     device = meta.seq_lens.device
     q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]  # (B,)
-    prefix = (meta.seq_lens - q_lens)[:, None, None]  # (B, 1, 1)
     key = torch.arange(meta.max_seq_len, device=device)[None, None, :]  # (1, 1, K)
     q_idx = torch.arange(meta.max_query_len, device=device)[None, :, None]  # (1, Q, 1)
-    rel = key - prefix  # index of the key among this step's new tokens, (B, 1, K)
-    if meta.new_token_mask is None:
-        among_new = (rel >= 0) & (rel <= q_idx)
+    if meta.custom_mask is None:
+        start = (meta.seq_lens - q_lens)[:, None, None]  # (B, 1, 1): first new token's KV index
+        masked = (key - start) <= q_idx  # causal among the new tokens
     else:
-        dense = torch.zeros(meta.num_seqs, meta.max_query_len, meta.max_query_len,
-                            dtype=torch.bool, device=device)
-        dense[meta.token_seq, meta.token_q_idx] = meta.new_token_mask
-        rel_idx = rel.clamp(0, meta.max_query_len - 1).expand(-1, meta.max_query_len, -1)
-        among_new = (rel >= 0) & torch.gather(dense, 2, rel_idx)
-    visible = ((key < prefix) | among_new) & (key < meta.seq_lens[:, None, None])
+        start = meta.mask_start[:, None, None]
+        cols = meta.custom_mask.shape[1]
+        dense = torch.zeros(meta.num_seqs, meta.max_query_len, cols, dtype=torch.bool, device=device)
+        dense[meta.token_seq, meta.token_q_idx] = meta.custom_mask
+        rel = (key - start).clamp(0, cols - 1).expand(-1, meta.max_query_len, -1)  # (B, Q, K)
+        masked = torch.gather(dense, 2, rel) & (key - start < cols)
+    visible = ((key < start) | masked) & (key < meta.seq_lens[:, None, None])
     # Padding query rows see key 0 so softmax stays finite; their outputs are dropped.
     visible[:, :, 0] |= q_idx[:, :, 0] >= q_lens[:, None]
     return visible

@@ -4,9 +4,14 @@ A step runs a flat batch of T new tokens belonging to B sequences. Sequence b ow
 tokens ``query_start_loc[b] : query_start_loc[b+1]`` and, after this step's KV writes,
 ``seq_lens[b]`` cached entries, laid out in the paged cache through ``block_tables[b]``::
 
-    kv index  0 ............ prefix_len-1 | prefix_len ... seq_len-1
-              cached before this step     | this step's new tokens (q_len of them)
-              (visible to every new token)| (visibility among them: causal, or a tree mask)
+    kv index  0 ............ mask_start-1 | mask_start ........... seq_len-1
+              visible to every new token  | visibility per new token: causal by default,
+                                          | or row t of ``custom_mask`` (tree attention)
+
+Without a custom mask, ``mask_start`` is the first new token's KV index (plain causal
+attention). A target tree step sets it there too and passes the tree's ancestor mask; a
+draft tree level sets it to the end of the committed rows, so each new node sees only its
+own ancestors among the speculative nodes already in the cache.
 
 ``positions`` (RoPE) are separate from KV indices, so a tree node at depth d sits at
 position prefix_len + d while its KV lives at prefix_len + node_index.
@@ -32,9 +37,10 @@ class AttentionMetadata:
     token_q_idx: torch.Tensor  # int64 [T], index of each new token within its sequence's new tokens
     max_query_len: int  # host-side maxima: sizes known when the batch is built, no device sync
     max_seq_len: int
-    # bool [T, max_query_len]: row t says which new tokens of t's sequence t may see.
-    # None means causal (each new token sees the new tokens before it and itself).
-    new_token_mask: torch.Tensor | None = None
+    # bool [T, max_mask_len]: column j of row t is KV index mask_start[seq(t)] + j.
+    # None means causal (each new token sees the cached tokens and the new ones up to itself).
+    custom_mask: torch.Tensor | None = None
+    mask_start: torch.Tensor | None = None  # int64 [B], with custom_mask
     # bool [B, max_query_len, max_seq_len]: the reference attention's dense visibility mask,
     # built once per step by ``prepare_attention_ref`` rather than once per layer.
     dense_mask: torch.Tensor | None = None

@@ -43,7 +43,8 @@ def test_tree_masked_paged_attention_agrees_across_devices():
         query_start_loc=torch.tensor([0, 5], device=dev), seq_lens=torch.tensor([14], device=dev),
         block_tables=torch.tensor([[5, 0, 3, 1]], device=dev), slot_mapping=torch.arange(5, device=dev),
         positions=torch.tensor([9, 10, 10, 11, 11], device=dev), token_seq=torch.zeros(5, dtype=torch.long, device=dev),
-        token_q_idx=torch.arange(5, device=dev), max_query_len=5, max_seq_len=14, new_token_mask=tree.to(dev))
+        token_q_idx=torch.arange(5, device=dev), max_query_len=5, max_seq_len=14, custom_mask=tree.to(dev),
+        mask_start=torch.tensor([9], device=dev))
     cpu = paged_attention_ref(q, k_cache, v_cache, meta("cpu"), d ** -0.5)
     gpu = paged_attention_ref(q.cuda(), k_cache.cuda(), v_cache.cuda(), meta("cuda"), d ** -0.5)
     torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-4, rtol=1e-4)
