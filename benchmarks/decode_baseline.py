@@ -28,7 +28,7 @@ from common.config import ModelConfig  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
 from verify_service.engine import TargetEngine  # noqa: E402
-from verify_service.generator import TargetGenerator  # noqa: E402
+from verify_service.generator import Generator  # noqa: E402
 from verify_service.loader import build_model, random_tensors  # noqa: E402
 
 GEOMETRIES = {
@@ -90,7 +90,7 @@ def run_case(case: str, steps: int, bandwidth: float, device) -> dict:
     geometry, batch, context = case.rsplit(":", 2)
     batch, context = int(batch), int(context)
     engine = make_engine(geometry, batch, context, steps, device)
-    gen = TargetGenerator(engine)
+    gen = Generator(engine)
     g = torch.Generator().manual_seed(1)
     for _ in range(batch):
         prompt = torch.randint(0, engine.model_config.vocab_size, (context,), generator=g).tolist()

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode_baseline import make_engine  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
-from verify_service.generator import TargetGenerator  # noqa: E402
+from verify_service.generator import Generator  # noqa: E402
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
     engine = make_engine(args.model, args.batch, args.context, 64, torch.device("cuda"))
-    gen = TargetGenerator(engine)
+    gen = Generator(engine)
     for _ in range(args.batch):
         gen.add_request(list(range(1, args.context + 1)), SamplingParams(max_tokens=64, ignore_eos=True))
     for _ in range(5):

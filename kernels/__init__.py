@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from kernels import attention, rope, sampling
+from kernels import acceptance, attention, kv_compaction, rope, sampling, tree
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +22,15 @@ class KernelSet:
     apply_rope: Callable
     logits_to_probs: Callable
     exponential_noise: Callable
+    uniform_noise: Callable
     sample: Callable
+    greedy_accept: Callable
+    sampling_accept: Callable
+    compaction_slots: Callable
+    compact_kv: Callable
+    tree_mask: Callable
+    tree_positions: Callable
+    draft_topk: Callable
     name: str
 
 
@@ -33,7 +41,15 @@ REFERENCE = KernelSet(
     apply_rope=rope.apply_rope_ref,
     logits_to_probs=sampling.logits_to_probs_ref,
     exponential_noise=sampling.exponential_noise_ref,
+    uniform_noise=sampling.uniform_noise_ref,
     sample=sampling.sample_ref,
+    greedy_accept=acceptance.greedy_accept_ref,
+    sampling_accept=acceptance.sampling_accept_ref,
+    compaction_slots=kv_compaction.compaction_slots_ref,
+    compact_kv=kv_compaction.compact_kv_ref,
+    tree_mask=tree.tree_mask_ref,
+    tree_positions=tree.tree_positions_ref,
+    draft_topk=tree.draft_topk_ref,
     name="reference",
 )
 

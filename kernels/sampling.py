@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 _MASK64 = (1 << 64) - 1
+_UNIFORM_STREAM = 0x5DEECE66D  # xor-ed into the seed so uniforms and Exp(1) noise never coincide
 
 
 def mix_seed(seed: int, offset: int) -> int:
@@ -27,6 +28,15 @@ def exponential_noise_ref(seeds: list[int], offsets: list[int], vocab_size: int,
     for seed, offset in zip(seeds, offsets):  # one row per sequence, never per token
         gen = torch.Generator(device=device).manual_seed(mix_seed(seed, offset))
         rows.append(torch.empty(vocab_size, device=device).exponential_(generator=gen))
+    return torch.stack(rows)
+
+
+def uniform_noise_ref(seeds: list[int], offsets: list[int], n: int, device) -> torch.Tensor:
+    """U(0, 1) noise [N, n] float32 for acceptance tests; a stream separate from the Exp(1) noise."""
+    rows = []
+    for seed, offset in zip(seeds, offsets):  # one row per sequence, never per token
+        gen = torch.Generator(device=device).manual_seed(mix_seed(seed ^ _UNIFORM_STREAM, offset))
+        rows.append(torch.rand(n, device=device, generator=gen))
     return torch.stack(rows)
 
 

@@ -9,13 +9,13 @@ from common.errors import (CheckpointError, InvalidRequestError, ModelNotFoundEr
 from common.sampling_params import SamplingParams
 from tiny_models import engine_for, make_model_dir
 from verify_service.config import EngineConfig
-from verify_service.generator import TargetGenerator
+from verify_service.generator import Generator
 
 
 @pytest.fixture(scope="module")
 def gen(tmp_path_factory):
     model_dir = make_model_dir(tmp_path_factory.mktemp("e") / "m", "llama3")
-    return TargetGenerator(engine_for(model_dir, max_model_len=64))
+    return Generator(engine_for(model_dir, max_model_len=64))
 
 
 def test_empty_prompt(gen):

@@ -7,7 +7,7 @@ from common.errors import CapacityError
 from common.sampling_params import SamplingParams
 from tiny_models import engine_for, make_model_dir, tolerance
 from common.block_manager import BlockManager
-from verify_service.generator import TargetGenerator
+from verify_service.generator import Generator
 from verify_service.model_runner import SeqChunk
 
 
@@ -54,9 +54,9 @@ def test_generator_batch_matches_single_runs_and_frees_every_block(model_dir):
     prompts = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2]]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 4, 12, 1, 20)]
     engine = engine_for(model_dir, max_batch_tokens=24)  # forces chunked prefill beside decodes
-    gen = TargetGenerator(engine)
+    gen = Generator(engine)
     batched = gen.generate(prompts, params)
-    single = [TargetGenerator(engine_for(model_dir)).generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    single = [Generator(engine_for(model_dir)).generate([p], sp)[0] for p, sp in zip(prompts, params)]
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
     assert [len(r.token_ids) for r in batched] == [9, 4, 12, 1, 20]
     assert engine.blocks.num_used_blocks == 0
@@ -86,14 +86,14 @@ def test_block_manager_exhaustion_is_typed_and_allocates_nothing():
 
 def test_request_larger_than_the_whole_cache_is_refused(model_dir):
     engine = engine_for(model_dir, num_kv_blocks=8)  # 8 blocks of 16 tokens
-    gen = TargetGenerator(engine)
+    gen = Generator(engine)
     with pytest.raises(CapacityError, match="KV blocks"):
         gen.add_request(list(range(1, 60)), SamplingParams(max_tokens=150))
 
 
 def test_requests_beyond_capacity_wait_instead_of_failing(model_dir):
     engine = engine_for(model_dir, num_kv_blocks=8)  # 8 blocks of 16 tokens
-    gen = TargetGenerator(engine)
+    gen = Generator(engine)
     prompts = [list(range(3, 73)) for _ in range(3)]  # 5 blocks each: one fits at a time
     results = gen.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     assert all(len(r.token_ids) == 4 for r in results)

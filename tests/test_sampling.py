@@ -8,7 +8,7 @@ import torch
 from common.sampling_params import SamplingParams
 from kernels.sampling import logits_to_probs_ref, mix_seed, sample_ref
 from tiny_models import engine_for, make_model_dir
-from verify_service.generator import TargetGenerator
+from verify_service.generator import Generator
 from verify_service.model_runner import SeqChunk
 
 
@@ -63,19 +63,19 @@ def model_dir(tmp_path_factory):
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(model_dir):
     sp = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
-    alone = TargetGenerator(engine_for(model_dir)).generate([[3, 4, 5]], sp)[0].token_ids
-    again = TargetGenerator(engine_for(model_dir)).generate([[3, 4, 5]], sp)[0].token_ids
+    alone = Generator(engine_for(model_dir)).generate([[3, 4, 5]], sp)[0].token_ids
+    again = Generator(engine_for(model_dir)).generate([[3, 4, 5]], sp)[0].token_ids
     others = [SamplingParams(max_tokens=5, temperature=0.7, seed=9), SamplingParams(max_tokens=30)]
-    batch = TargetGenerator(engine_for(model_dir)).generate([[3, 4, 5], [9, 9], [1, 2, 3, 4]], [sp, *others])
+    batch = Generator(engine_for(model_dir)).generate([[3, 4, 5], [9, 9], [1, 2, 3, 4]], [sp, *others])
     assert alone == again == batch[0].token_ids
     other_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=4321, ignore_eos=True)
-    assert TargetGenerator(engine_for(model_dir)).generate([[3, 4, 5]], other_seed)[0].token_ids != alone
+    assert Generator(engine_for(model_dir)).generate([[3, 4, 5]], other_seed)[0].token_ids != alone
 
 
 def test_sampled_first_token_follows_the_model_distribution(model_dir):
     """Empirical first-token frequencies over many seeds match softmax(logits / T)."""
     engine = engine_for(model_dir, max_num_seqs=64)
-    gen = TargetGenerator(engine)
+    gen = Generator(engine)
     prompt = [7, 8, 9]
     greedy = gen.generate([prompt], SamplingParams(max_tokens=1))
     engine.blocks.ensure_capacity(999, 3)

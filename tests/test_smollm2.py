@@ -10,7 +10,7 @@ from tiny_models import TEST_DEVICE, TEST_DTYPE
 from verify_service.cli import main
 from verify_service.config import EngineConfig
 from verify_service.engine import TargetEngine
-from verify_service.generator import TargetGenerator
+from verify_service.generator import Generator
 
 pytestmark = pytest.mark.slow
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -51,21 +51,21 @@ def test_tokenizer_round_trip_and_special_tokens(model_dir):
 
 def test_greedy_answer_names_paris(engine):
     ids = engine.encode(messages=FRANCE)
-    result = TargetGenerator(engine).generate([ids], SamplingParams(max_tokens=32))[0]
+    result = Generator(engine).generate([ids], SamplingParams(max_tokens=32))[0]
     assert "Paris" in result.text
     assert result.finish_reason == "stop" and result.token_ids[-1] == 2  # ends at <|im_end|>
 
 
 def test_streamed_text_equals_the_decoded_tokens(engine):
     ids = engine.encode(messages=[{"role": "user", "content": "Write a haiku about the sea, with an emoji."}])
-    events = list(TargetGenerator(engine).stream(ids, SamplingParams(max_tokens=40, temperature=0.8, seed=3)))
+    events = list(Generator(engine).stream(ids, SamplingParams(max_tokens=40, temperature=0.8, seed=3)))
     tokens = [t for e in events for t in e.token_ids]
     assert "".join(e.text for e in events) == engine.tokenizer.decode(tokens)
 
 
 def test_stop_string_truncates_text_and_finishes(engine):
     ids = engine.encode(messages=FRANCE)
-    result = TargetGenerator(engine).generate([ids], SamplingParams(max_tokens=32, stop=("Paris",)))[0]
+    result = Generator(engine).generate([ids], SamplingParams(max_tokens=32, stop=("Paris",)))[0]
     assert result.finish_reason == "stop" and "Paris" not in result.text
     assert result.text.endswith("is ")  # "The capital of France is " then the stop string
 

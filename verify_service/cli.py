@@ -38,7 +38,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> None:
     from common.default_model import ensure_default_model
     from verify_service.engine import TargetEngine
-    from verify_service.generator import TargetGenerator
+    from verify_service.generator import Generator
 
     model_dir = args.model or str(ensure_default_model())
     cfg = EngineConfig(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -52,7 +52,7 @@ def _generate(args: argparse.Namespace) -> None:
         system = [{"role": "system", "content": args.system}] if args.system else []
         ids = engine.encode(messages=[*system, {"role": "user", "content": args.prompt}])
     start, n, reason = time.perf_counter(), 0, None
-    for event in TargetGenerator(engine).stream(ids, params):
+    for event in Generator(engine).stream(ids, params):
         sys.stdout.write(event.text)
         sys.stdout.flush()
         n += len(event.token_ids)

@@ -1,25 +1,41 @@
-"""Target-only generation: the step loop, stop conditions and the Python API.
+"""Generation: the step loop, stop conditions and the Python API, with or without a draft.
 
-    gen = TargetGenerator(engine)
+    gen = Generator(engine)                       # target only, one token per step
+    gen = Generator(engine, drafter, spec)        # EAGLE-3: verify a candidate tree per step
     results = gen.generate([ids_a, ids_b], SamplingParams(max_tokens=64))
     for event in gen.stream(ids, params): print(event.text, end="")
+
+Each step runs one batched target forward over prefill chunks, plain decodes and candidate
+trees together; then commits tokens (stop checks per token), feeds the draft what became
+final and asks it for the next trees.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
+import torch
+
+from common.draft_protocol import DraftFeed, DraftProvider, ProposeRequest
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
+from common.spec_config import SpecConfig
+from common.tree import InvalidTreeError
+from common.step_layout import SeqChunk
 from verify_service.detokenizer import StopStringDetokenizer
 from verify_service.engine import TargetEngine
-from verify_service.model_runner import SeqChunk
+from verify_service.model_runner import StepOutput
 from verify_service.sampler import Sampler
 from verify_service.scheduler import Scheduler
-from verify_service.sequence import FinishReason, Sequence
+from verify_service.sequence import FinishReason, Sequence, SpecMetrics
+from verify_service.speculation import Speculator, tree_chunk
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +46,7 @@ class TokenEvent:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None
+    spec: SpecMetrics | None = None  # with the final event of a speculative request
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,17 +56,24 @@ class GenerationResult:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
+    spec: SpecMetrics | None = None
 
 
-class TargetGenerator:
-    def __init__(self, engine: TargetEngine):
+class Generator:
+    def __init__(self, engine: TargetEngine, drafter: DraftProvider | None = None, spec: SpecConfig | None = None):
+        assert (drafter is None) == (spec is None), "a drafter needs its SpecConfig"
         self.engine = engine
-        self.scheduler = Scheduler(engine.blocks, engine.cfg.max_num_seqs, engine.cfg.max_batch_tokens)
+        self.drafter, self.spec = drafter, spec
+        if drafter is not None:
+            engine.runner.set_capture_layers(drafter.capture_layers)
+        extra = spec.node_budget + 1 if spec else 0  # KV slots a tree occupies beyond the sequence
+        self.scheduler = Scheduler(engine.blocks, engine.cfg.max_num_seqs, engine.cfg.max_batch_tokens, extra)
         self.sampler = Sampler(engine.runner.kernels, engine.device)
+        self.speculator = Speculator(engine, self.sampler)
         self._ids = itertools.count()
         self.sequences: dict[int, Sequence] = {}
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> int:
         """Validate and queue a request; returns its sequence id."""
         eng = self.engine
         eng.validate_prompt(prompt_ids)
@@ -62,17 +86,22 @@ class TargetGenerator:
         seq = Sequence(next(self._ids), list(prompt_ids), params,
                        seed=params.seed if params.seed is not None else secrets.randbits(63),
                        max_new_tokens=min(params.max_tokens, eng.max_model_len - len(prompt_ids)),
-                       detokenizer=detok)
+                       detokenizer=detok, speculate=speculate and self.drafter is not None)
         self.scheduler.add(seq)
         self.sequences[seq.seq_id] = seq
         return seq.seq_id
 
     def abort(self, seq_id: int) -> None:
-        """Cancel a request; its KV blocks are freed at once."""
+        """Cancel a request; its KV blocks (target and draft) are freed at once."""
         seq = self.sequences.pop(seq_id, None)
         if seq is not None:
             seq.finish_reason = seq.finish_reason or FinishReason.ABORT
-            self.scheduler.release(seq)
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.release(seq)
+        if seq.speculate:
+            self.drafter.release(seq.seq_id)
 
     @property
     def has_work(self) -> bool:
@@ -80,16 +109,22 @@ class TargetGenerator:
 
     def step(self) -> list[TokenEvent]:
         """Run one batched forward; returns the tokens committed by it."""
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(lambda s: 1 + s.tree.num_nodes if s.tree else 1)
         if not plan:
             return []
-        chunks = [self._chunk(seq, n) for seq, n in plan]
+        blocks = self.engine.blocks
+        chunks = [tree_chunk(s, blocks.block_table(s.seq_id)) if s.tree else self._chunk(s, n) for s, n in plan]
         out = self.engine.runner.step(chunks)
-        for seq, n in plan:
-            seq.num_cached += n
-        sampled = [seq for seq, n in plan if not seq.prefilling]
-        tokens = self.sampler(out.logits, sampled) if sampled else []
-        return [self._commit(seq, tok) for seq, tok in zip(sampled, tokens)]
+        logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
+        plain, trees = [], []
+        for i, (seq, n) in enumerate(plan):
+            (trees if seq.tree else plain).append((i, seq, n))
+        feeds: dict[int, DraftFeed] = {}
+        events = self._plain_step(plain, out, logits_at, feeds)
+        if trees:
+            events += self._tree_step(trees, out, logits_at, feeds)
+        self._draft(feeds)
+        return events
 
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
         start = seq.num_cached
@@ -97,15 +132,103 @@ class TargetGenerator:
         return SeqChunk(seq.token_slice(start, start + n), start, self.engine.blocks.block_table(seq.seq_id),
                         logits_rows=(n - 1,) if completes else ())
 
-    def _commit(self, seq: Sequence, token: int) -> TokenEvent:
-        seq.output_ids.append(token)
-        text = seq.detokenizer.add_tokens([token]) if seq.detokenizer else ""
-        seq.finish_reason = self._finish_reason(seq, token)
+    def _plain_step(self, plain, out: StepOutput, logits_at, feeds) -> list[TokenEvent]:
+        """Prefill chunks and one-token decodes: sample where a token is due."""
+        due = []
+        for i, seq, n in plain:
+            start = seq.num_cached
+            seq.num_cached += n
+            if not seq.prefilling:
+                due.append((i, seq, start, n))
+            elif seq.speculate:
+                self._feed_rows(seq, out, i, start, n, None, feeds)
+        rows = [int(logits_at[i]) for i, *_ in due]
+        tokens = self.sampler(out.logits[rows], [seq for _, seq, *_ in due]) if due else []
+        events = []
+        for (i, seq, start, n), token in zip(due, tokens):
+            if seq.speculate:
+                self._feed_rows(seq, out, i, start, n, token, feeds)
+            events.append(self._commit(seq, [token]))
+        return events
+
+    def _feed_rows(self, seq: Sequence, out: StepOutput, chunk: int, start: int, n: int,
+                   sampled: int | None, feeds: dict[int, DraftFeed]) -> None:
+        """Pair the features of positions start..start+n-1 with the tokens that follow them.
+
+        The last feature's successor is known only once sampled (or once the next prompt
+        chunk runs), so without ``sampled`` it waits in ``seq.pending_feature``.
+        """
+        row = out.query_start_loc[chunk]
+        feats = out.captured[row:row + n]
+        successors = seq.token_slice(start + 1, start + n) + ([sampled] if sampled is not None else [])
+        first = start
+        if seq.pending_feature is not None:
+            feats = torch.cat([seq.pending_feature[None], feats])
+            successors = [seq.token_slice(start, start + 1)[0], *successors]
+            first = start - 1
+        if sampled is None:
+            feats, seq.pending_feature = feats[:-1], feats[-1]
+        else:
+            seq.pending_feature = None
+        if feats.shape[0]:
+            feeds[seq.seq_id] = DraftFeed(seq.seq_id, first, feats, np.asarray(successors, dtype=np.int64))
+
+    def _tree_step(self, trees, out: StepOutput, logits_at, feeds) -> list[TokenEvent]:
+        seqs = [seq for _, seq, _ in trees]
+        verified = self.speculator.verify(seqs, [int(logits_at[i]) for i, *_ in trees],
+                                          [out.query_start_loc[i] for i, *_ in trees], out)
+        events = []
+        for v in verified:
+            feeds[v.seq.seq_id] = v.feed
+            events.append(self._commit(v.seq, v.tokens))
+        return events
+
+    def _draft(self, feeds: dict[int, DraftFeed]) -> None:
+        """Send the draft what became final; ask for trees for every decoding sequence."""
+        if self.drafter is None:
+            return
+        live = [f for f in feeds.values() if f.seq_id in self.sequences]  # finished ones are gone
+        requests = []
+        for seq in self.scheduler.running:
+            if seq.speculate and not seq.prefilling and seq.seq_id in feeds and not seq.finished:
+                depth = self._max_depth(seq)
+                if depth > 0:
+                    requests.append(ProposeRequest(seq.seq_id, depth))
+        if not live and not requests:
+            return
+        trees = self.drafter.step(live, requests)
+        for req in requests:
+            tree = trees.get(req.seq_id)
+            if tree is None or not tree.num_nodes:
+                continue
+            try:
+                tree.validate(self.engine.model_config.vocab_size, self.spec.node_budget, req.max_depth)
+            except InvalidTreeError as exc:  # this step decodes plainly; the output stays exact
+                log.warning("sequence %d: draft proposed an invalid tree (%s); decoding one token", req.seq_id, exc)
+                continue
+            self.sequences[req.seq_id].tree = tree
+
+    def _max_depth(self, seq: Sequence) -> int:
+        """Deepest useful tree: within the spec, the context and the tokens still allowed."""
+        room = self.engine.max_model_len - seq.num_tokens  # node at depth d sits at num_tokens - 1 + d
+        return min(self.spec.depth, room, seq.max_new_tokens - len(seq.output_ids) - 1)
+
+    def _commit(self, seq: Sequence, tokens: list[int]) -> TokenEvent:
+        """Append tokens one by one until one of them finishes the sequence."""
+        kept, text = [], ""
+        for token in tokens:
+            seq.output_ids.append(token)
+            kept.append(token)
+            text += seq.detokenizer.add_tokens([token]) if seq.detokenizer else ""
+            seq.finish_reason = self._finish_reason(seq, token)
+            if seq.finished:
+                break
         if seq.finished:
             text += seq.detokenizer.finish() if seq.detokenizer else ""
-            self.scheduler.release(seq)
+            self._release(seq)
             self.sequences.pop(seq.seq_id, None)
-        return TokenEvent(seq.seq_id, [token], text, seq.finish_reason)
+        spec = seq.spec if seq.finished and seq.speculate else None
+        return TokenEvent(seq.seq_id, kept, text, seq.finish_reason, spec)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
@@ -126,16 +249,17 @@ class TargetGenerator:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         toks = {i: [] for i in ids}
         texts = {i: [] for i in ids}
-        reasons = {}
+        final: dict[int, TokenEvent] = {}
         for ev in self.run_until_done():
             toks[ev.seq_id] += ev.token_ids
             texts[ev.seq_id].append(ev.text)
             if ev.finish_reason is not None:
-                reasons[ev.seq_id] = ev.finish_reason
-        return [GenerationResult(i, len(p), toks[i], "".join(texts[i]), reasons[i]) for i, p in zip(ids, prompts)]
+                final[ev.seq_id] = ev
+        return [GenerationResult(i, len(p), toks[i], "".join(texts[i]), final[i].finish_reason, final[i].spec)
+                for i, p in zip(ids, prompts)]
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[TokenEvent]:
-        """Generate for one prompt alone, yielding each committed token as it comes."""
+        """Generate for one prompt alone, yielding each commit as it comes."""
         seq_id = self.add_request(prompt_ids, params)
         try:
             for ev in self.run_until_done():
@@ -143,3 +267,4 @@ class TargetGenerator:
                     yield ev
         finally:
             self.abort(seq_id)
+

@@ -111,7 +111,7 @@ class Decoder(nn.Module):
 @dataclass(frozen=True, slots=True)
 class ForwardOutput:
     hidden: torch.Tensor  # [T, hidden], after the final norm
-    captured: torch.Tensor | None  # [T, len(capture_layers) * hidden], layer inputs concatenated
+    captured: torch.Tensor | None  # [T, len(capture_layers) * hidden], layer inputs in the requested order
 
 
 class CausalLM(nn.Module):
@@ -137,12 +137,12 @@ class CausalLM(nn.Module):
         assert self.cos is not None, "call init_rope() before forward()"
         ctx = StepContext(meta, kv_cache, self.cos, self.sin, kernels)
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        captured = []
+        captured = {}
         for i, layer in enumerate(self.model.layers):
             if i in capture_layers:
-                captured.append(x)
+                captured[i] = x
             x = layer(x, ctx)
-        feats = torch.cat(captured, dim=-1) if captured else None
+        feats = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return ForwardOutput(self.model.norm(x), feats)
 
     def lm_head_weight(self) -> torch.Tensor:

@@ -34,11 +34,15 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.kernels = kernels
-        bad = [i for i in capture_layers if not 0 <= i < model.config.num_layers]
-        if bad:
-            raise UnsupportedModelError(f"capture layers {bad} outside [0, {model.config.num_layers})")
-        self.capture_layers = tuple(sorted(capture_layers))
         self.device = kv_cache.data.device
+        self.set_capture_layers(capture_layers)
+
+    def set_capture_layers(self, layers: tuple[int, ...]) -> None:
+        """Layers whose input hidden states ``step`` returns, concatenated in the given order."""
+        bad = [i for i in layers if not 0 <= i < self.model.config.num_layers]
+        if bad:
+            raise UnsupportedModelError(f"capture layers {bad} outside [0, {self.model.config.num_layers})")
+        self.capture_layers = tuple(layers)
 
     @torch.inference_mode()
     def step(self, chunks: list[SeqChunk]) -> StepOutput:

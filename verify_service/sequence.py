@@ -5,7 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
 from common.sampling_params import SamplingParams
+from common.tree import CandidateTree
 from verify_service.detokenizer import StopStringDetokenizer
 
 
@@ -13,6 +16,35 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, a stop token id, or a stop string
     LENGTH = "length"  # max_tokens, or the context is full
     ABORT = "abort"  # cancelled by the client
+
+
+@dataclass
+class SpecMetrics:
+    """Per-request speculation counters. tau = tokens committed per verify step (bonus included)."""
+
+    steps: int = 0  # verification steps that carried a tree
+    draft_tokens: int = 0  # tree nodes verified
+    accepted_tokens: int = 0  # tree nodes accepted
+    rewound_tokens: int = 0  # tree nodes whose target KV was written, then released
+    accepted_per_depth: list[int] = field(default_factory=list)  # [d]: steps accepting a node at depth d+1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+
+    def record(self, draft_tokens: int, accepted: int) -> None:
+        self.steps += 1
+        self.draft_tokens += draft_tokens
+        self.accepted_tokens += accepted
+        self.rewound_tokens += draft_tokens - accepted
+        while len(self.accepted_per_depth) < accepted:
+            self.accepted_per_depth.append(0)
+        for d in range(accepted):
+            self.accepted_per_depth[d] += 1
 
 
 @dataclass(eq=False)
@@ -32,6 +64,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
     finish_reason: FinishReason | None = None
+    speculate: bool = False  # a draft proposes trees for this sequence
+    tree: CandidateTree | None = None  # proposed for the next step, below the newest token
+    pending_feature: torch.Tensor | None = None  # feature of the newest cached position, next token unknown
+    spec: SpecMetrics = field(default_factory=SpecMetrics)
 
     @property
     def num_tokens(self) -> int:

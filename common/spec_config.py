@@ -1,0 +1,55 @@
+"""Speculative decoding configuration, validated up front (before any model is loaded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.errors import InvalidRequestError, ModelNotFoundError
+
+TREE_KINDS = ("dynamic", "static", "chain")
+MAX_DEPTH = 32
+MAX_TOP_K = 64
+MAX_NODES = 512
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """How the draft proposes candidates each step.
+
+    ``dynamic``: EAGLE-2 tree, ``depth`` levels, ``top_k`` children per expanded node, the
+    best ``max_nodes`` kept. ``static``: the paths in ``static_tree_file`` (child ranks).
+    ``chain``: one path of ``depth`` tokens. ``max_nodes`` excludes the root, so a step
+    verifies at most ``max_nodes + 1`` tokens per sequence.
+    """
+
+    draft_path: str
+    tree: str = "dynamic"
+    depth: int = 6
+    top_k: int = 8
+    max_nodes: int = 59
+    static_tree_file: str | None = None
+
+    def __post_init__(self):
+        if self.tree not in TREE_KINDS:
+            raise InvalidRequestError("tree", f"must be one of {', '.join(TREE_KINDS)}, got {self.tree!r}")
+        for name, value, hi in (("depth", self.depth, MAX_DEPTH), ("top_k", self.top_k, MAX_TOP_K),
+                                ("max_nodes", self.max_nodes, MAX_NODES)):
+            if not isinstance(value, int) or not 1 <= value <= hi:
+                raise InvalidRequestError(name, f"must be an integer in [1, {hi}], got {value!r}")
+        if not Path(self.draft_path).is_dir():
+            raise ModelNotFoundError(f"draft directory {self.draft_path!r} does not exist")
+        if self.tree == "static":
+            if not self.static_tree_file:
+                raise InvalidRequestError("static_tree_file", "a static tree needs a file of paths")
+            if not Path(self.static_tree_file).is_file():
+                raise ModelNotFoundError(f"static tree file {self.static_tree_file!r} does not exist")
+        elif self.static_tree_file:
+            raise InvalidRequestError("static_tree_file", f"only used with tree='static', not {self.tree!r}")
+
+    @property
+    def node_budget(self) -> int:
+        """Most nodes a tree of this configuration can hold (sizes the KV reservation)."""
+        if self.tree == "chain":
+            return self.depth
+        return self.max_nodes

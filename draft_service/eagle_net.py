@@ -1,0 +1,123 @@
+"""The EAGLE-3 draft head: one Llama-style layer over [token embedding ; target features].
+
+Module paths equal the checkpoint names (``fc``, ``midlayer.self_attn.q_proj``, ``lm_head``,
+buffers ``d2t`` / ``t2d``), so loading is a name-by-name assignment. The token embedding is
+the TARGET's table, attached by reference, never a parameter of its own.
+
+One step over T new tokens (H = draft width, Ht = target width)::
+
+    features [T, 3*Ht] --fc--> h [T, H]          (skipped when the input is already H wide)
+    x   = [input_layernorm(embed(ids)) ; hidden_norm(h)]           [T, 2H]
+    h   = h + o_proj(paged_attention(rope(q(x)), rope(k(x)), v(x)))  own one-layer KV cache
+    out = h + mlp(post_attention_layernorm(h))                      [T, H], fed back next step
+    logits = lm_head(norm(out))                                     [N, draft_vocab]
+    target_id = draft_id + d2t[draft_id]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.kv_cache import PagedKVCache
+from draft_service.eagle_config import DraftConfig
+from kernels import KernelSet
+from kernels.metadata import AttentionMetadata
+from kernels.rope import rope_inv_freq, rope_table
+from verify_service.model import MLP, RMSNorm, StepContext
+
+
+class EagleAttention(nn.Module):
+    """Llama attention whose q/k/v read the 2H-wide concatenation and whose o_proj writes H."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, h, d)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, kvh, d)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q = ctx.kernels.apply_rope(q, ctx.meta.positions, ctx.cos, ctx.sin)
+        k = ctx.kernels.apply_rope(k, ctx.meta.positions, ctx.cos, ctx.sin)
+        k_cache, v_cache = ctx.kv_cache.layer(0)  # the draft cache holds exactly one layer
+        ctx.kernels.write_kv(k_cache, v_cache, k, v, ctx.meta.slot_mapping)
+        out = ctx.kernels.paged_attention(q, k_cache, v_cache, ctx.meta, self.scale)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class MidLayer(nn.Module):
+    """The single draft decoder layer (checkpoint prefix ``midlayer.``)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the token embedding
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the fused features
+        self.self_attn = EagleAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)  # reads only hidden_size / intermediate_size
+
+    def forward(self, emb: torch.Tensor, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(h)), dim=-1)  # (T, 2H), embedding first
+        h = h + self.self_attn(x, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class EagleNet(nn.Module):
+    """EAGLE-3 draft head. Build on the meta device, load weights, attach the target embedding."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # offsets
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        self.embed_weight: torch.Tensor | None = None  # the target's table, by reference
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def attach_embedding(self, weight: torch.Tensor) -> None:
+        """Use the target's token embedding [vocab, H] (shared storage, no copy)."""
+        cfg = self.config
+        assert tuple(weight.shape) == (cfg.vocab_size, cfg.hidden_size), \
+            f"target embedding {tuple(weight.shape)} != ({cfg.vocab_size}, {cfg.hidden_size})"
+        self.embed_weight = weight
+
+    def init_rope(self, max_positions: int) -> None:
+        """Build the RoPE tables for the runtime context length (never the config's 2048)."""
+        cfg = self.config
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.cos, self.sin = rope_table(inv_freq, max_positions, self.norm.weight.device)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: PagedKVCache, kernels: KernelSet) -> torch.Tensor:
+        """One draft step over T new tokens -> pre-norm output [T, H] (next step's ``hidden``).
+
+        ``input_ids`` [T] are TARGET-vocabulary ids; ``hidden`` [T, 3*Ht] target features on
+        the first step, or [T, H] (the draft's own output) afterwards. Writes the draft KV
+        cache at ``meta.slot_mapping``.
+        """
+        assert self.cos is not None, "call init_rope() before forward()"
+        assert self.embed_weight is not None, "call attach_embedding() before forward()"
+        ctx = StepContext(meta, kv_cache, self.cos, self.sin, kernels)
+        h = hidden if hidden.shape[-1] == self.config.hidden_size else self.fc(hidden)  # (T, H)
+        emb = F.embedding(input_ids, self.embed_weight).to(h.dtype)  # (T, H)
+        return self.midlayer(emb, h, ctx)
+
+    def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [N, draft_vocab] in float32 for pre-norm outputs [N, H]."""
+        return self.lm_head(self.norm(out)).float()
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target ids: target = draft + d2t[draft]."""
+        return draft_ids + self.d2t[draft_ids]

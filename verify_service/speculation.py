@@ -1,0 +1,123 @@
+"""Tree verification on the target: build the tree chunk, accept, compact the KV cache.
+
+One verification step for a sequence with newest (uncached) token r at position n and a
+candidate tree of N nodes::
+
+    target input   r      node 0 ... node N-1
+    KV index       n      n+1    ... n+N          (written by the forward)
+    RoPE position  n      n+depth(node)
+    mask           prefix + root + ancestors + self
+
+Acceptance walks the tree from r (greedy: child == target argmax at its parent; sampling:
+the lossless residual rule) and yields the accepted path a_1..a_k plus a bonus token b.
+Compaction then moves the KV of a_1..a_k to indices n+1..n+k, the cache is cut to n+k+1
+entries (r and the accepted nodes; b is the next newest token) and the rest is released.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.draft_protocol import DraftFeed
+from common.step_layout import SeqChunk
+from verify_service.engine import TargetEngine
+from verify_service.model_runner import StepOutput
+from verify_service.sampler import Sampler
+from verify_service.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    seq: Sequence
+    tokens: list[int]  # accepted node tokens, then the bonus token
+    feed: DraftFeed  # features of r, a_1..a_k paired with a_1..a_k, b
+
+
+def tree_chunk(seq: Sequence, block_table: list[int]) -> SeqChunk:
+    """The verification input of ``seq``: its newest token followed by the tree nodes."""
+    tree, n = seq.tree, seq.num_cached
+    return SeqChunk(np.concatenate(([seq.output_ids[-1]], tree.tokens)), n, block_table,
+                    logits_rows=np.arange(tree.num_nodes + 1),
+                    positions=np.concatenate(([n], n + tree.depths)), custom_mask=tree.ancestor_mask())
+
+
+class Speculator:
+    def __init__(self, engine: TargetEngine, sampler: Sampler):
+        self.engine = engine
+        self.sampler = sampler
+        self.kernels = engine.runner.kernels
+
+    def verify(self, seqs: list[Sequence], logits_start: list[int], row_start: list[int],
+               out: StepOutput) -> list[Verified]:
+        """Accept along each sequence's tree. ``logits_start[i]``/``row_start[i]``: where
+        sequence i's rows begin in ``out.logits`` and in the flat batch (``out.captured``)."""
+        dev = self.engine.device
+        sizes = [s.tree.num_nodes + 1 for s in seqs]
+        width = max(sizes)
+        tokens, parents, num_nodes = self._padded_trees(seqs, width)
+        cols = np.minimum(np.arange(width)[None, :], np.asarray(sizes)[:, None] - 1)
+        idx = torch.from_numpy(np.asarray(logits_start)[:, None] + cols).to(dev)  # (B, N+1); padding repeats a row
+        logits = out.logits[idx]  # (B, N+1, V)
+        max_depth = max(s.tree.max_depth for s in seqs)
+        tokens, parents, num_nodes = (torch.from_numpy(a).to(dev) for a in (tokens, parents, num_nodes))
+        result = self._accept(seqs, logits, tokens, parents, num_nodes, max_depth)
+        # The step's one device-to-host copy: the host must know the committed tokens.
+        host = torch.cat([result.path.flatten(), result.num_accepted, result.bonus]).tolist()
+        B, D1 = result.path.shape
+        paths = [host[i * D1:(i + 1) * D1] for i in range(B)]
+        accepted, bonus = host[B * D1:B * D1 + B], host[B * D1 + B:]
+        self._compact(seqs, result)
+        return [self._finish_one(seq, path[:k + 1], b, row, out)
+                for seq, path, k, b, row in zip(seqs, paths, accepted, bonus, row_start)]
+
+    @staticmethod
+    def _padded_trees(seqs: list[Sequence], width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Trees as [B, N+1] arrays with the root in column 0 (kernel convention)."""
+        B = len(seqs)
+        tokens = np.zeros((B, width), dtype=np.int64)
+        parents = np.full((B, width), -1, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            n = s.tree.num_nodes
+            tokens[i, 0] = s.output_ids[-1]
+            tokens[i, 1:n + 1] = s.tree.tokens
+            parents[i, 1:n + 1] = s.tree.parents + 1
+        return tokens, parents, np.array([s.tree.num_nodes + 1 for s in seqs], dtype=np.int64)
+
+    def _accept(self, seqs, logits, tokens, parents, num_nodes, max_depth):
+        k = self.kernels
+        if all(s.params.greedy for s in seqs):
+            return k.greedy_accept(logits.argmax(dim=-1), tokens, parents, num_nodes, max_depth)
+        B, W, V = logits.shape
+        rep = [s for s in seqs for _ in range(W)]
+        probs = self.sampler.probs(logits.reshape(B * W, V), rep).view(B, W, V)  # one-hot rows for greedy
+        seeds, offsets = [s.seed for s in seqs], [s.num_tokens for s in seqs]
+        uniforms = k.uniform_noise(seeds, offsets, W, logits.device)
+        noise = k.exponential_noise(seeds, offsets, V, logits.device)
+        return k.sampling_accept(probs, tokens, parents, num_nodes, max_depth, uniforms, noise)
+
+    def _compact(self, seqs: list[Sequence], result) -> None:
+        eng = self.engine
+        dev = eng.device
+        tables = [eng.blocks.block_table(s.seq_id) for s in seqs]
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+        prefix = torch.tensor([s.num_cached for s in seqs], device=dev)
+        src, dst = self.kernels.compaction_slots(result.path, result.num_accepted, prefix, table,
+                                                 eng.kv_cache.block_size)
+        self.kernels.compact_kv(eng.kv_cache.data, src, dst)
+
+    def _finish_one(self, seq: Sequence, path: list[int], bonus: int, row: int, out: StepOutput) -> Verified:
+        k = len(path) - 1
+        node_tokens = [int(seq.tree.tokens[c - 1]) for c in path[1:]]
+        seq.spec.record(seq.tree.num_nodes, k)
+        start = seq.num_cached
+        seq.num_cached = start + k + 1
+        self.engine.blocks.truncate(seq.seq_id, seq.num_cached)
+        committed = node_tokens + [bonus]
+        features = out.captured[torch.tensor([row + c for c in path], device=out.captured.device)]
+        feed = DraftFeed(seq.seq_id, start, features, np.asarray(committed, dtype=np.int64))
+        seq.tree = None
+        return Verified(seq, committed, feed)
