@@ -1,0 +1,147 @@
+"""The EAGLE-3 drafter: keeps the draft head's KV cache in step with committed tokens and
+grows candidate trees level by level.
+
+Draft cache of one sequence (row i pairs target feature f_i with token x_{i+1})::
+
+    KV index   0 ... m-1           | m ...  m+F1-1 | m+F1 ...        (m = committed rows)
+    content    committed rows      | level-1 nodes | level-2 nodes   (speculative, dropped
+    position   0 ... m-1           | m             | m+1               after every proposal)
+
+The newest committed row m-1 predicts the root's children. A node at depth d is fed at
+position m + d - 1 with its parent's draft output as hidden input, and attends to the
+committed rows plus its ancestors among the fed nodes (``mask_start`` = m). After the tree
+is built the speculative rows are released; the next ``DraftFeed`` overwrites them with the
+target's own features of what was accepted ("draft extend"), so no rejected node survives.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.block_manager import BlockManager, blocks_for
+from common.config import ModelConfig
+from common.draft_protocol import DraftFeed, ProposeRequest
+from common.kv_cache import PagedKVCache
+from common.spec_config import SpecConfig
+from common.step_layout import SeqChunk, layout_step
+from common.tree import CandidateTree
+from draft_service.eagle_loader import load_eagle
+from draft_service.eagle_net import EagleNet
+from draft_service.tree_builders import DynamicTreeBuilder, Frontier, StaticTreeBuilder, StaticTreeSpec
+from kernels import KernelSet, select_kernels
+
+
+class EagleDrafter:
+    def __init__(self, net: EagleNet, spec: SpecConfig, capture_layers: tuple[int, ...], kernels: KernelSet,
+                 max_num_seqs: int, max_model_len: int, block_size: int = 16):
+        self.net, self.spec, self.kernels = net, spec, kernels
+        self.capture_layers = capture_layers
+        cfg = net.config
+        weight = net.norm.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        tree_rows = spec.top_k * spec.depth + spec.node_budget  # speculative rows during a proposal
+        num_blocks = max_num_seqs * blocks_for(max_model_len + tree_rows, block_size)
+        self.kv = PagedKVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.static = (StaticTreeSpec.from_file(spec.static_tree_file) if spec.tree == "static"
+                       else StaticTreeSpec.chain(spec.depth) if spec.tree == "chain" else None)
+        self.rows: dict[int, int] = {}  # committed rows per sequence
+        self.last_out: dict[int, torch.Tensor] = {}  # [H] draft output of the newest committed row
+        self.last_logp: dict[int, torch.Tensor] = {}  # [Vd] its log-probs over the draft vocabulary
+
+    @classmethod
+    def from_checkpoint(cls, spec: SpecConfig, target: ModelConfig, target_embedding: torch.Tensor,
+                        max_num_seqs: int, max_model_len: int) -> "EagleDrafter":
+        """Load ``spec.draft_path`` against the target; runs on the embedding's device and dtype."""
+        net = load_eagle(spec.draft_path, target, target_embedding, target_embedding.dtype,
+                         target_embedding.device, max_model_len + spec.depth + 1)
+        return cls(net, spec, net.config.capture_layers(target), select_kernels(target_embedding.device),
+                   max_num_seqs, max_model_len)
+
+    # --- DraftProvider -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, feeds: list[DraftFeed], proposals: list[ProposeRequest]) -> dict[int, CandidateTree]:
+        if feeds:
+            self._extend(feeds)
+        return self._propose(proposals) if proposals else {}
+
+    def release(self, seq_id: int) -> None:
+        self.blocks.free(seq_id)
+        for table in (self.rows, self.last_out, self.last_logp):
+            table.pop(seq_id, None)
+
+    # --- draft extend over committed rows --------------------------------------------------
+
+    def _extend(self, feeds: list[DraftFeed]) -> None:
+        chunks = []
+        for f in feeds:
+            have = self.rows.get(f.seq_id, 0)
+            assert f.start <= have, f"sequence {f.seq_id}: rows {have}..{f.start} were never fed"
+            n = len(f.next_tokens)
+            self.blocks.ensure_capacity(f.seq_id, f.start + n)
+            chunks.append(SeqChunk(f.next_tokens, f.start, self.blocks.block_table(f.seq_id), logits_rows=(n - 1,)))
+            self.rows[f.seq_id] = f.start + n
+        hidden = torch.cat([f.features for f in feeds]).to(self.dtype)
+        out, logp = self._run(chunks, hidden)
+        last_rows = np.cumsum([len(f.next_tokens) for f in feeds]) - 1
+        for j, f in enumerate(feeds):
+            self.last_out[f.seq_id], self.last_logp[f.seq_id] = out[last_rows[j]], logp[j]
+
+    def _run(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft forward; returns every row's output [T, H] and log-probs at the logits rows."""
+        lay = layout_step(chunks, self.kv.block_size, self.device, self.kernels)
+        out = self.net(lay.input_ids, hidden, lay.meta, self.kv, self.kernels)
+        logits = self.net.compute_logits(out[lay.logits_rows])
+        return out, torch.log_softmax(logits, dim=-1)
+
+    # --- tree growth -------------------------------------------------------------------------
+
+    def _builder(self):
+        d2t = self.net.d2t
+        if self.static is not None:
+            return StaticTreeBuilder(self.static, d2t)
+        return DynamicTreeBuilder(self.spec.top_k, self.spec.depth, self.spec.max_nodes, d2t)
+
+    def _propose(self, requests: list[ProposeRequest]) -> dict[int, CandidateTree]:
+        ids = [r.seq_id for r in requests]
+        builder = self._builder()
+        frontier = builder.start(torch.stack([self.last_logp[i] for i in ids]))
+        parent_out = torch.stack([self.last_out[i] for i in ids])[:, None]  # (B, 1, H): the root's output
+        fed_col = torch.full((len(ids), 0), -1, dtype=torch.int64)  # pool index -> fed column
+        deepest = max(r.max_depth for r in requests)
+        fed = 0
+        while frontier is not None and frontier.depth < deepest:
+            out, logp, fed_col = self._feed_level(ids, builder, frontier, parent_out, fed_col, fed)
+            fed += frontier.tokens.shape[1]
+            parent_out = out
+            frontier = builder.expand(logp)
+        for i in ids:  # drop the speculative rows; the next feed overwrites them
+            self.blocks.truncate(i, self.rows[i])
+        return {r.seq_id: t.prune_depth(r.max_depth) for r, t in zip(requests, builder.finish())}
+
+    def _feed_level(self, ids, builder, frontier: Frontier, parent_out, fed_col, fed):
+        """Run the draft on one frontier level; returns outputs [B, F, H], log-probs [B, F, Vd]."""
+        B, F = frontier.tokens.shape
+        pool_idx = frontier.pool_idx.cpu()
+        width = int(builder.pool_tokens.shape[1])
+        fed_col = torch.cat([fed_col, torch.full((B, width - fed_col.shape[1]), -1, dtype=torch.int64)], dim=1)
+        fed_col.scatter_(1, pool_idx, fed + torch.arange(F).expand(B, F))
+        anc = builder.ancestor_mask(frontier).cpu()  # (B, F, P): ancestors and self, over pool nodes
+        masks = np.zeros((B, F, fed + F), dtype=bool)
+        cols = fed_col[:, :anc.shape[2]]
+        for b in range(B):  # per sequence (not per node): scatter pool visibility into fed columns
+            on = cols[b] >= 0
+            masks[b][:, cols[b][on].numpy()] = anc[b][:, on].numpy()
+        tokens = frontier.tokens.cpu().numpy()
+        slot = frontier.parent_slot.clamp(min=0)  # depth 1: every node's parent is the root (slot 0)
+        hidden = torch.gather(parent_out, 1, slot.to(parent_out.device)[..., None].expand(-1, -1, parent_out.shape[2]))
+        chunks = []
+        for b, i in enumerate(ids):
+            m = self.rows[i]
+            self.blocks.ensure_capacity(i, m + fed + F)
+            chunks.append(SeqChunk(tokens[b], m + fed, self.blocks.block_table(i), logits_rows=np.arange(F),
+                                   positions=np.full(F, m + frontier.depth - 1), custom_mask=masks[b], mask_start=m))
+        out, logp = self._run(chunks, hidden.reshape(B * F, -1))
+        return out.view(B, F, -1), logp.view(B, F, -1), fed_col

@@ -1,0 +1,336 @@
+"""Batched candidate-tree builders driven by the drafter's loop.
+
+The drafter feeds the root, then one frontier per level, and hands back the draft's
+log-probs at each fed node::
+
+    frontier = builder.start(logprobs_root)            # [B, Vd] at the root
+    while frontier is not None:
+        logprobs = draft_step(frontier)                 # [B, F, Vd], frontier order
+        frontier = builder.expand(logprobs)
+    trees = builder.finish()                            # one CandidateTree per sequence
+
+Every node the builder creates lands in a per-sequence *pool*, filled level by level
+(so pool order is depth order)::
+
+    pool index:  0 .. k-1 | k .. k+k*k-1 | ...
+    depth:          1     |      2       | ...
+
+``pool_tokens`` (target ids), ``pool_parents`` (pool index, -1 below the root),
+``pool_depths`` and ``pool_scores`` (cumulative draft log-prob) are [B, P] views of the
+filled part. Scores only decrease along a path: score(child) = score(parent) + log p <= score(parent).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from common.errors import InvalidRequestError, ModelNotFoundError
+from common.tree import CandidateTree
+from kernels.tree import draft_topk_ref
+
+__all__ = ["Frontier", "TreeBuilder", "DynamicTreeBuilder", "StaticTreeBuilder", "StaticTreeSpec"]
+
+
+@dataclass(frozen=True, eq=False)
+class Frontier:
+    """Nodes the drafter feeds next (their children get proposed), same count F in every sequence."""
+
+    pool_idx: torch.Tensor  # int64 [B, F], indices into the builder's pool
+    tokens: torch.Tensor  # int64 [B, F], target ids
+    parent_slot: torch.Tensor  # int64 [B, F], parent's index in the previous frontier (-1 at depth 1)
+    depth: int  # of every frontier node; 1 = children of the root
+
+
+class TreeBuilder(Protocol):
+    def start(self, logprobs: torch.Tensor) -> Frontier | None: ...  # [B, Vd] at the root
+    def expand(self, logprobs: torch.Tensor) -> Frontier | None: ...  # [B, F, Vd] at the frontier
+    def finish(self) -> list[CandidateTree]: ...
+
+
+class _NodePool:
+    """Preallocated per-sequence node buffers [B, capacity]; ``size`` of them are filled."""
+
+    def __init__(self, batch: int, capacity: int, device: torch.device):
+        self._tokens = torch.zeros(batch, capacity, dtype=torch.int64, device=device)
+        self._parents = torch.full((batch, capacity), -1, dtype=torch.int64, device=device)
+        self._depths = torch.zeros(batch, capacity, dtype=torch.int64, device=device)
+        self._scores = torch.full((batch, capacity), float("-inf"), dtype=torch.float32, device=device)
+        self.size = 0
+
+    tokens = property(lambda self: self._tokens[:, :self.size])
+    parents = property(lambda self: self._parents[:, :self.size])
+    depths = property(lambda self: self._depths[:, :self.size])
+    scores = property(lambda self: self._scores[:, :self.size])
+
+    def append(self, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
+               scores: torch.Tensor) -> torch.Tensor:
+        """Add one level's nodes ([B, n] each); returns their pool indices int64 [B, n]."""
+        b, n = tokens.shape
+        lo, hi = self.size, self.size + n
+        assert hi <= self._tokens.shape[1], "pool capacity exceeded"
+        self._tokens[:, lo:hi] = tokens
+        self._parents[:, lo:hi] = parents
+        self._depths[:, lo:hi] = depth
+        self._scores[:, lo:hi] = scores
+        self.size = hi
+        return torch.arange(lo, hi, device=tokens.device).expand(b, n)
+
+    def ancestor_mask(self, pool_idx: torch.Tensor, depth: int) -> torch.Tensor:
+        """bool [B, F, size]: the pool nodes on the path root -> node, node included.
+
+        One gather per level: node, parent, grandparent, ... (depth steps reach the root).
+        """
+        b, f = pool_idx.shape
+        root = self.size  # sentinel column standing for "above the root", dropped at the end
+        up = torch.cat([torch.where(self.parents >= 0, self.parents, root),
+                        self.parents.new_full((b, 1), root)], dim=1)  # (B, size+1)
+        mask = torch.zeros(b, f, self.size + 1, dtype=torch.bool, device=pool_idx.device)
+        node = pool_idx
+        for _ in range(depth):
+            mask.scatter_(2, node[:, :, None], True)
+            node = up.gather(1, node)
+        return mask[:, :, :self.size]
+
+    def trees(self, keep: torch.Tensor) -> list[CandidateTree]:
+        """CandidateTrees of the pool nodes ``keep`` [B, n], in that order (parents first).
+
+        Parents are remapped from pool indices to positions in ``keep``; every kept node's
+        parent must be kept too.
+        """
+        b, n = keep.shape
+        # pool index -> tree index; the extra column `size` stands for the root (-1)
+        new_index = keep.new_full((b, self.size + 1), -1)
+        new_index.scatter_(1, keep, torch.arange(n, device=keep.device).expand(b, n))
+        pool_parent = self.parents.gather(1, keep)
+        parents = new_index.gather(1, torch.where(pool_parent >= 0, pool_parent, self.size))
+        cols = (self.tokens, self.depths, self.scores)
+        tokens, depths, scores = (c.gather(1, keep).cpu().numpy() for c in cols)  # one copy per field
+        parents = parents.cpu().numpy()
+        return [CandidateTree(tokens[i], parents[i], depths[i], scores[i]) for i in range(b)]
+
+
+class _PoolBuilder:
+    """Shared pool plumbing: the ``pool_*`` views and the frontier's ancestor mask."""
+
+    _pool: _NodePool | None = None
+    _frontier: Frontier | None = None
+
+    pool_tokens = property(lambda self: self._filled().tokens)  # int64 [B, P], target ids
+    pool_parents = property(lambda self: self._filled().parents)  # int64 [B, P], -1 = root
+    pool_depths = property(lambda self: self._filled().depths)  # int64 [B, P]
+    pool_scores = property(lambda self: self._filled().scores)  # float32 [B, P], cumulative log-prob
+
+    def ancestor_mask(self, frontier: Frontier) -> torch.Tensor:
+        """bool [B, F, P]: pool nodes each frontier node attends to (its ancestors and itself).
+
+        Every ancestor of a frontier node was itself in an earlier frontier, hence already fed.
+        """
+        return self._filled().ancestor_mask(frontier.pool_idx, frontier.depth)
+
+    def _filled(self) -> _NodePool:
+        assert self._pool is not None, "start() first"
+        return self._pool
+
+    def _new_pool(self, logprobs: torch.Tensor, capacity: int, d2t: torch.Tensor) -> torch.Tensor:
+        self._pool = _NodePool(logprobs.shape[0], capacity, logprobs.device)
+        return d2t.to(logprobs.device)
+
+    def _level_topk(self, logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k children of every fed node: (target ids, log-probs), each [B, F, k]."""
+        lead = logprobs.shape[:-1]
+        ids, lp = draft_topk_ref(logprobs.reshape(-1, logprobs.shape[-1]), k, self._d2t)
+        # Clamp: log-probs are <= 0 in exact maths; keeping them so in float keeps scores
+        # monotone along paths, which makes the best-by-score set ancestor-closed.
+        return ids.view(*lead, k), lp.clamp(max=0.0).view(*lead, k)
+
+
+class DynamicTreeBuilder(_PoolBuilder):
+    """EAGLE-2 dynamic tree: expand the top-k frontier by top-k children, keep the best nodes.
+
+    start: the root's top-k -> k nodes at depth 1, the first frontier.
+    expand: each of the k frontier nodes proposes its top-k children (k*k candidates, score =
+    parent score + child log-prob); all enter the pool; the global top-k is the next frontier.
+    finish: the best ``max_nodes`` pool nodes by score (ties: lower depth, then earlier pool
+    index), ordered by depth then score, so siblings appear in the draft's rank order.
+    """
+
+    def __init__(self, top_k: int, depth: int, max_nodes: int, d2t: torch.Tensor):
+        assert top_k >= 1 and depth >= 1 and max_nodes >= 1, (top_k, depth, max_nodes)
+        self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
+        self._d2t = d2t
+        self._capacity = top_k + (depth - 1) * top_k * top_k
+
+    def start(self, logprobs: torch.Tensor) -> Frontier | None:
+        self._d2t = self._new_pool(logprobs, self._capacity, self._d2t)
+        tokens, scores = self._level_topk(logprobs, self.top_k)  # (B, k)
+        idx = self._pool.append(tokens, torch.full_like(tokens, -1), 1, scores)
+        self._frontier = Frontier(idx, tokens, torch.full_like(tokens, -1), 1)
+        return self._next()
+
+    def expand(self, logprobs: torch.Tensor) -> Frontier | None:
+        f = self._frontier
+        assert f is not None and f.depth < self.depth, "no level left to expand"
+        b, nf, k = logprobs.shape[0], logprobs.shape[1], self.top_k
+        assert nf == f.pool_idx.shape[1], "log-probs must follow the frontier"
+        tokens, lp = self._level_topk(logprobs, k)  # (B, F, k)
+        tokens, lp = tokens.reshape(b, nf * k), lp.reshape(b, nf * k)  # candidate c = (c // k)-th parent
+        parents = f.pool_idx.repeat_interleave(k, dim=1)  # (B, F*k)
+        scores = self._pool.scores.gather(1, parents) + lp
+        idx = self._pool.append(tokens, parents, f.depth + 1, scores)
+        # Global top-k; the stable sort sends equal scores to the earlier candidate.
+        best = scores.sort(dim=1, descending=True, stable=True).indices[:, :k]  # (B, k)
+        self._frontier = Frontier(idx.gather(1, best), tokens.gather(1, best), best // k, f.depth + 1)
+        return self._next()
+
+    def finish(self) -> list[CandidateTree]:
+        pool = self._filled()
+        # Rank by score; equal scores go to the earlier pool index, i.e. the lower depth first.
+        # A child never outscores its parent (log p <= 0), and on a tie the parent wins, so the
+        # best n are closed under taking ancestors.
+        n = min(self.max_nodes, pool.size)
+        keep = pool.scores.sort(dim=1, descending=True, stable=True).indices[:, :n]  # (B, n)
+        # Parents first: stable sort by depth keeps score order (and its ties) inside a level.
+        keep = keep.gather(1, pool.depths.gather(1, keep).sort(dim=1, stable=True).indices)
+        return pool.trees(keep)
+
+    def _next(self) -> Frontier | None:
+        return self._frontier if self._frontier.depth < self.depth else None
+
+
+def _bad_spec(message: str) -> InvalidRequestError:
+    return InvalidRequestError("static_tree", message)
+
+
+@dataclass(frozen=True)
+class _StaticLevel:
+    """What one depth of a static tree needs at run time (pool indices follow spec order)."""
+
+    depth: int
+    top_k: int  # children to propose per fed node: the level's highest rank + 1
+    rank: tuple[int, ...]  # per node of the level: its rank among its parent's children
+    parent: tuple[int, ...]  # per node: parent's pool index, -1 at depth 1
+    parent_slot: tuple[int, ...]  # per node: parent's index in the previous frontier, -1 at depth 1
+    frontier: tuple[int, ...]  # pool indices of the level's nodes that have children
+    frontier_parent_slot: tuple[int, ...]  # their parents' indices in the previous frontier
+
+
+@dataclass(frozen=True)
+class StaticTreeSpec:
+    """A fixed tree shape: each path lists the child RANK at each depth (0 = most likely).
+
+    ``paths`` is in spec order: by depth, then lexicographically, so parents precede children
+    and siblings follow rank order. JSON file: ``{"paths": [[0], [1], [0, 0], ...]}``.
+    """
+
+    paths: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_paths(cls, paths) -> "StaticTreeSpec":
+        """Validate (non-empty paths of ranks >= 0, prefix-closed, no duplicates) and sort."""
+        if not isinstance(paths, (list, tuple)) or not paths:
+            raise _bad_spec("paths must be a non-empty list of paths")
+        for p in paths:
+            if (not isinstance(p, (list, tuple)) or not p
+                    or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p)):
+                raise _bad_spec(f"path {p!r} must be a non-empty list of integer ranks >= 0")
+        tuples = [tuple(p) for p in paths]
+        known = set(tuples)
+        if len(known) != len(tuples):
+            raise _bad_spec("paths must not repeat")
+        orphan = next((p for p in tuples if len(p) > 1 and p[:-1] not in known), None)
+        if orphan is not None:
+            raise _bad_spec(f"path {list(orphan)} needs its prefix {list(orphan[:-1])} as a path too")
+        return cls(tuple(sorted(tuples, key=lambda p: (len(p), p))))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "StaticTreeSpec":
+        try:
+            data = json.loads(Path(path).read_bytes())
+        except FileNotFoundError:
+            raise ModelNotFoundError(f"static tree file {path} does not exist") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise _bad_spec(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(data, dict) or "paths" not in data:
+            raise _bad_spec(f'{path} must hold an object {{"paths": [[rank, ...], ...]}}')
+        return cls.from_paths(data["paths"])
+
+    @classmethod
+    def chain(cls, depth: int) -> "StaticTreeSpec":
+        """[[0], [0, 0], ...]: the draft's greedy path, ``depth`` tokens long."""
+        return cls.from_paths([[0] * d for d in range(1, depth + 1)])
+
+    @property
+    def depth(self) -> int:
+        return len(self.paths[-1])
+
+    def check_vocab(self, draft_vocab: int) -> None:
+        top = max(max(p) for p in self.paths)
+        if top >= draft_vocab:
+            raise _bad_spec(f"rank {top} needs a draft vocabulary larger than {draft_vocab}")
+
+    @cached_property
+    def levels(self) -> tuple[_StaticLevel, ...]:
+        index = {p: i for i, p in enumerate(self.paths)}
+        has_children = {p[:-1] for p in self.paths}
+        prev_slot: dict[tuple[int, ...], int] = {}  # path -> index in the previous frontier
+        levels = []
+        for d in range(1, self.depth + 1):
+            nodes = [p for p in self.paths if len(p) == d]
+            front = [p for p in nodes if p in has_children]
+            levels.append(_StaticLevel(
+                d, max(p[-1] for p in nodes) + 1, tuple(p[-1] for p in nodes),
+                tuple(index.get(p[:-1], -1) for p in nodes), tuple(prev_slot.get(p[:-1], -1) for p in nodes),
+                tuple(index[p] for p in front), tuple(prev_slot.get(p[:-1], -1) for p in front)))
+            prev_slot = {p: s for s, p in enumerate(front)}
+        return tuple(levels)
+
+
+class StaticTreeBuilder(_PoolBuilder):
+    """A fixed tree shape (EAGLE/Medusa "choices"): node (r1, .., rd) is the rd-th best child of
+    node (r1, .., rd-1). The pool holds the spec's nodes in spec order; the frontier at depth d
+    is the depth-d nodes that have children in the spec (F varies by level, not by sequence)."""
+
+    def __init__(self, spec: StaticTreeSpec, d2t: torch.Tensor):
+        self.spec = spec
+        self._d2t = d2t
+
+    def start(self, logprobs: torch.Tensor) -> Frontier | None:
+        self.spec.check_vocab(logprobs.shape[-1])
+        self._d2t = self._new_pool(logprobs, len(self.spec.paths), self._d2t)
+        self._frontier = None
+        return self._grow(logprobs[:, None, :], self.spec.levels[0])  # the root is a 1-node frontier
+
+    def expand(self, logprobs: torch.Tensor) -> Frontier | None:
+        f = self._frontier
+        assert f is not None, "no level left to expand"
+        assert logprobs.shape[1] == f.pool_idx.shape[1], "log-probs must follow the frontier"
+        return self._grow(logprobs, self.spec.levels[f.depth])
+
+    def finish(self) -> list[CandidateTree]:
+        pool = self._filled()
+        keep = torch.arange(pool.size, device=pool.tokens.device).expand(pool.tokens.shape[0], -1)
+        return pool.trees(keep)  # spec order: parents first, siblings by rank
+
+    def _grow(self, logprobs: torch.Tensor, level: _StaticLevel) -> Frontier | None:
+        """Create ``level``'s nodes from the draft at the fed nodes (logprobs [B, F, Vd])."""
+        b, dev = logprobs.shape[0], logprobs.device
+        slot, rank = (torch.tensor(x, device=dev).clamp(min=0) for x in (level.parent_slot, level.rank))
+        parents = torch.tensor(level.parent, device=dev).expand(b, -1)  # (B, n), pool index or -1
+        ids, lp = self._level_topk(logprobs, level.top_k)  # (B, F, k)
+        tokens, scores = ids[:, slot, rank], lp[:, slot, rank]  # (B, n): the rank-th child of its parent
+        if level.depth > 1:
+            scores = scores + self._pool.scores.gather(1, parents)
+        self._pool.append(tokens, parents, level.depth, scores)
+        if not level.frontier:
+            self._frontier = None
+            return None
+        idx = torch.tensor(level.frontier, device=dev).expand(b, -1)  # (B, F')
+        fslot = torch.tensor(level.frontier_parent_slot, device=dev).expand(b, -1)
+        self._frontier = Frontier(idx, self._pool.tokens.gather(1, idx), fslot, level.depth)
+        return self._frontier

@@ -1,0 +1,69 @@
+"""Candidate-tree kernels: ancestor masks, RoPE positions and the draft's top-k.
+
+Trees are batched over B sequences and padded to N nodes; ``num_nodes[b]`` says how many of
+sequence b's nodes are real. Slot 0 of every [N+1] axis is the root (the sequence's newest
+committed token), slot i + 1 is node i::
+
+    slot:     0      1     2     3    ...   n    n+1 .. N
+            root  node0 node1 node2      node n-1  padding
+
+Parents follow ``CandidateTree``: -1 for children of the root, else an earlier node index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def tree_mask_ref(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
+    """bool [B, N+1, N+1]: row i sees column j iff j == i, j is the root, or j is an ancestor of i.
+
+    Padding nodes (index >= num_nodes) see only themselves and the root, whatever their parents.
+    Pointer doubling: after r rounds every row holds its ancestors up to distance 2**r. A node's
+    farthest ancestor below the root is at most N - 1 away, so ceil(log2(N - 1)) rounds (no host
+    sync, no loop over nodes, a count fixed by the shape) cover any tree of N nodes.
+    """
+    b, n = parents.shape
+    jump = _parent_slots(parents, num_nodes)  # (B, N+1): slot of each slot's parent, root -> root
+    slots = torch.arange(n + 1, device=parents.device)
+    # Distance <= 1: itself, its parent and the root.
+    mask = (slots[None, None, :] == jump[:, :, None]) | (slots[None, :, None] == slots[None, None, :])
+    mask[:, :, 0] = True
+    for _ in range(max(0, n - 2).bit_length()):
+        # ancestors within 2d = ancestors within d  U  those of the d-th ancestor
+        mask |= torch.gather(mask, 1, jump[:, :, None].expand(b, n + 1, n + 1))
+        jump = torch.gather(jump, 1, jump)  # d-th ancestor -> 2d-th ancestor
+    return mask
+
+
+def _parent_slots(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
+    """int64 [B, N+1]: slot of every slot's parent; the root and padding nodes point at the root."""
+    b, n = parents.shape
+    real = torch.arange(n, device=parents.device)[None, :] < num_nodes[:, None]  # (B, N)
+    node_parent = torch.where(real, parents.clamp(-1, n - 1) + 1, 0)  # node i -> slot parents[i] + 1
+    return torch.cat([parents.new_zeros(b, 1), node_parent], dim=1)
+
+
+def tree_positions_ref(depths: torch.Tensor, num_nodes: torch.Tensor,
+                       root_positions: torch.Tensor) -> torch.Tensor:
+    """int64 [B, N+1]: root at root_position, node i at root_position + depths[i].
+
+    Padding nodes get the root's position (any in-range value would do: nothing sees them).
+    """
+    n = depths.shape[1]
+    real = torch.arange(n, device=depths.device)[None, :] < num_nodes[:, None]  # (B, N)
+    offsets = torch.cat([depths.new_zeros(depths.shape[0], 1), torch.where(real, depths, 0)], dim=1)
+    return root_positions.to(torch.int64)[:, None] + offsets
+
+
+def draft_topk_ref(logits: torch.Tensor, k: int, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the draft distribution: (target_ids int64 [M, k], log_probs float32 [M, k]).
+
+    log_probs = log_softmax over the draft vocabulary, in descending order; draft id d maps to
+    target id d + d2t[d] (d2t holds OFFSETS, as in EAGLE-3 checkpoints). Already-normalised
+    log-probs pass through unchanged (log_softmax is idempotent), so callers may feed either.
+    Equal log-probs are ordered as torch.topk orders them (unspecified).
+    """
+    assert 0 < k <= logits.shape[-1], f"top-k {k} over a draft vocabulary of {logits.shape[-1]}"
+    log_probs, draft_ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return draft_ids + d2t[draft_ids], log_probs

@@ -1,0 +1,335 @@
+"""Tree kernels (masks, positions, draft top-k) and the dynamic / static tree builders."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.errors import InvalidRequestError, ModelNotFoundError
+from common.tree import CandidateTree
+from draft_service.tree_builders import DynamicTreeBuilder, StaticTreeBuilder, StaticTreeSpec
+from kernels.tree import draft_topk_ref, tree_mask_ref, tree_positions_ref
+
+FAST = settings(max_examples=60, deadline=None)
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@st.composite
+def padded_parents(draw):
+    """(parents [B, N], num_nodes [B]): valid trees (parents[i] < i), garbage in the padding."""
+    b, n = draw(st.integers(1, 4)), draw(st.integers(1, 20))
+    sizes = [draw(st.integers(0, n)) for _ in range(b)]
+    reach = [draw(st.sampled_from([2, n])) for _ in range(b)]  # 2: parent i-1 or i-2, deep trees
+    parents = [[draw(st.integers(max(-1, i - r), i - 1)) if i < size else draw(st.integers(-3, n + 3))
+                for i in range(n)] for size, r in zip(sizes, reach)]
+    return torch.tensor(parents), torch.tensor(sizes)
+
+
+@FAST
+@given(padded_parents())
+def test_tree_mask_matches_candidate_tree(case):
+    parents, num_nodes = case
+    mask = tree_mask_ref(parents, num_nodes)
+    n = parents.shape[1]
+    assert mask.shape == (parents.shape[0], n + 1, n + 1) and mask.dtype == torch.bool
+    for b, size in enumerate(num_nodes.tolist()):
+        tree = CandidateTree.from_lists(np.arange(size), parents[b, :size].numpy())
+        assert np.array_equal(mask[b, :size + 1, :size + 1].numpy(), tree.ancestor_mask())
+        assert not mask[b, :size + 1, size + 1:].any()  # real nodes never see padding
+        pad = mask[b, size + 1:]  # padding rows: the root and themselves only
+        assert np.array_equal(pad.numpy(), np.eye(n + 1, dtype=bool)[size + 1:] | (np.arange(n + 1) == 0))
+
+
+@pytest.mark.parametrize("n", range(1, 20))
+def test_tree_mask_of_a_chain(n):
+    mask = tree_mask_ref(torch.arange(n)[None, :] - 1, torch.tensor([n]))[0]
+    assert np.array_equal(mask.numpy(), np.tril(np.ones((n + 1, n + 1), dtype=bool)))
+
+
+def test_tree_mask_by_hand():
+    # root ─┬─ 0 ─┬─ 2      rows over (root, 0..4)
+    #       │     └─ 3
+    #       └─ 1 ─── 4
+    mask = tree_mask_ref(torch.tensor([[-1, -1, 0, 0, 1, 7]]), torch.tensor([5]))[0].int()
+    assert mask.tolist() == [[1, 0, 0, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0, 0],
+                             [1, 0, 1, 0, 0, 0, 0],
+                             [1, 1, 0, 1, 0, 0, 0],
+                             [1, 1, 0, 0, 1, 0, 0],
+                             [1, 0, 1, 0, 0, 1, 0],
+                             [1, 0, 0, 0, 0, 0, 1]]  # padding node 5
+
+
+def test_tree_positions():
+    depths = torch.tensor([[1, 1, 2, 2, 3], [1, 2, 9, 9, 9]])
+    pos = tree_positions_ref(depths, torch.tensor([5, 2]), torch.tensor([10, 0]))
+    assert pos.dtype == torch.int64
+    assert pos.tolist() == [[10, 11, 11, 12, 12, 13], [0, 1, 2, 0, 0, 0]]  # padding at the root's
+
+
+def test_draft_topk_by_hand():
+    probs = torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.7, 0.05, 0.05, 0.2]])
+    d2t = torch.tensor([5, 0, 7, 3])  # offsets: draft 0 -> 5, 1 -> 1, 2 -> 9, 3 -> 6
+    ids, lp = draft_topk_ref(probs.log() + 3.0, 2, d2t)  # unnormalised logits are fine
+    assert ids.tolist() == [[1, 6], [5, 6]] and ids.dtype == torch.int64
+    torch.testing.assert_close(lp, torch.tensor([[0.4, 0.3], [0.7, 0.2]]).log())
+    assert lp.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- dynamic builder
+
+
+def random_d2t(gen, vd, vocab):
+    """Offsets of a random injective draft -> target map."""
+    targets = torch.randperm(vocab, generator=gen)[:vd]
+    return targets - torch.arange(vd)
+
+
+def run_builder(builder, root, feed):
+    """Drive a builder; ``feed(level, F)`` gives the log-probs [B, F, Vd] at each frontier."""
+    frontiers, frontier = [], builder.start(root)
+    while frontier is not None:
+        frontiers.append((frontier, builder.ancestor_mask(frontier)))
+        frontier = builder.expand(feed(len(frontiers), frontier.pool_idx.shape[1]))
+    return frontiers, builder.finish()
+
+
+def naive_eagle2(root, levels, k, d2t):
+    """One sequence, node by node: pool [(path, score, parent)] and the frontiers (pool indices).
+
+    ``root`` [Vd] and ``levels`` [[F, Vd]] are log-probs, normalised exactly as the builder does.
+    """
+    def children(lp):
+        lp = lp.clamp(max=0).numpy()
+        best = sorted(range(len(lp)), key=lambda d: -lp[d])[:k]
+        return [(d + int(d2t[d]), lp[d]) for d in best]
+
+    pool = [((tok,), lp, -1) for tok, lp in children(root)]
+    frontiers = [list(range(k))]
+    for level in levels:
+        cands = []
+        for slot, p in enumerate(frontiers[-1]):
+            for tok, lp in children(level[slot]):
+                cands.append(len(pool))
+                pool.append((pool[p][0] + (tok,), np.float32(pool[p][1] + lp), p))
+        frontiers.append(sorted(cands, key=lambda c: -pool[c][1])[:k])
+    return pool, frontiers
+
+
+def tree_paths(tree):
+    paths = []
+    for tok, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
+        paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
+    return paths
+
+
+def check_sibling_order(tree):
+    for parent in set(tree.parents.tolist()):
+        lp = tree.log_probs[tree.parents == parent]
+        assert (lp[1:] <= lp[:-1]).all(), "siblings must follow the draft's ranking"
+    assert (np.diff(tree.depths) >= 0).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(k=st.integers(1, 4), depth=st.integers(1, 4), max_nodes=st.integers(1, 40), b=st.integers(1, 3),
+       vd=st.integers(4, 12), extra_vocab=st.integers(0, 20), seed=st.integers(0, 2**31))
+def test_dynamic_builder_properties(k, depth, max_nodes, b, vd, extra_vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    vocab = vd + extra_vocab
+    d2t = random_d2t(gen, vd, vocab)
+    root = torch.randn(b, vd, generator=gen) * 2
+    levels = [torch.randn(b, k, vd, generator=gen) * 2 for _ in range(depth - 1)]
+    builder = DynamicTreeBuilder(k, depth, max_nodes, d2t)
+    frontiers, trees = run_builder(builder, root, lambda lvl, f: levels[lvl - 1][:, :f])
+    assert len(frontiers) == depth - 1 and len(trees) == b
+    # Same op on the same shapes as the builder's, so the naive scores match bit for bit.
+    root_lp = torch.log_softmax(root, -1)
+    levels_lp = [torch.log_softmax(lv.reshape(b * k, vd), -1).view(b, k, vd) for lv in levels]
+    for s, tree in enumerate(trees):
+        pool, naive_fronts = naive_eagle2(root_lp[s], [lv[s] for lv in levels_lp], k, d2t)
+        # The pool, node for node, and every frontier: the top-k of its level's candidates.
+        assert builder.pool_tokens[s].tolist() == [p[0][-1] for p in pool]
+        assert builder.pool_parents[s].tolist() == [p[2] for p in pool]
+        assert builder.pool_scores[s].tolist() == [float(p[1]) for p in pool]
+        for (front, anc), want in zip(frontiers, naive_fronts):
+            assert front.pool_idx[s].tolist() == want
+            assert front.tokens[s].tolist() == [pool[i][0][-1] for i in want]
+            check_ancestor_mask(anc[s], builder.pool_parents[s], want)
+        tree.validate(vocab_size=vocab, max_nodes=max_nodes, max_depth=depth)
+        assert tree.num_nodes == min(max_nodes, len(pool))
+        # Kept = the best max_nodes by (score desc, depth asc, pool index asc), ancestors included.
+        ranked = sorted(range(len(pool)), key=lambda i: (-pool[i][1], len(pool[i][0]), i))
+        kept = {pool[i][0]: pool[i][1] for i in ranked[:tree.num_nodes]}
+        paths = tree_paths(tree)
+        assert set(paths) == set(kept) and all(p[:-1] in kept for p in kept if len(p) > 1)
+        assert tree.log_probs.tolist() == [float(kept[p]) for p in paths]
+        assert set(tree.tokens.tolist()) <= set((torch.arange(vd) + d2t).tolist())
+        check_sibling_order(tree)
+
+
+def check_ancestor_mask(mask, pool_parents, frontier):
+    for row, node in zip(mask.tolist(), frontier):
+        want = set()
+        while node >= 0:
+            want.add(node)
+            node = int(pool_parents[node])
+        assert {i for i, seen in enumerate(row) if seen} == want
+
+
+def test_dynamic_builder_by_hand():
+    """k=2, depth=3, draft vocab 4 -> target ids 0, 3, 5, 8. Scores as probabilities (products)."""
+    d2t = torch.tensor([0, 2, 3, 5])
+    lg = lambda rows: torch.tensor(rows).log()
+    builder = DynamicTreeBuilder(top_k=2, depth=3, max_nodes=6, d2t=d2t)
+    # root: draft 1 (.6) -> n0 "3", draft 2 (.3) -> n1 "5"
+    f1 = builder.start(lg([[0.05, 0.6, 0.3, 0.05]]))
+    assert f1.tokens.tolist() == [[3, 5]] and f1.depth == 1
+    # n0: d0 .55 -> n2 "0" (.33), d3 .3 -> n3 "8" (.18); n1: d2 .7 -> n4 "5" (.21), d1 .15 -> n5 "3" (.045)
+    f2 = builder.expand(lg([[[0.55, 0.1, 0.05, 0.3], [0.05, 0.15, 0.7, 0.1]]]))
+    assert f2.pool_idx.tolist() == [[2, 4]] and f2.tokens.tolist() == [[0, 5]]
+    assert f2.parent_slot.tolist() == [[0, 1]] and f2.depth == 2
+    # n2: d3 .45 -> n6 "8" (.1485), d2 .25 -> n7 "5" (.0825)
+    # n4: d0 .8 -> n8 "0" (.168), d1 .1 -> n9 "3" (.021)
+    assert builder.expand(lg([[[0.1, 0.2, 0.25, 0.45], [0.8, 0.1, 0.06, 0.04]]])) is None
+    torch.testing.assert_close(builder.pool_scores.exp(), torch.tensor(
+        [[0.6, 0.3, 0.33, 0.18, 0.21, 0.045, 0.1485, 0.0825, 0.168, 0.021]]))
+    # best 6: n0 .6, n2 .33, n1 .3, n4 .21, n3 .18, n8 .168; by depth, then score
+    (tree,) = builder.finish()
+    assert tree.tokens.tolist() == [3, 5, 0, 5, 8, 0]
+    assert tree.parents.tolist() == [-1, -1, 0, 1, 0, 3]
+    assert tree.depths.tolist() == [1, 1, 2, 2, 2, 3]
+    np.testing.assert_allclose(np.exp(tree.log_probs), [0.6, 0.3, 0.33, 0.21, 0.18, 0.168], rtol=1e-5)
+
+
+@pytest.mark.parametrize("max_nodes", [1, 2, 3, 5, 10])
+def test_dynamic_ties_keep_parents(max_nodes):
+    """Certain children (log p = 0) tie with their parents: the tie must go to the parent."""
+    one_hot = torch.tensor([0.0, -math.inf, -math.inf])  # the draft is sure of draft id 0
+    builder = DynamicTreeBuilder(top_k=2, depth=3, max_nodes=max_nodes, d2t=torch.zeros(3, dtype=torch.int64))
+    _, (tree,) = run_builder(builder, torch.tensor([[0.0, -1.0, -math.inf]]),
+                             lambda lvl, f: one_hot.expand(1, f, 3))
+    tree.validate(vocab_size=3, max_nodes=max_nodes, max_depth=3)
+    assert tree.num_nodes == max_nodes  # validate() above rejects any orphan (depth mismatch)
+    if max_nodes <= 3:  # the best nodes: the chain of draft id 0, all with the root's best score
+        assert tree.parents.tolist() == [-1, 0, 1][:max_nodes] and not tree.tokens.any()
+    check_sibling_order(tree)
+
+
+# ---------------------------------------------------------------- static builder
+
+SPEC = [[0, 0, 0], [1], [0, 1], [0], [1, 0], [0, 0]]  # shuffled: spec order is by depth, then ranks
+
+
+def test_static_spec_order_and_levels():
+    spec = StaticTreeSpec.from_paths(SPEC)
+    assert spec.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)) and spec.depth == 3
+    assert StaticTreeSpec.chain(3).paths == ((0,), (0, 0), (0, 0, 0))
+
+
+def test_static_builder_ranks_and_structure():
+    d2t = torch.tensor([4, 4, 4, 4])  # draft d -> target d + 4
+    lg = lambda rows: torch.tensor(rows).log()
+    builder = StaticTreeBuilder(StaticTreeSpec.from_paths(SPEC), d2t)
+    # root ranks: 0 -> draft 2 (.5), 1 -> draft 0 (.3)
+    f1 = builder.start(lg([[0.3, 0.1, 0.5, 0.1]]))
+    assert f1.pool_idx.tolist() == [[0, 1]] and f1.tokens.tolist() == [[6, 4]]
+    # (0,): ranks 0, 1 -> drafts 3 (.6), 1 (.2); (1,): rank 0 -> draft 0 (.7)
+    f2 = builder.expand(lg([[[0.1, 0.2, 0.1, 0.6], [0.7, 0.1, 0.1, 0.1]]]))
+    assert f2.pool_idx.tolist() == [[2]] and f2.parent_slot.tolist() == [[0]] and f2.tokens.tolist() == [[7]]
+    # (0, 0): rank 0 -> draft 1 (.9)
+    assert builder.expand(lg([[[0.05, 0.9, 0.025, 0.025]]])) is None
+    (tree,) = builder.finish()
+    assert tree.parents.tolist() == [-1, -1, 0, 0, 1, 2] and tree.depths.tolist() == [1, 1, 2, 2, 2, 3]
+    assert tree.tokens.tolist() == [6, 4, 7, 5, 4, 5]
+    np.testing.assert_allclose(np.exp(tree.log_probs), [0.5, 0.3, 0.3, 0.1, 0.21, 0.27], rtol=1e-4)
+    tree.validate(vocab_size=8)
+
+
+def test_static_chain_is_greedy_path():
+    builder = StaticTreeBuilder(StaticTreeSpec.chain(3), torch.zeros(5, dtype=torch.int64))
+    gen = torch.Generator().manual_seed(0)
+    root = torch.randn(2, 5, generator=gen)
+    levels = torch.randn(3, 2, 1, 5, generator=gen)
+    _, trees = run_builder(builder, root, lambda lvl, f: levels[lvl - 1])
+    for s, tree in enumerate(trees):
+        assert tree.parents.tolist() == [-1, 0, 1]
+        greedy = [root[s].argmax().item()] + [levels[i, s, 0].argmax().item() for i in range(2)]
+        assert tree.tokens.tolist() == greedy
+
+
+@st.composite
+def static_specs(draw):
+    """Random prefix-closed specs, as paths in a shuffled order."""
+    paths = [(r,) for r in range(draw(st.integers(1, 3)))]
+    for _ in range(draw(st.integers(0, 8))):
+        parent = draw(st.sampled_from(paths))
+        rank = draw(st.integers(0, 3))
+        if parent + (rank,) not in paths and len(parent) < 4:
+            paths.append(parent + (rank,))
+    return draw(st.permutations([list(p) for p in paths]))
+
+
+@FAST
+@given(static_specs(), st.integers(1, 3), st.integers(0, 2**31))
+def test_static_builder_properties(paths, b, seed):
+    gen = torch.Generator().manual_seed(seed)
+    vd = 6
+    d2t = random_d2t(gen, vd, 20)
+    spec = StaticTreeSpec.from_paths(paths)
+    logits = {}  # (level, slot) -> [B, Vd] fed at that frontier slot
+
+    def feed(level, f):
+        x = torch.randn(b, f, vd, generator=gen)
+        logits.update({(level, i): x[:, i] for i in range(f)})
+        return x
+
+    root = torch.randn(b, vd, generator=gen)
+    frontiers, trees = run_builder(StaticTreeBuilder(spec, d2t), root, feed)
+    assert len(frontiers) == max(len(p) for p in paths) - 1
+    for s, tree in enumerate(trees):
+        tree.validate(vocab_size=20, max_depth=spec.depth)
+        check_sibling_order(tree)
+        # Node (r1..rd) is the rd-th best draft token at its parent, fed at the parent's frontier slot.
+        slot_of = {}
+        for level, (front, _) in enumerate(frontiers, start=1):
+            slot_of.update({int(i): (level, j) for j, i in enumerate(front.pool_idx[s])})
+        for i, path in enumerate(spec.paths):
+            parent = int(tree.parents[i])
+            x = root[s] if parent < 0 else logits[slot_of[parent]][s]
+            draft = x.argsort(descending=True)[path[-1]].item()
+            assert int(tree.tokens[i]) == draft + int(d2t[draft])
+            assert parent == (spec.paths.index(path[:-1]) if len(path) > 1 else -1)
+
+
+@pytest.mark.parametrize("paths", [[], [[]], [[-1]], [[0.5]], [[True]], [[0], [0]], [[0], [0, 1, 0]],
+                                   "abc", [0, 1], [[1, 0]]])
+def test_static_spec_rejects_bad_paths(paths):
+    with pytest.raises(InvalidRequestError) as err:
+        StaticTreeSpec.from_paths(paths)
+    assert err.value.field == "static_tree"
+
+
+def test_static_spec_files(tmp_path):
+    good = tmp_path / "tree.json"
+    good.write_text(json.dumps({"paths": SPEC}))
+    assert StaticTreeSpec.from_file(good) == StaticTreeSpec.from_paths(SPEC)
+    with pytest.raises(ModelNotFoundError):
+        StaticTreeSpec.from_file(tmp_path / "missing.json")
+    bad = ["{not json", json.dumps([[0]]), json.dumps({"choices": [[0]]}), json.dumps({"paths": [[0, 0]]})]
+    for text in bad:
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(InvalidRequestError) as err:
+            StaticTreeSpec.from_file(tmp_path / "bad.json")
+        assert err.value.field == "static_tree"
+
+
+def test_static_rank_beyond_draft_vocab():
+    builder = StaticTreeBuilder(StaticTreeSpec.from_paths([[0], [4]]), torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(InvalidRequestError):
+        builder.start(torch.zeros(1, 4))
