@@ -28,7 +28,8 @@ from common.step_layout import SeqChunk, layout_step
 from common.tree import CandidateTree
 from draft_service.eagle_loader import load_eagle
 from draft_service.eagle_net import EagleNet
-from draft_service.tree_builders import DynamicTreeBuilder, Frontier, StaticTreeBuilder, StaticTreeSpec
+from draft_service.static_tree import StaticTreeSpec
+from draft_service.tree_builders import DynamicTreeBuilder, Frontier, StaticTreeBuilder
 from kernels import KernelSet, select_kernels
 
 

@@ -32,18 +32,30 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
+    p.add_argument("--stats", action="store_true", help="print token counts, speed and speculation metrics to stderr")
+    spec = p.add_argument_group("speculative decoding (EAGLE-3)")
+    spec.add_argument("--draft", default=None, help="EAGLE-3 draft head directory; enables speculation")
+    spec.add_argument("--tree", default="dynamic", choices=["dynamic", "static", "chain"])
+    spec.add_argument("--tree-depth", dest="depth", type=int, default=6, help="tree depth (chain length)")
+    spec.add_argument("--tree-top-k", dest="tree_top_k", type=int, default=8, help="children per expanded node")
+    spec.add_argument("--tree-nodes", dest="max_nodes", type=int, default=59, help="tree nodes verified per step (root excluded)")
+    spec.add_argument("--static-tree", default=None, help='JSON file {"paths": [[0], [1], [0, 0], ...]}')
 
 
 def _generate(args: argparse.Namespace) -> None:
     from common.default_model import ensure_default_model
-    from verify_service.engine import TargetEngine
-    from verify_service.generator import Generator
+    from common.spec_config import SpecConfig
+    from verify_service.inprocess import build_generator
 
+    spec = None
+    if args.draft:  # validated before the (slow) model load
+        spec = SpecConfig(args.draft, tree=args.tree, depth=args.depth, top_k=args.tree_top_k,
+                          max_nodes=args.max_nodes, static_tree_file=args.static_tree)
     model_dir = args.model or str(ensure_default_model())
     cfg = EngineConfig(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                        max_num_seqs=1)
-    engine = TargetEngine.from_config(cfg)
+    gen = build_generator(cfg, spec)
+    engine = gen.engine
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     if args.raw:
@@ -51,18 +63,24 @@ def _generate(args: argparse.Namespace) -> None:
     else:
         system = [{"role": "system", "content": args.system}] if args.system else []
         ids = engine.encode(messages=[*system, {"role": "user", "content": args.prompt}])
-    start, n, reason = time.perf_counter(), 0, None
-    for event in Generator(engine).stream(ids, params):
+    start, n, last = time.perf_counter(), 0, None
+    for event in gen.stream(ids, params):
         sys.stdout.write(event.text)
         sys.stdout.flush()
         n += len(event.token_ids)
-        reason = event.finish_reason or reason
+        last = event
     sys.stdout.write("\n")
     sys.stdout.flush()
     if args.stats:
         secs = time.perf_counter() - start
+        reason = last.finish_reason.value if last and last.finish_reason else "none"
         print(f"[{len(ids)} prompt tokens, {n} generated in {secs:.2f}s ({n / secs:.1f} tok/s), "
-              f"finish: {reason.value if reason else 'none'}]", file=sys.stderr)
+              f"finish: {reason}]", file=sys.stderr)
+        if last is not None and last.spec is not None:
+            m = last.spec
+            print(f"[speculation: {m.steps} steps, tau {m.tau:.2f}, acceptance {m.acceptance_rate:.1%}, "
+                  f"{m.draft_tokens} draft / {m.accepted_tokens} accepted / {m.rewound_tokens} rewound tokens, "
+                  f"per depth {m.accepted_per_depth}]", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
