@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from common.spec_config import TreeSettings
 from common.tree import CandidateTree
 
 
@@ -34,6 +35,7 @@ class DraftFeed:
 class ProposeRequest:
     seq_id: int
     max_depth: int  # the tree may not go deeper (end of context or of max_tokens)
+    settings: TreeSettings | None = None  # None: the draft's configured tree
 
 
 class DraftProvider(Protocol):
@@ -47,3 +49,6 @@ class DraftProvider(Protocol):
 
     def release(self, seq_id: int) -> None:
         """Forget a finished or cancelled sequence and free its draft KV."""
+
+    def tree_rejected(self, seq_id: int, reason: str) -> None:
+        """The verify side refused this sequence's tree (it decoded one plain token instead)."""

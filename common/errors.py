@@ -54,3 +54,10 @@ class CapacityError(EagleError):
     """The KV cache (or another bounded resource) cannot hold what was asked for."""
 
     grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class SharedBufferError(EagleError):
+    """A buffer shared between the services cannot be exported or mapped: peers on different
+    hosts or GPUs, mismatched backends, a vanished (restarted) exporter, or cupy missing."""
+
+    grpc_code = "FAILED_PRECONDITION"

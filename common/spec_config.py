@@ -14,16 +14,31 @@ MAX_NODES = 512
 
 
 @dataclass(frozen=True, slots=True)
+class TreeSettings:
+    """The shape one proposal may take (a request may ask for less than the server's)."""
+
+    tree: str
+    depth: int
+    top_k: int
+    max_nodes: int
+
+    @property
+    def node_budget(self) -> int:
+        return self.depth if self.tree == "chain" else self.max_nodes
+
+
+@dataclass(frozen=True, slots=True)
 class SpecConfig:
     """How the draft proposes candidates each step.
 
     ``dynamic``: EAGLE-2 tree, ``depth`` levels, ``top_k`` children per expanded node, the
     best ``max_nodes`` kept. ``static``: the paths in ``static_tree_file`` (child ranks).
     ``chain``: one path of ``depth`` tokens. ``max_nodes`` excludes the root, so a step
-    verifies at most ``max_nodes + 1`` tokens per sequence.
+    verifies at most ``max_nodes + 1`` tokens per sequence. ``draft_path`` is None where only
+    the tree settings matter (the verify service's limits; the head lives in the draft service).
     """
 
-    draft_path: str
+    draft_path: str | None
     tree: str = "dynamic"
     depth: int = 6
     top_k: int = 8
@@ -37,19 +52,39 @@ class SpecConfig:
                                 ("max_nodes", self.max_nodes, MAX_NODES)):
             if not isinstance(value, int) or not 1 <= value <= hi:
                 raise InvalidRequestError(name, f"must be an integer in [1, {hi}], got {value!r}")
-        if not Path(self.draft_path).is_dir():
+        if self.draft_path is not None and not Path(self.draft_path).is_dir():
             raise ModelNotFoundError(f"draft directory {self.draft_path!r} does not exist")
-        if self.tree == "static":
+        if self.tree == "static" and self.draft_path is not None:  # the draft side reads the file
             if not self.static_tree_file:
                 raise InvalidRequestError("static_tree_file", "a static tree needs a file of paths")
             if not Path(self.static_tree_file).is_file():
                 raise ModelNotFoundError(f"static tree file {self.static_tree_file!r} does not exist")
-        elif self.static_tree_file:
+        elif self.tree != "static" and self.static_tree_file:
             raise InvalidRequestError("static_tree_file", f"only used with tree='static', not {self.tree!r}")
 
     @property
     def node_budget(self) -> int:
         """Most nodes a tree of this configuration can hold (sizes the KV reservation)."""
-        if self.tree == "chain":
-            return self.depth
-        return self.max_nodes
+        return self.defaults().node_budget
+
+    def defaults(self) -> TreeSettings:
+        return TreeSettings(self.tree, self.depth, self.top_k, self.max_nodes)
+
+    def request_settings(self, tree: str | None = None, depth: int | None = None, top_k: int | None = None,
+                         max_nodes: int | None = None) -> TreeSettings:
+        """A request's tree: unset values take the defaults; set ones must stay within them.
+
+        A static tree is the server's file, so a request may ask for it only when configured;
+        a chain is a static tree too, available from any configuration.
+        """
+        kind = tree or self.tree
+        if kind not in TREE_KINDS or (kind == "static" and self.tree != "static"):
+            allowed = ", ".join(k for k in TREE_KINDS if k != "static" or self.tree == "static")
+            raise InvalidRequestError("speculation.tree", f"must be one of {allowed}, got {kind!r}")
+        chosen = {}
+        for name, value, limit in (("depth", depth, self.depth), ("top_k", top_k, self.top_k),
+                                   ("max_nodes", max_nodes, self.max_nodes)):
+            if value is not None and not 1 <= value <= limit:
+                raise InvalidRequestError(f"speculation.{name}", f"must be in [1, {limit}] (server limit), got {value}")
+            chosen[name] = limit if value is None else value
+        return TreeSettings(kind, **chosen)

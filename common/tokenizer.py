@@ -22,6 +22,18 @@ def _raise_exception(message: str):
     raise TemplateError(message)
 
 
+def validate_messages(messages: list[dict]) -> None:
+    """Raise InvalidRequestError (naming the message) unless every role and content is valid."""
+    if not messages:
+        raise InvalidRequestError("messages", "at least one message is required")
+    for i, m in enumerate(messages):
+        if m.get("role") not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role", f"unknown role {m.get('role')!r}; "
+                                      f"expected one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise InvalidRequestError(f"messages[{i}].content", "content must be a string")
+
+
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -31,14 +43,7 @@ class ChatTemplate:
         self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        for i, m in enumerate(messages):
-            if m.get("role") not in CHAT_ROLES:
-                raise InvalidRequestError(f"messages[{i}].role", f"unknown role {m.get('role')!r}; "
-                                          f"expected one of {', '.join(CHAT_ROLES)}")
-            if not isinstance(m.get("content"), str):
-                raise InvalidRequestError(f"messages[{i}].content", "content must be a string")
-        if not messages:
-            raise InvalidRequestError("messages", "at least one message is required")
+        validate_messages(messages)
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **self._tokens)

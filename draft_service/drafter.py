@@ -16,6 +16,8 @@ target's own features of what was accepted ("draft extend"), so no rejected node
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -23,7 +25,7 @@ from common.block_manager import BlockManager, blocks_for
 from common.config import ModelConfig
 from common.draft_protocol import DraftFeed, ProposeRequest
 from common.kv_cache import PagedKVCache
-from common.spec_config import SpecConfig
+from common.spec_config import SpecConfig, TreeSettings
 from common.step_layout import SeqChunk, layout_step
 from common.tree import CandidateTree
 from draft_service.eagle_loader import load_eagle
@@ -31,6 +33,8 @@ from draft_service.eagle_net import EagleNet
 from draft_service.static_tree import StaticTreeSpec
 from draft_service.tree_builders import DynamicTreeBuilder, Frontier, StaticTreeBuilder
 from kernels import KernelSet, select_kernels
+
+log = logging.getLogger(__name__)
 
 
 class EagleDrafter:
@@ -45,8 +49,7 @@ class EagleDrafter:
         num_blocks = max_num_seqs * blocks_for(max_model_len + tree_rows, block_size)
         self.kv = PagedKVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, block_size)
-        self.static = (StaticTreeSpec.from_file(spec.static_tree_file) if spec.tree == "static"
-                       else StaticTreeSpec.chain(spec.depth) if spec.tree == "chain" else None)
+        self.static = StaticTreeSpec.from_file(spec.static_tree_file) if spec.tree == "static" else None
         self.rows: dict[int, int] = {}  # committed rows per sequence
         self.last_out: dict[int, torch.Tensor] = {}  # [H] draft output of the newest committed row
         self.last_logp: dict[int, torch.Tensor] = {}  # [Vd] its log-probs over the draft vocabulary
@@ -67,6 +70,9 @@ class EagleDrafter:
         if feeds:
             self._extend(feeds)
         return self._propose(proposals) if proposals else {}
+
+    def tree_rejected(self, seq_id: int, reason: str) -> None:
+        log.error("sequence %d: the verify side refused a tree: %s", seq_id, reason)
 
     def release(self, seq_id: int) -> None:
         self.blocks.free(seq_id)
@@ -99,15 +105,27 @@ class EagleDrafter:
 
     # --- tree growth -------------------------------------------------------------------------
 
-    def _builder(self):
+    def _builder(self, settings: TreeSettings):
         d2t = self.net.d2t
-        if self.static is not None:
+        if settings.tree == "static":
             return StaticTreeBuilder(self.static, d2t)
-        return DynamicTreeBuilder(self.spec.top_k, self.spec.depth, self.spec.max_nodes, d2t)
+        if settings.tree == "chain":
+            return StaticTreeBuilder(StaticTreeSpec.chain(settings.depth), d2t)
+        return DynamicTreeBuilder(settings.top_k, settings.depth, settings.max_nodes, d2t)
 
     def _propose(self, requests: list[ProposeRequest]) -> dict[int, CandidateTree]:
+        """One batched tree build per distinct tree shape among the requests."""
+        groups: dict[TreeSettings, list[ProposeRequest]] = {}
+        for r in requests:
+            groups.setdefault(r.settings or self.spec.defaults(), []).append(r)
+        trees = {}
+        for settings, group in groups.items():
+            trees.update(self._propose_group(group, settings))
+        return trees
+
+    def _propose_group(self, requests: list[ProposeRequest], settings: TreeSettings) -> dict[int, CandidateTree]:
         ids = [r.seq_id for r in requests]
-        builder = self._builder()
+        builder = self._builder(settings)
         frontier = builder.start(torch.stack([self.last_logp[i] for i in ids]))
         parent_out = torch.stack([self.last_out[i] for i in ids])[:, None]  # (B, 1, H): the root's output
         fed_col = torch.full((len(ids), 0), -1, dtype=torch.int64)  # pool index -> fed column

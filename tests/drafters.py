@@ -36,6 +36,9 @@ class OracleDrafter:
     def release(self, seq_id: int) -> None:
         self.released.add(seq_id)
 
+    def tree_rejected(self, seq_id: int, reason: str) -> None:
+        raise AssertionError(f"the oracle's tree for {seq_id} was refused: {reason}")
+
     def _tree(self, req: ProposeRequest) -> CandidateTree:
         seq = self.generator.sequences[req.seq_id]
         history = seq.prompt_ids + seq.output_ids

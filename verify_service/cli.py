@@ -83,25 +83,65 @@ def _generate(args: argparse.Namespace) -> None:
                   f"per depth {m.accepted_per_depth}]", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from common import client_cli
+    from draft_service import server_config as draft_flags
+    from verify_service import server_config as verify_flags
+
     parser = argparse.ArgumentParser(prog="eagle3", description="EAGLE-3 speculative decoding server: command line")
     sub = parser.add_subparsers(dest="command", required=True)
     fetch = sub.add_parser("fetch-default", help="obtain and convert SmolLM2-135M-Instruct (idempotent)")
     fetch.add_argument("--cache-dir", default=None)
     fetch.add_argument("--quiet", action="store_true")
-    _add_generate_args(sub.add_parser("generate", help="generate text with the target model alone"))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _add_generate_args(sub.add_parser("generate", help="generate text in this process (no servers)"))
+    verify_flags.add_arguments(sub.add_parser("serve-verify", help="run the verify service (the front door)"))
+    draft_flags.add_arguments(sub.add_parser("serve-draft", help="run the draft service beside a verify service"))
+    up = sub.add_parser("up", help="start both services, wait until healthy, stream an answer")
+    _add_up_args(up)
+    client_cli.add_subcommands(sub)
+    return parser
+
+
+def _add_up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", default="What is the capital of France?")
+    p.add_argument("--draft", default=None, help="EAGLE-3 head for the draft service (default: none shipped yet)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--listen", default="127.0.0.1:50051")
+    p.add_argument("--run-dir", default=None, help="where the internal unix socket lives (default: a temp dir)")
+    p.add_argument("--once", action="store_true", help="stop the services after the answer")
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "fetch-default":
+        from common.default_model import ensure_default_model
+        print(ensure_default_model(args.cache_dir, progress=not args.quiet))
+    elif args.command == "generate":
+        _generate(args)
+    elif args.command == "serve-verify":
+        from common.default_model import ensure_default_model
+        from verify_service import server, server_config
+        server.serve(server_config.from_args(args, args.model or str(ensure_default_model())))
+    elif args.command == "serve-draft":
+        from draft_service import server, server_config
+        server.serve(server_config.from_args(args))
+    elif args.command == "up":
+        from verify_service.up import up
+        return up(args)
+    else:
+        from common import client_cli
+        return client_cli.run(args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.command.startswith("serve") else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "fetch-default":
-            from common.default_model import ensure_default_model
-            print(ensure_default_model(args.cache_dir, progress=not args.quiet))
-        else:
-            _generate(args)
+        return _run(args)
     except EagleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import torch
 
 from common.config import ModelConfig
 from common.errors import InvalidRequestError
-from common.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer, validate_messages
 from kernels import select_kernels
 from common.block_manager import BlockManager, blocks_for
 from verify_service.config import EngineConfig
@@ -79,6 +79,8 @@ class TargetEngine:
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         """Token ids of a text prompt or of chat messages rendered with the model's template."""
+        if messages is not None:
+            validate_messages(messages)
         if self.tokenizer is None:
             raise InvalidRequestError("prompt", "this model has no tokenizer: send token ids")
         if messages is not None:

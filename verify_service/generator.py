@@ -24,7 +24,7 @@ import torch
 from common.draft_protocol import DraftFeed, DraftProvider, ProposeRequest
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
-from common.spec_config import SpecConfig
+from common.spec_config import SpecConfig, TreeSettings
 from common.tree import InvalidTreeError
 from common.step_layout import SeqChunk
 from verify_service.detokenizer import StopStringDetokenizer
@@ -72,9 +72,17 @@ class Generator:
         self.speculator = Speculator(engine, self.sampler)
         self._ids = itertools.count()
         self.sequences: dict[int, Sequence] = {}
+        self.draft_errors = 0  # invalid trees refused (each fell back to one plain step)
+        self.last_step_verified_trees = False
+        self.total_draft_tokens = 0  # over finished and aborted sequences
+        self.total_accepted_tokens = 0
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> int:
-        """Validate and queue a request; returns its sequence id."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True,
+                    tree: TreeSettings | None = None) -> int:
+        """Validate and queue a request; returns its sequence id.
+
+        ``tree``: this request's tree shape (within the configured limits); default: the config's.
+        """
         eng = self.engine
         eng.validate_prompt(prompt_ids)
         vocab = eng.model_config.vocab_size
@@ -86,7 +94,8 @@ class Generator:
         seq = Sequence(next(self._ids), list(prompt_ids), params,
                        seed=params.seed if params.seed is not None else secrets.randbits(63),
                        max_new_tokens=min(params.max_tokens, eng.max_model_len - len(prompt_ids)),
-                       detokenizer=detok, speculate=speculate and self.drafter is not None)
+                       detokenizer=detok, speculate=speculate and self.drafter is not None,
+                       tree_settings=tree or (self.spec.defaults() if self.spec else None))
         self.scheduler.add(seq)
         self.sequences[seq.seq_id] = seq
         return seq.seq_id
@@ -99,6 +108,8 @@ class Generator:
             self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
+        self.total_draft_tokens += seq.spec.draft_tokens
+        self.total_accepted_tokens += seq.spec.accepted_tokens
         self.scheduler.release(seq)
         if seq.speculate:
             self.drafter.release(seq.seq_id)
@@ -120,6 +131,7 @@ class Generator:
         for i, (seq, n) in enumerate(plan):
             (trees if seq.tree else plain).append((i, seq, n))
         feeds: dict[int, DraftFeed] = {}
+        self.last_step_verified_trees = bool(trees)
         events = self._plain_step(plain, out, logits_at, feeds)
         if trees:
             events += self._tree_step(trees, out, logits_at, feeds)
@@ -193,7 +205,7 @@ class Generator:
             if seq.speculate and not seq.prefilling and seq.seq_id in feeds and not seq.finished:
                 depth = self._max_depth(seq)
                 if depth > 0:
-                    requests.append(ProposeRequest(seq.seq_id, depth))
+                    requests.append(ProposeRequest(seq.seq_id, depth, seq.tree_settings))
         if not live and not requests:
             return
         trees = self.drafter.step(live, requests)
@@ -202,16 +214,18 @@ class Generator:
             if tree is None or not tree.num_nodes:
                 continue
             try:
-                tree.validate(self.engine.model_config.vocab_size, self.spec.node_budget, req.max_depth)
+                tree.validate(self.engine.model_config.vocab_size, req.settings.node_budget, req.max_depth)
             except InvalidTreeError as exc:  # this step decodes plainly; the output stays exact
                 log.warning("sequence %d: draft proposed an invalid tree (%s); decoding one token", req.seq_id, exc)
+                self.draft_errors += 1
+                self.drafter.tree_rejected(req.seq_id, str(exc))
                 continue
             self.sequences[req.seq_id].tree = tree
 
     def _max_depth(self, seq: Sequence) -> int:
         """Deepest useful tree: within the spec, the context and the tokens still allowed."""
         room = self.engine.max_model_len - seq.num_tokens  # node at depth d sits at num_tokens - 1 + d
-        return min(self.spec.depth, room, seq.max_new_tokens - len(seq.output_ids) - 1)
+        return min(seq.tree_settings.depth, room, seq.max_new_tokens - len(seq.output_ids) - 1)
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> TokenEvent:
         """Append tokens one by one until one of them finishes the sequence."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.sampling_params import SamplingParams
+from common.spec_config import TreeSettings
 from common.tree import CandidateTree
 from verify_service.detokenizer import StopStringDetokenizer
 
@@ -65,6 +66,7 @@ class Sequence:
     num_cached: int = 0
     finish_reason: FinishReason | None = None
     speculate: bool = False  # a draft proposes trees for this sequence
+    tree_settings: TreeSettings | None = None  # the shape of its trees
     tree: CandidateTree | None = None  # proposed for the next step, below the newest token
     pending_feature: torch.Tensor | None = None  # feature of the newest cached position, next token unknown
     spec: SpecMetrics = field(default_factory=SpecMetrics)

@@ -1,0 +1,47 @@
+"""Configuration of the draft service process (flags -> frozen config)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from common.errors import InvalidRequestError
+from common.spec_config import SpecConfig
+
+DEFAULT_VERIFY = "unix:/tmp/eagle3/draft.sock"
+DEFAULT_HEALTH = "127.0.0.1:50052"
+
+
+@dataclass(frozen=True, slots=True)
+class DraftServerConfig:
+    spec: SpecConfig
+    verify: str = DEFAULT_VERIFY  # the verify service's internal address
+    listen: str = DEFAULT_HEALTH  # this service's health / metrics / reflection endpoint
+    device: str = "auto"  # must be the verify service's GPU (checked at the handshake)
+    reconnect_max_s: float = 5.0  # backoff cap between reconnection attempts
+    max_message_bytes: int = 4 << 20
+
+    def __post_init__(self):
+        if self.reconnect_max_s <= 0:
+            raise InvalidRequestError("reconnect_max_s", f"must be > 0, got {self.reconnect_max_s}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", required=True, help="EAGLE-3 head directory (config.json + weights)")
+    p.add_argument("--verify", default=DEFAULT_VERIFY, help="the verify service's internal address")
+    p.add_argument("--listen", default=DEFAULT_HEALTH, help="health / metrics address of this service")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (the verify service's device)")
+    p.add_argument("--tree", default="dynamic", choices=["dynamic", "static", "chain"])
+    p.add_argument("--tree-depth", type=int, default=6)
+    p.add_argument("--tree-top-k", type=int, default=8)
+    p.add_argument("--tree-nodes", type=int, default=59)
+    p.add_argument("--static-tree", default=None, help='JSON file {"paths": [[0], [1], [0, 0], ...]}')
+    p.add_argument("--reconnect-max-s", type=float, default=5.0)
+    p.add_argument("--max-message-bytes", type=int, default=4 << 20)
+
+
+def from_args(args: argparse.Namespace) -> DraftServerConfig:
+    spec = SpecConfig(args.draft, tree=args.tree, depth=args.tree_depth, top_k=args.tree_top_k,
+                      max_nodes=args.tree_nodes, static_tree_file=args.static_tree)
+    return DraftServerConfig(spec, verify=args.verify, listen=args.listen, device=args.device,
+                             reconnect_max_s=args.reconnect_max_s, max_message_bytes=args.max_message_bytes)

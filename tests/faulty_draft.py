@@ -1,0 +1,66 @@
+"""A draft service whose trees are malformed on purpose (test double for the verify side's checks).
+
+    python tests/faulty_draft.py MODE --draft DIR --verify ADDR --listen ADDR
+MODE: parent_after_child | too_many_nodes | token_out_of_vocab
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.tree import CandidateTree  # noqa: E402
+from draft_service import server, server_config  # noqa: E402
+from draft_service.drafter import EagleDrafter  # noqa: E402
+from verify_service.cli import build_parser  # noqa: E402
+
+
+def corrupt(tree: CandidateTree, mode: str, vocab: int) -> CandidateTree:
+    n = tree.num_nodes
+    if mode == "parent_after_child":
+        parents = tree.parents.copy()
+        parents[0] = n - 1 if n > 1 else 0
+        return CandidateTree(tree.tokens, parents, tree.depths, tree.log_probs)
+    if mode == "too_many_nodes":
+        k = 80
+        return CandidateTree(np.arange(k) % vocab, np.arange(k) - 1, np.arange(1, k + 1), np.zeros(k, np.float32))
+    tokens = tree.tokens.copy()
+    tokens[0] = vocab + 7
+    return CandidateTree(tokens, tree.parents, tree.depths, tree.log_probs)
+
+
+class FaultyDrafter:
+    def __init__(self, inner: EagleDrafter, mode: str, vocab: int):
+        self.inner, self.mode, self.vocab = inner, mode, vocab
+        self.capture_layers = inner.capture_layers
+
+    def step(self, feeds, proposals):
+        trees = self.inner.step(feeds, proposals)
+        return {k: corrupt(t, self.mode, self.vocab) for k, t in trees.items()}
+
+    def release(self, seq_id):
+        self.inner.release(seq_id)
+
+    def tree_rejected(self, seq_id, reason):
+        print(f"REJECTED {seq_id}: {reason}", flush=True)
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    args = build_parser().parse_args(["serve-draft", *sys.argv[2:]])
+    cfg = server_config.from_args(args)
+
+    def make(spec, target, embedding, max_seqs, max_len):
+        return FaultyDrafter(EagleDrafter.from_checkpoint(spec, target, embedding, max_seqs, max_len), mode,
+                             target.vocab_size)
+
+    srv, worker, _ = server.create_server(cfg, make)
+    worker.run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""compose.yaml checked against the real command line, so the deployment never drifts from the flags.
+
+Every service command and healthcheck is parsed by ``eagle3``'s own parser; the wiring between
+the two services (unix socket on a shared volume, shared IPC/PID namespaces, one GPU, loopback
+port) is checked on the parsed values. ``docker-compose config`` validates the file itself when
+the binary is installed (.ci/run installs Debian's docker-compose); no Docker engine is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+from verify_service.cli import build_parser
+
+# PyYAML comes with tokenizers -> huggingface_hub; skip loudly rather than fail if that changes.
+yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (normally pulled in by tokenizers)")
+
+COMPOSE = Path(__file__).resolve().parents[1] / "compose.yaml"
+
+
+@pytest.fixture(scope="module")
+def services() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit:  # argparse printed the reason to stderr
+        pytest.fail(f"eagle3 rejects {argv}")
+
+
+def _health_argv(service: dict) -> list[str]:
+    test = service["healthcheck"]["test"]
+    assert test[:2] == ["CMD", "eagle3"], test  # exec form: no shell in between
+    return test[2:]
+
+
+def _mounts(service: dict) -> list[tuple[str, str, str, bool]]:
+    """(type, source, target, read_only) of each volume entry, short or long syntax."""
+    out = []
+    for v in service.get("volumes", []):
+        if isinstance(v, str):
+            source, target, *mode = v.split(":")
+            kind = "bind" if source.startswith((".", "/", "~", "$")) else "volume"
+            out.append((kind, source, target, mode == ["ro"]))
+        else:
+            out.append((v["type"], v["source"], v["target"], bool(v.get("read_only"))))
+    return out
+
+
+def _port(address: str) -> str:
+    return address.rsplit(":", 1)[1]
+
+
+@pytest.mark.parametrize("name", ["verify", "draft"])
+def test_command_and_healthcheck_parse(services, name):
+    svc = services[name]
+    args = _parse(svc["command"])
+    assert args.command == f"serve-{name}"
+    health = _parse(_health_argv(svc))
+    assert health.command == "health"
+    # The probe runs inside the service's own container and dials its own listening port.
+    assert health.server == f"127.0.0.1:{_port(args.listen)}"
+    hc = svc["healthcheck"]
+    assert {"interval", "timeout", "retries", "start_period"} <= hc.keys()
+
+
+def test_internal_socket_lies_on_the_shared_volume(services):
+    verify, draft = _parse(services["verify"]["command"]), _parse(services["draft"]["command"])
+    assert verify.internal == draft.verify
+    assert verify.internal.startswith("unix:")
+    sock_dir = PurePosixPath(verify.internal.removeprefix("unix:")).parent
+    shared = [{(src, tgt) for kind, src, tgt, _ in _mounts(services[n]) if kind == "volume"}
+              for n in ("verify", "draft")]
+    common = shared[0] & shared[1]
+    assert any(PurePosixPath(tgt) == sock_dir for _, tgt in common), (sock_dir, common)
+    top_level = yaml.safe_load(COMPOSE.read_text()).get("volumes") or {}
+    assert all(src in top_level for src, _ in common)  # named volumes, declared once
+
+
+def test_draft_joins_verify_ipc_and_pid_namespaces(services):
+    # CUDA IPC handles only open in a process sharing the exporter's IPC and PID namespaces.
+    assert services["verify"]["ipc"] == "shareable"
+    assert services["draft"]["ipc"] == "service:verify"
+    assert services["draft"]["pid"] == "service:verify"
+
+
+def test_public_port_is_loopback_only(services):
+    listen = _parse(services["verify"]["command"]).listen
+    assert services["verify"]["ports"] == [f"127.0.0.1:{_port(listen)}:{_port(listen)}"]
+    assert "ports" not in services["draft"]  # the draft's endpoint is for its healthcheck only
+
+
+def test_both_reserve_the_same_single_gpu(services):
+    devices = [services[n]["deploy"]["resources"]["reservations"]["devices"] for n in ("verify", "draft")]
+    assert devices[0] == devices[1]
+    [gpu] = devices[0]
+    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+    assert gpu.get("count") == 1 or len(gpu.get("device_ids", [])) == 1, gpu
+    verify, draft = _parse(services["verify"]["command"]), _parse(services["draft"]["command"])
+    assert draft.device == verify.device and verify.device.startswith("cuda")
+
+
+def test_draft_head_is_a_read_only_bind_mount(services):
+    draft = _parse(services["draft"]["command"])
+    binds = {tgt: (src, ro) for kind, src, tgt, ro in _mounts(services["draft"]) if kind == "bind"}
+    source, read_only = binds[draft.draft]
+    assert read_only and source.startswith("${EAGLE3_DRAFT_DIR:-"), source  # overridable, with a default
+
+
+def test_draft_starts_after_verify_is_healthy(services):
+    assert services["draft"]["depends_on"]["verify"]["condition"] == "service_healthy"
+    assert services["draft"]["restart"] == "unless-stopped"
+
+
+def test_docker_compose_validates_the_file():
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("docker-compose is not installed (apt-get install docker-compose; .ci/run does)")
+    # `config` only loads, interpolates and validates: no Docker engine is contacted.
+    proc = subprocess.run([exe, "-f", str(COMPOSE), "config", "-q"], cwd=COMPOSE.parent,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,159 @@
+"""Both services as real processes on temporary unix sockets (shared-memory buffers on the CPU)."""
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from common.client import ClientError
+from common.sampling_params import SamplingParams
+from services import Stack
+from tiny_eagle import make_eagle_dir
+from tiny_models import engine_for, make_model_dir, tiny_config
+from verify_service.generator import Generator
+
+PROMPTS = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2], [3] * 30, [9, 8, 7, 6], [40]]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("svc")
+    target = make_model_dir(root / "target", "llama3", seed=5, std=0.3)
+    draft = make_eagle_dir(root / "draft", tiny_config("llama3"), draft_vocab=64, seed=1)
+    return root, target, draft
+
+
+@pytest.fixture(scope="module")
+def stack(dirs, tmp_path_factory):
+    root, target, draft = dirs
+    s = Stack(tmp_path_factory.mktemp("stack"), target, draft, verify_args=["--tree-nodes", "12", "--tree-depth", "4",
+                                                                             "--tree-top-k", "3"])
+    yield s
+    s.close()
+
+
+def expected(target, prompts, max_tokens):
+    gen = Generator(engine_for(target))
+    return [r.token_ids for r in gen.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True)
+                                                        for n in max_tokens])]
+
+
+def test_greedy_through_grpc_equals_in_process_target_only(stack, dirs):
+    want = expected(dirs[1], PROMPTS[:3], [16, 16, 16])
+    for prompt, tokens in zip(PROMPTS[:3], want):
+        c = stack.client.complete(prompt, max_tokens=16, ignore_eos=True)
+        assert c.token_ids == tokens and c.finish_reason == "length"
+        assert c.speculation["speculated"] and c.usage.completion_tokens == 16
+    assert stack.client.server_info()["draft_connected"]
+
+
+def test_eight_concurrent_clients(stack, dirs):
+    lengths = [5, 30, 12, 8, 25, 3, 17, 9]
+    want = expected(dirs[1], PROMPTS, lengths)
+    got = [None] * 8
+
+    def run(i):
+        got[i] = stack.client.complete(PROMPTS[i], max_tokens=lengths[i], ignore_eos=True).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == want
+    assert stack.client.metrics()["kv_blocks_used"] == 0
+
+
+def test_cancel_mid_stream_frees_the_kv(stack):
+    before = stack.client.metrics()["cancelled_requests"]
+    stream = stack.client.generate(PROMPTS[1], max_tokens=200, ignore_eos=True)
+    first = next(stream)
+    assert first.token_ids
+    stream.close()  # cancels the RPC
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = stack.client.metrics()
+        if m["cancelled_requests"] == before + 1 and m["kv_blocks_used"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["cancelled_requests"] == before + 1 and m["kv_blocks_used"] == 0 and m["running_requests"] == 0
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"prompt": [5, 97]}, "prompt_token_ids"),
+    ({"prompt": [5], "temperature": -1.0}, "temperature"),
+    ({"prompt": [5], "top_p": 1.5}, "top_p"),
+    ({"prompt": [5], "depth": 9}, "speculation.depth"),
+    ({"prompt": [5], "max_nodes": 500}, "speculation.max_nodes"),
+])
+def test_bad_requests_are_invalid_argument_with_field_details(stack, kwargs, field):
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(ClientError) as err:
+        stack.client.complete(prompt, max_tokens=4, **kwargs)
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert [f for f, _ in err.value.field_violations] == [field]
+    assert stack.client.complete([5, 6], max_tokens=2).token_ids  # still serving
+
+
+def test_over_capacity_is_resource_exhausted(stack):
+    with pytest.raises(ClientError) as err:
+        stack.client.complete(list(range(1, 200)), max_tokens=100000)
+    assert err.value.code in ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT")
+    assert stack.client.complete([5, 6], max_tokens=2).token_ids
+
+
+def test_killing_the_draft_keeps_outputs_exact_and_restart_resumes(dirs, tmp_path):
+    root, target, draft = dirs
+    s = Stack(tmp_path, target, draft, verify_args=["--tree-nodes", "12", "--tree-depth", "4", "--tree-top-k", "3"])
+    try:
+        lengths = [60, 45, 70, 50]
+        want = expected(target, PROMPTS[:4], lengths)
+        got, first_tokens = [None] * 4, threading.Barrier(5)
+
+        def run(i):
+            stream = s.client.generate(PROMPTS[i], max_tokens=lengths[i], ignore_eos=True)
+            tokens = list(next(stream).token_ids)
+            first_tokens.wait(60)
+            for ev in stream:
+                tokens += ev.token_ids
+            got[i] = tokens
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        first_tokens.wait(60)
+        s.draft.kill()  # mid-generation
+        for t in threads:
+            t.join(180)
+        assert got == want
+        assert s.client.health("eagle3.speculation") == "NOT_SERVING"
+        assert not s.client.metrics()["draft_connected"]
+        plain = s.client.complete(PROMPTS[0], max_tokens=6, ignore_eos=True)
+        assert not plain.speculation["speculated"]
+        s.start_draft()
+        again = s.client.complete(PROMPTS[0], max_tokens=6, ignore_eos=True)
+        assert again.speculation["speculated"] and again.token_ids == plain.token_ids
+        assert s.client.metrics()["draft_sessions"] == 2
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("mode", ["parent_after_child", "too_many_nodes", "token_out_of_vocab"])
+def test_malformed_trees_fall_back_to_plain_decoding(dirs, tmp_path, mode):
+    root, target, draft = dirs
+    s = Stack(tmp_path, target, draft, verify_args=["--tree-nodes", "12", "--tree-depth", "4", "--tree-top-k", "3"],
+              start_draft=False)
+    try:
+        s.start_draft([sys.executable, str(Path(__file__).parent / "faulty_draft.py"), mode])
+        c = s.client.complete(PROMPTS[1], max_tokens=10, ignore_eos=True)
+        assert c.token_ids == expected(target, [PROMPTS[1]], [10])[0]
+        assert not c.speculation["speculated"]  # every tree was refused
+        assert s.client.metrics()["draft_errors"] == 8  # every proposal: tokens 2..9 (the 10th needs no tree)
+        time.sleep(0.5)
+        assert "REJECTED" in s.draft.log()  # the draft was told why
+    finally:
+        s.close()

@@ -1,0 +1,72 @@
+"""Configuration of the verify service process (flags -> frozen config)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from common.errors import InvalidRequestError
+from common.spec_config import SpecConfig
+from verify_service.config import EngineConfig
+
+DEFAULT_PUBLIC = "127.0.0.1:50051"  # loopback unless configured otherwise
+DEFAULT_INTERNAL = "unix:/tmp/eagle3/draft.sock"  # the draft channel never leaves the host
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyServerConfig:
+    engine: EngineConfig
+    limits: SpecConfig | None  # None: never speculate (no draft accepted)
+    listen: str = DEFAULT_PUBLIC
+    internal: str = DEFAULT_INTERNAL
+    draft_timeout_s: float = 10.0  # a draft answering slower than this is dropped (plain decoding)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_tokens_default: int = 256
+    workers: int = 32
+
+    def __post_init__(self):
+        if self.draft_timeout_s <= 0:
+            raise InvalidRequestError("draft_timeout_s", f"must be > 0, got {self.draft_timeout_s}")
+        if not 1024 <= self.max_message_bytes <= 1 << 30:
+            raise InvalidRequestError("max_message_bytes", f"must be in [1 KiB, 1 GiB], got {self.max_message_bytes}")
+        if self.max_tokens_default <= 0:
+            raise InvalidRequestError("max_tokens_default", f"must be > 0, got {self.max_tokens_default}")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="target model directory (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-gib", type=float, default=None)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--listen", default=DEFAULT_PUBLIC, help="public gRPC address (host:port or unix:PATH)")
+    p.add_argument("--internal", default=DEFAULT_INTERNAL, help="address the draft service dials (unix:PATH)")
+    p.add_argument("--no-speculation", action="store_true", help="serve without a draft, one token per step")
+    p.add_argument("--tree", default="dynamic", choices=["dynamic", "static", "chain"], help="default tree")
+    p.add_argument("--tree-depth", type=int, default=6, help="default and maximum tree depth")
+    p.add_argument("--tree-top-k", type=int, default=8, help="default and maximum children per node")
+    p.add_argument("--tree-nodes", type=int, default=59, help="default and maximum nodes per tree")
+    p.add_argument("--draft-timeout-s", type=float, default=10.0)
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    p.add_argument("--max-tokens-default", type=int, default=256)
+
+
+def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
+    return EngineConfig(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
+                        kv_cache_gib=args.kv_cache_gib)
+
+
+def from_args(args: argparse.Namespace, model_dir: str) -> VerifyServerConfig:
+    limits = None if args.no_speculation else SpecConfig(
+        None, tree=args.tree, depth=args.tree_depth, top_k=args.tree_top_k, max_nodes=args.tree_nodes)
+    return VerifyServerConfig(engine_config(args, model_dir), limits, listen=args.listen, internal=args.internal,
+                              draft_timeout_s=args.draft_timeout_s, max_message_bytes=args.max_message_bytes,
+                              max_tokens_default=args.max_tokens_default)

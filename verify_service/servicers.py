@@ -1,0 +1,173 @@
+"""gRPC handlers of the verify service: the public Generation API and the internal DraftLink."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from pathlib import Path
+
+import grpc
+
+from common.errors import InvalidRequestError, SharedBufferError
+from common.grpc_errors import abort
+from common.shared_buffers import gpu_uuid, host_identity
+from common.spec_config import SpecConfig
+from common.wire import TREE_TO_PROTO, descriptor_to_proto
+from protos.eagle3.v1 import draft_link_pb2 as link_pb
+from protos.eagle3.v1 import draft_link_pb2_grpc as link_grpc
+from protos.eagle3.v1 import generation_pb2 as pb
+from protos.eagle3.v1 import generation_pb2_grpc as pb_grpc
+from protos.eagle3.v1 import speculation_pb2 as spec_pb
+from verify_service import wire
+from verify_service.draft_link import RemoteDraft
+from verify_service.engine_loop import EngineFailure, EngineLoop
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, loop: EngineLoop, limits: SpecConfig | None, remote: RemoteDraft | None,
+                 max_tokens_default: int, model_name: str):
+        self.loop, self.limits, self.remote = loop, limits, remote
+        self.engine = loop.gen.engine
+        self.max_tokens_default = max_tokens_default
+        self.model_name = model_name
+
+    def Generate(self, request, context):
+        try:
+            ids = wire.prompt_ids(request, self.engine)
+            params = wire.sampling_params(request, self.max_tokens_default)
+            speculate, tree = wire.speculation(request, self.limits)
+            seq_id, events = self.loop.submit(ids, params, speculate, tree)
+        except Exception as exc:  # typed request errors map to their status; anything else is INTERNAL
+            abort(context, exc)
+        # Client cancellation or deadline: free the sequence (and its KV) at once.
+        context.add_callback(lambda: self.loop.cancel(seq_id))
+        produced = 0
+        while True:
+            ev = events.get()
+            if isinstance(ev, EngineFailure):
+                abort(context, ev.error)
+            produced += len(ev.token_ids)
+            if ev.token_ids or ev.text:
+                yield wire.delta(ev)
+            if ev.finish_reason is not None:
+                yield wire.done(ev, len(ids), produced)
+                return
+
+    def GetServerInfo(self, request, context):
+        eng, lim = self.engine, self.limits
+        limits = None
+        if lim is not None:
+            limits = spec_pb.SpeculationLimits(tree=TREE_TO_PROTO[lim.tree], max_depth=lim.depth,
+                                               max_top_k=lim.top_k, max_nodes=lim.max_nodes)
+        return pb.ServerInfo(model_name=self.model_name, architecture=eng.model_config.architecture,
+                             vocab_size=eng.model_config.vocab_size, max_model_len=eng.max_model_len,
+                             dtype=str(eng.dtype).removeprefix("torch."), device=str(eng.device),
+                             speculation_configured=lim is not None,
+                             draft_connected=bool(self.remote and self.remote.connected), limits=limits,
+                             max_tokens_default=self.max_tokens_default, version=VERSION)
+
+    def GetMetrics(self, request, context):
+        def snapshot(gen):
+            totals = [s.spec for s in gen.sequences.values()]
+            p50, p99 = self.remote.overhead_percentiles_us() if self.remote else (0.0, 0.0)
+            return pb.ServerMetrics(
+                running_requests=len(gen.scheduler.running), waiting_requests=len(gen.scheduler.waiting),
+                kv_blocks_total=gen.engine.blocks.num_blocks, kv_blocks_used=gen.engine.blocks.num_used_blocks,
+                draft_connected=bool(self.remote and self.remote.connected),
+                draft_sessions=self.remote.sessions_opened if self.remote else 0,
+                speculative_steps=self.loop.steps_with_trees, plain_steps=self.loop.plain_steps,
+                draft_tokens=gen.total_draft_tokens + sum(t.draft_tokens for t in totals),
+                accepted_tokens=gen.total_accepted_tokens + sum(t.accepted_tokens for t in totals),
+                draft_errors=gen.draft_errors + (self.remote.errors if self.remote else 0),
+                completed_requests=self.loop.completed, cancelled_requests=self.loop.cancelled,
+                control_plane_p50_us=p50, control_plane_p99_us=p99)
+        return self.loop.read(snapshot)
+
+
+def model_identity(engine, capture_layers: tuple[int, ...], config_json: str) -> link_pb.ModelIdentity:
+    weight = engine.model.model.embed_tokens.weight
+    digest = hashlib.sha256(config_json.encode())
+    digest.update(str(tuple(weight.shape)).encode())
+    cfg = engine.model_config
+    return link_pb.ModelIdentity(name=cfg.architecture, fingerprint=digest.hexdigest()[:16],
+                                 vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                 capture_layers=list(capture_layers), dtype=str(engine.dtype).removeprefix("torch."))
+
+
+class DraftLinkServicer(link_grpc.DraftLinkServicer):
+    def __init__(self, remote: RemoteDraft, engine, limits: SpecConfig, model_dir: str):
+        self.remote, self.engine, self.limits = remote, engine, limits
+        self.config_json = (Path(model_dir) / "config.json").read_text()
+        self.identity = model_identity(engine, remote.capture_layers, self.config_json)
+        self._pending: dict[int, object] = {}  # handshaken sessions waiting for their stream
+        self._lock = threading.Lock()
+
+    def Handshake(self, request, context):
+        try:
+            self._check_peer(request)
+        except Exception as exc:
+            abort(context, exc)
+        session = self.remote.new_session()
+        with self._lock:
+            self._pending = {session.session_id: session}  # only the newest handshake may open a stream
+        b = self.remote.buffers
+        return link_pb.HandshakeResponse(
+            session_id=session.session_id, generation=self.remote.exporter.generation, target=self.identity,
+            buffers=[descriptor_to_proto(d) for d in self.remote.exporter.descriptors()],
+            max_feature_rows=b["features"].shape[0], max_trees=b["tree_tokens"].shape[0],
+            max_tree_nodes=b["tree_tokens"].shape[1], target_config_json=self.config_json,
+            max_model_len=self.engine.max_model_len)
+
+    def _check_peer(self, request) -> None:
+        loc, want, mine = request.location, request.expected_target, self.identity
+        if loc.host_id != host_identity():
+            raise SharedBufferError("the draft service must run on the verify service's host (shared memory)")
+        device = self.engine.device
+        if loc.device_type != device.type:
+            raise SharedBufferError(f"the draft runs on {loc.device_type}, the target on {device.type}")
+        if device.type == "cuda" and loc.gpu_uuid != gpu_uuid(device):
+            raise SharedBufferError("the draft and the target must share one GPU (GPU UUIDs differ)")
+        mismatch = [f"{name}: draft expects {a}, target has {b}" for name, a, b in (
+            ("vocab_size", want.vocab_size, mine.vocab_size), ("hidden_size", want.hidden_size, mine.hidden_size))
+            if a != b]
+        if want.capture_layers and list(want.capture_layers) != list(mine.capture_layers):
+            mismatch.append(f"capture_layers: draft expects {list(want.capture_layers)}, "
+                            f"target captures {list(mine.capture_layers)}")
+        if mismatch:
+            raise InvalidRequestError("expected_target", "incompatible draft head: " + "; ".join(mismatch))
+
+    def Session(self, request_iterator, context):
+        try:
+            first = next(request_iterator)
+        except StopIteration:
+            return
+        with self._lock:
+            session = self._pending.pop(first.open.session_id, None) if first.HasField("open") else None
+        if session is None or first.open.generation != self.remote.exporter.generation:
+            abort(context, SharedBufferError("unknown session or stale buffer generation: handshake again"))
+        self.remote.activate(session)
+        context.add_callback(lambda: self.remote.drop(session, "stream closed"))
+        threading.Thread(target=self._read, args=(request_iterator, session), daemon=True,
+                         name=f"draft-session-{session.session_id}").start()
+        while True:
+            msg = session.outgoing.get()
+            if msg is None:
+                return
+            yield msg
+
+    def _read(self, request_iterator, session) -> None:
+        try:
+            for msg in request_iterator:
+                if msg.HasField("result"):
+                    session.results.put(msg.result)
+        except grpc.RpcError:
+            pass  # the peer went away; drop() below says so
+        except Exception:
+            log.exception("draft session %d: bad message", session.session_id)
+        self.remote.drop(session, "draft disconnected")
+
