@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(VENV)/bin/eagle3 generate --stats "$(PROMPT)"
+	$(VENV)/bin/eagle3 up --once --prompt "$(PROMPT)"
 
 test: install
 	$(PY) -m pytest -q

@@ -56,11 +56,16 @@ class DraftWorker:
         self.make_drafter = make_drafter or EagleDrafter.from_checkpoint
         self.draft_cfg = DraftConfig.from_dir(cfg.spec.draft_path)  # fail fast on a bad head
         self._stop = threading.Event()
+        self._responses = None  # the live session's response stream, cancelled by stop()
         self.sessions = 0
         self.steps = 0
 
     def stop(self) -> None:
+        """End the current session (if any) and the reconnect loop."""
         self._stop.set()
+        responses = self._responses
+        if responses is not None:
+            responses.cancel()
 
     def run(self) -> None:
         backoff = 0.1
@@ -69,6 +74,8 @@ class DraftWorker:
             try:
                 self._session()
             except grpc.RpcError as exc:
+                if self._stop.is_set():
+                    break
                 log.warning("verify service unavailable (%s): %s", exc.code().name, exc.details())
             except Exception:
                 log.exception("draft session failed")
@@ -106,7 +113,9 @@ class DraftWorker:
     def _stream(self, stub, hello, bufs, drafter) -> None:
         outgoing: queue.Queue = queue.Queue()
         outgoing.put(pb.DraftMessage(open=pb.SessionOpen(session_id=hello.session_id, generation=hello.generation)))
-        responses = stub.Session(iter(outgoing.get, None))
+        responses = self._responses = stub.Session(iter(outgoing.get, None))
+        if self._stop.is_set():
+            responses.cancel()
         self.sessions += 1
         self._set_serving(True)
         log.info("draft session %d open (target %s, %d buffers)", hello.session_id, hello.target.fingerprint,
@@ -120,6 +129,7 @@ class DraftWorker:
         finally:
             outgoing.put(None)
             responses.cancel()
+            self._responses = None
 
     def _answer(self, msg: pb.VerifyMessage, bufs, drafter) -> pb.StepResult:
         start = time.perf_counter_ns()
