@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from common.client import Eagle3Client
+from tiny_models import TEST_DEVICE, TEST_DTYPE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +42,11 @@ class ServiceProcess:
 
 
 class Stack:
-    """A verify service (and optionally a draft service) in a temp dir; clients connect by socket."""
+    """A verify service (and optionally a draft service) in a temp dir; clients connect by socket.
+
+    Both run on the test device and dtype (EAGLE3_TEST_DEVICE / EAGLE3_TEST_DTYPE): on a GPU host
+    the buffers travel by CUDA IPC, on the CPU through shared memory.
+    """
 
     def __init__(self, tmp: Path, model_dir: Path, draft_dir: Path | None, verify_args=(), draft_args=(),
                  start_draft: bool = True):
@@ -51,7 +56,7 @@ class Stack:
         self.draft_health = f"unix:{tmp}/draft-health.sock"
         self.draft_dir, self.draft_args = draft_dir, list(draft_args)
         self.verify = ServiceProcess(["serve-verify", "--model", str(model_dir), "--listen", self.public,
-                                      "--internal", self.internal, "--device", "cpu", "--dtype", "float32",
+                                      "--internal", self.internal, "--device", TEST_DEVICE, "--dtype", TEST_DTYPE,
                                       *verify_args], tmp / "verify.log")
         self.draft = None
         self.client = Eagle3Client(self.public, timeout_s=120)
@@ -66,7 +71,7 @@ class Stack:
     def start_draft(self, program: list[str] | None = None) -> None:
         """Start the draft service (or ``program``, a stand-in taking the same flags)."""
         args = ["--draft", str(self.draft_dir), "--verify", self.internal, "--listen", self.draft_health,
-                "--device", "cpu", *self.draft_args]
+                "--device", TEST_DEVICE, *self.draft_args]
         self.draft = ServiceProcess(args if program else ["serve-draft", *args],
                                     self.tmp / f"draft-{time.monotonic_ns()}.log", program)
         self._wait(lambda: self.client.health("eagle3.speculation") == "SERVING", 120, self.draft)
