@@ -65,6 +65,7 @@ class EngineLoop:
             if self._queues.pop(seq_id, None) is not None:
                 self.gen.abort(seq_id)
                 self.cancelled += 1
+                log.info("request %d cancelled; its KV is free", seq_id)
 
     def read(self, fn):
         """Run ``fn(generator)`` under the lock (metrics and info snapshots)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import queue
 import threading
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from verify_service.engine_loop import EngineFailure, EngineLoop
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
+_CANCEL_POLL_S = 0.25
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -44,11 +46,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             seq_id, events = self.loop.submit(ids, params, speculate, tree)
         except Exception as exc:  # typed request errors map to their status; anything else is INTERNAL
             abort(context, exc)
-        # Client cancellation or deadline: free the sequence (and its KV) at once.
+        # Client cancellation or deadline: free the sequence (and its KV) at once. The callback
+        # covers the usual case; the is_active() poll covers runtimes that only report a
+        # cancelled stream to a handler that is not blocked.
         context.add_callback(lambda: self.loop.cancel(seq_id))
         produced = 0
         while True:
-            ev = events.get()
+            try:
+                ev = events.get(timeout=_CANCEL_POLL_S)
+            except queue.Empty:
+                ev = None
+            if not context.is_active():
+                self.loop.cancel(seq_id)
+                return
+            if ev is None:
+                continue
             if isinstance(ev, EngineFailure):
                 abort(context, ev.error)
             produced += len(ev.token_ids)
