@@ -30,7 +30,7 @@ def stack(dirs, tmp_path_factory):
     root, target, draft = dirs
     s = Stack(tmp_path_factory.mktemp("stack"), target, draft,
               verify_args=["--tree-nodes", "12", "--tree-depth", "4", "--tree-top-k", "3", "--max-model-len", "4096",
-                           "--kv-cache-gib", "0.002"])  # 128 blocks of 16 tokens at float32
+                           "--num-kv-blocks", "128"])  # 2048 tokens of KV
     yield s
     s.close()
 
@@ -104,7 +104,7 @@ def test_bad_requests_are_invalid_argument_with_field_details(stack, kwargs, fie
 
 def test_over_capacity_is_resource_exhausted(stack):
     with pytest.raises(ClientError) as err:
-        stack.client.complete(list(range(1, 90)), max_tokens=5000)  # 4096 tokens of KV: more than the cache
+        stack.client.complete(list(range(1, 90)), max_tokens=3000)  # 3089 tokens of KV, the cache holds 2048
     assert err.value.code == "RESOURCE_EXHAUSTED" and "KV blocks" in err.value.message
     assert stack.client.complete([5, 6], max_tokens=2).token_ids
 

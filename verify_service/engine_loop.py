@@ -1,9 +1,10 @@
 """The engine thread: one thread owns the Generator and steps it while there is work.
 
-RPC handler threads submit requests and cancellations; each request gets a queue of
-events the handler streams to its client. The Generator is not thread-safe, so every call
-into it happens under ``_lock`` (held by the loop during a step: a submit waits at most
-one step).
+RPC handler threads never touch the Generator: they post commands (submit, cancel, read)
+to a queue that the engine thread drains before every step, and wait on a future where
+they need an answer. Commands are served between steps in arrival order, so no handler
+starves behind a busy engine (a plain lock is not fair: the engine thread would re-take it
+step after step).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from common.sampling_params import SamplingParams
@@ -30,8 +32,7 @@ class EngineFailure:
 class EngineLoop:
     def __init__(self, gen: Generator):
         self.gen = gen
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._commands: queue.Queue = queue.Queue()  # (callable, Future | None)
         self._queues: dict[int, queue.Queue] = {}
         self._stopped = False
         self.completed = 0
@@ -44,49 +45,75 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self) -> None:
-        with self._wake:
-            self._stopped = True
-            self._wake.notify()
+        self._stopped = True
+        self._commands.put((lambda: None, None))  # wake the loop
         self._thread.join(timeout=30)
+
+    def _call(self, fn):
+        """Run ``fn()`` on the engine thread between steps; returns its result or raises its error."""
+        done: Future = Future()
+        self._commands.put((fn, done))
+        return done.result()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, speculate: bool,
                tree: TreeSettings | None) -> tuple[int, queue.Queue]:
         """Validate and queue a request (raises typed errors at once); returns (id, event queue)."""
         events: queue.Queue = queue.Queue()
-        with self._wake:
+
+        def add():
             seq_id = self.gen.add_request(prompt_ids, params, speculate, tree)
             self._queues[seq_id] = events
-            self._wake.notify()
-        return seq_id, events
+            return seq_id
+        return self._call(add), events
 
     def cancel(self, seq_id: int) -> None:
-        """Abort a request (client gone or deadline passed); frees its KV at once."""
-        with self._wake:
-            if self._queues.pop(seq_id, None) is not None:
-                self.gen.abort(seq_id)
-                self.cancelled += 1
-                log.info("request %d cancelled; its KV is free", seq_id)
+        """Abort a request (client gone or deadline passed); its KV is freed before the next step."""
+        self._commands.put((lambda: self._cancel(seq_id), None))
+
+    def _cancel(self, seq_id: int) -> None:
+        if self._queues.pop(seq_id, None) is not None:
+            self.gen.abort(seq_id)
+            self.cancelled += 1
+            log.info("request %d cancelled; its KV is free", seq_id)
 
     def read(self, fn):
-        """Run ``fn(generator)`` under the lock (metrics and info snapshots)."""
-        with self._lock:
-            return fn(self.gen)
+        """``fn(generator)`` evaluated on the engine thread (metrics and info snapshots)."""
+        return self._call(lambda: fn(self.gen))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._commands.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            fn, done = item
+            try:
+                result = fn()
+                if done is not None:
+                    done.set_result(result)
+            except Exception as exc:  # typed request errors travel back to the handler
+                if done is None:
+                    log.exception("engine command failed")
+                else:
+                    done.set_exception(exc)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
 
     def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stopped and not self.gen.has_work:
-                    self._wake.wait()
-                if self._stopped:
-                    return
-                try:
-                    events = self.gen.step()
-                except Exception as exc:  # a bug: fail the requests in flight, keep serving
-                    log.exception("engine step failed; aborting %d requests", len(self._queues))
-                    self._fail_all(exc)
-                    continue
-                self._count_step()
-                self._dispatch(events)
+        while not self._stopped:
+            self._drain(block=not self.gen.has_work)
+            if self._stopped or not self.gen.has_work:
+                continue
+            try:
+                events = self.gen.step()
+            except Exception as exc:  # a bug: fail the requests in flight, keep serving
+                log.exception("engine step failed; aborting %d requests", len(self._queues))
+                self._fail_all(exc)
+                continue
+            self._count_step()
+            self._dispatch(events)
 
     def _count_step(self) -> None:
         if self.gen.last_step_verified_trees:

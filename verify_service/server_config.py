@@ -41,7 +41,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache budget (default: 90%% of free GPU memory)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides --kv-cache-gib)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     return EngineConfig(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
-                        kv_cache_gib=args.kv_cache_gib)
+                        kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks)
 
 
 def from_args(args: argparse.Namespace, model_dir: str) -> VerifyServerConfig:
