@@ -136,14 +136,18 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        path = Path(model_dir)
-        if not path.is_dir():
-            raise ModelNotFoundError(f"model directory {str(path)!r} does not exist")
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ModelNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face model directory")
-        try:
-            raw = json.loads(config_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise UnsupportedModelError(f"{config_file} is not valid JSON: {exc}") from None
-        return cls.from_hf(raw)
+        return cls.from_hf(read_config_json(model_dir, "model", UnsupportedModelError))
+
+
+def read_config_json(directory: str | Path, what: str, invalid: type[Exception]) -> dict:
+    """``directory/config.json`` as a dict; ModelNotFoundError if absent, ``invalid`` if not JSON."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ModelNotFoundError(f"{what} directory {str(path)!r} does not exist")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelNotFoundError(f"{what} directory {str(path)!r} has no config.json")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise invalid(f"{config_file} is not valid JSON: {exc}") from None

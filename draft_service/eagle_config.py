@@ -15,12 +15,11 @@ RoPE from it breaks longer prompts. The runtime sizes RoPE from its own context 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import ModelConfig, RopeScaling
-from common.errors import CheckpointError, ModelNotFoundError, UnsupportedModelError
+from common.config import ModelConfig, RopeScaling, read_config_json
+from common.errors import CheckpointError, UnsupportedModelError
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,17 +83,7 @@ class DraftConfig:
 
     @classmethod
     def from_dir(cls, draft_dir: str | Path) -> "DraftConfig":
-        path = Path(draft_dir)
-        if not path.is_dir():
-            raise ModelNotFoundError(f"draft directory {str(path)!r} does not exist")
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ModelNotFoundError(f"draft directory {str(path)!r} has no config.json")
-        try:
-            raw = json.loads(config_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from None
-        return cls.from_hf(raw)
+        return cls.from_hf(read_config_json(draft_dir, "draft", CheckpointError))
 
     def check_compatible(self, target: ModelConfig) -> None:
         """Raise CheckpointError unless this draft can run on top of ``target``."""

@@ -25,7 +25,7 @@ from draft_service.eagle_config import DraftConfig
 from kernels import KernelSet
 from kernels.metadata import AttentionMetadata
 from kernels.rope import rope_inv_freq, rope_table
-from verify_service.model import MLP, RMSNorm, StepContext
+from verify_service.model import MLP, RMSNorm, StepContext, paged_attend
 
 
 class EagleAttention(nn.Module):
@@ -45,12 +45,7 @@ class EagleAttention(nn.Module):
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, h, d)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, kvh, d)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q = ctx.kernels.apply_rope(q, ctx.meta.positions, ctx.cos, ctx.sin)
-        k = ctx.kernels.apply_rope(k, ctx.meta.positions, ctx.cos, ctx.sin)
-        k_cache, v_cache = ctx.kv_cache.layer(0)  # the draft cache holds exactly one layer
-        ctx.kernels.write_kv(k_cache, v_cache, k, v, ctx.meta.slot_mapping)
-        out = ctx.kernels.paged_attention(q, k_cache, v_cache, ctx.meta, self.scale)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return self.o_proj(paged_attend(q, k, v, ctx, 0, self.scale))  # the draft cache holds one layer
 
 
 class MidLayer(nn.Module):

@@ -46,6 +46,17 @@ class StepContext:
     kernels: KernelSet
 
 
+def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int,
+                 scale: float) -> torch.Tensor:
+    """RoPE on q/k, K/V into the paged cache, attention over it: [T, h, d] -> [T, h * d]."""
+    q = ctx.kernels.apply_rope(q, ctx.meta.positions, ctx.cos, ctx.sin)
+    k = ctx.kernels.apply_rope(k, ctx.meta.positions, ctx.cos, ctx.sin)
+    k_cache, v_cache = ctx.kv_cache.layer(layer)
+    ctx.kernels.write_kv(k_cache, v_cache, k, v, ctx.meta.slot_mapping)
+    out = ctx.kernels.paged_attention(q, k_cache, v_cache, ctx.meta, scale)
+    return out.reshape(q.shape[0], -1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -68,12 +79,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = ctx.kernels.apply_rope(q, ctx.meta.positions, ctx.cos, ctx.sin)
-        k = ctx.kernels.apply_rope(k, ctx.meta.positions, ctx.cos, ctx.sin)
-        k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx)
-        ctx.kernels.write_kv(k_cache, v_cache, k, v, ctx.meta.slot_mapping)
-        out = ctx.kernels.paged_attention(q, k_cache, v_cache, ctx.meta, self.scale)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return self.o_proj(paged_attend(q, k, v, ctx, self.layer_idx, self.scale))
 
 
 class MLP(nn.Module):
