@@ -1,0 +1,1 @@
+"""Training EAGLE-3 draft heads by self-distillation from the project's own target engine."""
