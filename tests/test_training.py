@@ -53,3 +53,86 @@ def test_training_unroll_matches_inference_steps_0_and_1(setup):
     _, logp = ref._run([SeqChunk([IDS[n - 1]], m, ref.blocks.block_table(0), logits_rows=(0,), positions=[m])],
                        ref.last_out[0][None])
     torch.testing.assert_close(out.logits[1][0, n - 3].log_softmax(-1), logp[0], atol=1e-5, rtol=1e-5)
+
+
+# --- the training tool end to end, on a tiny target with SmolLM2's tokenizer -----------------
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+
+from common.errors import InvalidRequestError, ModelNotFoundError  # noqa: E402
+from draft_service.eagle_loader import load_eagle  # noqa: E402
+from draft_service.train.trainer import Trainer, TrainConfig  # noqa: E402
+from draft_service.train.vocab import select_draft_vocab  # noqa: E402
+
+QUESTIONS = ["What is 2+2?", "Name a colour.", "Say hello.", "Count to five.", "What is the sky?",
+             "Name a fruit.", "Write a word.", "What day is it?", "Spell cat.", "Name an animal.",
+             "Give a number.", "Say goodbye."]
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    from common.default_model import ensure_default_model
+    smol = ensure_default_model(progress=False)
+    root = tmp_path_factory.mktemp("tt")
+    model = make_model_dir(root / "target", "smollm2", seed=3, std=0.8, vocab_size=49152, eos_token_id=2,
+                           max_position_embeddings=512)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol / f, model / f)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "turns": [q]}) + "\n" for i, q in enumerate(QUESTIONS)))
+    return model, prompts
+
+
+def train_cfg(model, prompts, out, **kw):
+    base = dict(draft_vocab=512, steps=40, batch=4, lr=3e-3, ttt_steps=3, max_new_tokens=16, eval_every=40,
+                eval_examples=4, device="cpu")
+    return TrainConfig(str(model), str(prompts), str(out), **{**base, **kw})
+
+
+@pytest.mark.slow
+def test_training_lowers_the_loss_and_exports_a_loadable_head(tiny_with_tokenizer, tmp_path):
+    model, prompts = tiny_with_tokenizer
+    trainer = Trainer(train_cfg(model, prompts, tmp_path), progress=False)
+    examples = trainer.prepare()
+    seen = examples[4:]  # the training split (the first 4 are held out)
+    before = trainer.evaluate(trainer.build_head(examples)[0], seen)  # same seed: the run's initial head
+    head = trainer.train()
+    after = trainer.evaluate(trainer.net, seen)
+    assert len(trainer.last_eval) == 3  # held-out metrics for each unrolled step
+    assert all(a["loss"] < b["loss"] - 0.5 for a, b in zip(after, before)), (before, after)
+    shards = sorted(p.name for p in head.glob("*.safetensors"))
+    assert shards and (head / "model.safetensors.index.json").is_file()
+    loaded = load_eagle(head, trainer.engine.model_config, trainer.engine.model.model.embed_tokens.weight,
+                        torch.float32, "cpu", 512)
+    ids = loaded.d2t + torch.arange(512)
+    assert loaded.t2d.sum() == 512 and loaded.t2d[ids].all() and 2 in ids.tolist()  # eos is always drafted
+    # resuming a finished run trains no further and exports the same head
+    again = Trainer(train_cfg(model, prompts, tmp_path), progress=False)
+    again.train()
+    assert not hasattr(again, "last_eval")
+
+
+def test_vocab_selection_is_consistent_and_validated():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    d2t, t2d = select_draft_vocab(counts, 3, always=(1,))
+    ids = torch.arange(3) + d2t
+    assert ids.tolist() == [1, 2, 3] and t2d.tolist() == [False, True, True, True, False, False]
+    with pytest.raises(InvalidRequestError, match="draft_vocab_size"):
+        select_draft_vocab(counts, 7)
+
+
+def test_bad_training_inputs(tiny_with_tokenizer, tmp_path):
+    model, _ = tiny_with_tokenizer
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(InvalidRequestError, match="holds no prompts"):
+        Trainer(train_cfg(model, empty, tmp_path / "o"), progress=False)
+    with pytest.raises(ModelNotFoundError, match="prompt file"):
+        Trainer(train_cfg(model, tmp_path / "missing.jsonl", tmp_path / "o"), progress=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["hi"]}) + "\n")
+    with pytest.raises(InvalidRequestError, match="exceeds the target vocabulary"):
+        Trainer(train_cfg(model, prompts, tmp_path / "o", draft_vocab=100_000), progress=False)
+    with pytest.raises(InvalidRequestError, match="steps"):
+        train_cfg(model, prompts, tmp_path / "o", steps=0)

@@ -96,10 +96,38 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_args(sub.add_parser("generate", help="generate text in this process (no servers)"))
     verify_flags.add_arguments(sub.add_parser("serve-verify", help="run the verify service (the front door)"))
     draft_flags.add_arguments(sub.add_parser("serve-draft", help="run the draft service beside a verify service"))
+    _add_train_args(sub.add_parser("train-draft", help="train an EAGLE-3 head for a target by self-distillation"))
     up = sub.add_parser("up", help="start both services, wait until healthy, stream an answer")
     _add_up_args(up)
     client_cli.add_subcommands(sub)
     return parser
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target model directory (default: the embedded SmolLM2)")
+    p.add_argument("--prompts", required=True, help="JSONL of {\"turns\": [...]} training prompts")
+    p.add_argument("--out", required=True, help="run directory (examples, resume state, exported head/)")
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--ttt-steps", type=int, default=4, help="unrolled draft steps (training-time test)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length when distilling")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _train(args: argparse.Namespace) -> None:
+    from common.default_model import ensure_default_model
+    from draft_service.train.trainer import Trainer, TrainConfig
+
+    cfg = TrainConfig(args.target or str(ensure_default_model()), args.prompts, args.out,
+                      draft_vocab=args.draft_vocab, steps=args.steps, batch=args.batch, lr=args.lr,
+                      ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
+                      eval_every=args.eval_every, seed=args.seed, device=args.device)
+    print(Trainer(cfg).train())
 
 
 def _add_up_args(p: argparse.ArgumentParser) -> None:
@@ -124,6 +152,8 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "serve-draft":
         from draft_service import server, server_config
         server.serve(server_config.from_args(args))
+    elif args.command == "train-draft":
+        _train(args)
     elif args.command == "up":
         from verify_service.up import up
         return up(args)

@@ -112,5 +112,5 @@ def ttt_loss(out: TTTOutput, target_logits: torch.Tensor, loss_mask: torch.Tenso
         step_loss = (ce * mask).sum() / denom
         acc = ((logits[:, :n].argmax(-1) == tgt.argmax(-1)).float() * mask).sum() / denom
         total = total + weights[s] * step_loss
-        stats.append({"loss": float(step_loss), "acc": float(acc)})
+        stats.append({"loss": step_loss.item(), "acc": acc.item()})
     return total, stats

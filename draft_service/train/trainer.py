@@ -1,0 +1,193 @@
+"""Training loop for EAGLE-3 heads: target features per batch, unrolled draft, AdamW.
+
+    out_dir/
+      examples.jsonl        self-distilled answers (resumable)
+      state.pt              head weights + optimizer + step (resume point, weights_only-loadable)
+      head/                 the exported head: config.json + sharded fp16 safetensors + index
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from common.config import read_config_json
+from common.errors import InvalidRequestError, UnsupportedModelError
+from common.step_layout import SeqChunk
+from draft_service.eagle_config import DraftConfig
+from draft_service.eagle_init import draft_raw_config
+from draft_service.eagle_net import EagleNet
+from draft_service.train.data import Example, generate_examples, iter_batches, load_prompts
+from draft_service.train.ttt import ttt_forward, ttt_loss
+from draft_service.train.vocab import select_draft_vocab, token_counts
+from verify_service.config import EngineConfig
+from verify_service.engine import TargetEngine
+from verify_service.generator import Generator
+
+log = logging.getLogger(__name__)
+SHARD_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    target_dir: str
+    prompts: str
+    out_dir: str
+    draft_vocab: int = 8192
+    steps: int = 1000
+    batch: int = 8
+    lr: float = 3e-4
+    ttt_steps: int = 4
+    max_new_tokens: int = 256
+    num_prompts: int | None = None
+    eval_every: int = 100
+    eval_examples: int = 16
+    seed: int = 0
+    device: str = "auto"
+
+    def __post_init__(self):
+        for name in ("draft_vocab", "steps", "batch", "ttt_steps", "max_new_tokens", "eval_every"):
+            if getattr(self, name) <= 0:
+                raise InvalidRequestError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise InvalidRequestError("lr", f"must be > 0, got {self.lr}")
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, progress: bool = True):
+        self.cfg, self.progress = cfg, progress
+        self.prompts = load_prompts(cfg.prompts, cfg.num_prompts)  # bad input fails before the model loads
+        self.out = Path(cfg.out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.engine = TargetEngine.from_config(EngineConfig(cfg.target_dir, device=cfg.device, dtype="float32",
+                                                            max_num_seqs=cfg.batch, kv_cache_gib=1.0))
+        self.target_raw = read_config_json(cfg.target_dir, "model", UnsupportedModelError)
+        if cfg.draft_vocab > self.engine.model_config.vocab_size:
+            raise InvalidRequestError("draft_vocab", f"{cfg.draft_vocab} exceeds the target vocabulary "
+                                                     f"({self.engine.model_config.vocab_size})")
+
+    def prepare(self) -> list[Example]:
+        gen = Generator(self.engine)
+        return generate_examples(gen, self.prompts, self.out / "examples.jsonl", self.cfg.max_new_tokens,
+                                 batch=self.cfg.batch, seed=self.cfg.seed, progress=self.progress)
+
+    def build_head(self, examples: list[Example]) -> tuple[EagleNet, dict]:
+        counts = token_counts((e.ids[e.answer_start:] for e in examples), self.engine.model_config.vocab_size)
+        d2t, t2d = select_draft_vocab(counts, self.cfg.draft_vocab, self.engine.model_config.eos_token_ids)
+        raw = draft_raw_config(self.target_raw, self.cfg.draft_vocab)
+        raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.engine.model_config.default_capture_layers())}
+        torch.manual_seed(self.cfg.seed)
+        net = EagleNet(DraftConfig.from_hf(raw)).to(self.engine.device)
+        net.d2t.copy_(d2t)
+        net.t2d.copy_(t2d)
+        net.attach_embedding(self.engine.model.model.embed_tokens.weight.detach())
+        net.init_rope(self.engine.max_model_len)
+        return net, raw
+
+    @torch.no_grad()
+    def target_batch(self, batch: list[Example]):
+        """Features [B, T, 3H], logits [B, T, V], ids and answer mask [B, T] (padded with 0)."""
+        eng = self.engine
+        eng.runner.set_capture_layers(eng.model_config.default_capture_layers())
+        chunks = []
+        for i, ex in enumerate(batch):
+            eng.blocks.ensure_capacity(10_000 + i, len(ex.ids))
+            chunks.append(SeqChunk(ex.ids, 0, eng.blocks.block_table(10_000 + i), logits_rows=range(len(ex.ids))))
+        out = eng.runner.step(chunks)
+        for i in range(len(batch)):
+            eng.blocks.free(10_000 + i)
+        T = max(len(ex.ids) for ex in batch)
+        B, V = len(batch), out.logits.shape[-1]
+        feats = out.captured.new_zeros(B, T, out.captured.shape[-1])
+        logits = out.logits.new_zeros(B, T, V)
+        ids = torch.zeros(B, T, dtype=torch.int64, device=eng.device)
+        mask = torch.zeros(B, T, device=eng.device)
+        for i, ex in enumerate(batch):
+            a, b = out.query_start_loc[i], out.query_start_loc[i + 1]
+            feats[i, :b - a], logits[i, :b - a] = out.captured[a:b], out.logits[a:b]
+            ids[i, :b - a] = torch.tensor(ex.ids, device=eng.device)
+            mask[i, ex.answer_start - 1:b - a - 1] = 1.0  # positions whose next token is an answer token
+        return feats, logits, ids, mask
+
+    def train(self) -> Path:
+        examples = self.prepare()
+        held_out, train_set = examples[:self.cfg.eval_examples], examples[self.cfg.eval_examples:] or examples
+        net, raw = self.build_head(examples)
+        self.net = net
+        params = [p for p in net.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=0.0)
+        start = self._resume(net, opt)
+        bar = tqdm(range(start, self.cfg.steps), desc="train", disable=not self.progress, initial=start,
+                   total=self.cfg.steps)
+        batches = iter_batches(train_set, self.cfg.batch, self.cfg.seed, start)
+        for step in bar:
+            feats, logits, ids, mask = self.target_batch(next(batches))
+            loss, stats = ttt_loss(ttt_forward(net, ids, feats, self.cfg.ttt_steps), logits, mask, net.d2t)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{s['acc']:.2f}" for s in stats))
+            if (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps:
+                self.last_eval = self.evaluate(net, held_out)
+                log.info("step %d eval: %s", step + 1, self.last_eval)
+                self._save_state(net, opt, step + 1)
+        return export_head(net, raw, self.out / "head")
+
+    @torch.no_grad()
+    def evaluate(self, net: EagleNet, examples: list[Example]) -> list[dict]:
+        """Per unrolled step: loss and the draft-argmax == target-argmax rate on held-out answers."""
+        feats, logits, ids, mask = self.target_batch(examples)
+        _, stats = ttt_loss(ttt_forward(net, ids, feats, self.cfg.ttt_steps), logits, mask, net.d2t)
+        return stats
+
+    def _save_state(self, net: EagleNet, opt, step: int) -> None:
+        state = {"step": torch.tensor(step), **{f"model.{k}": v for k, v in net.state_dict().items()}}
+        tmp = self.out / "state.pt.tmp"
+        torch.save({"tensors": state, "optimizer": opt.state_dict()}, tmp)
+        tmp.replace(self.out / "state.pt")
+
+    def _resume(self, net: EagleNet, opt) -> int:
+        path = self.out / "state.pt"
+        if not path.is_file():
+            return 0
+        saved = torch.load(path, map_location=self.engine.device, weights_only=True)
+        net.load_state_dict({k.removeprefix("model."): v for k, v in saved["tensors"].items() if k != "step"})
+        opt.load_state_dict(saved["optimizer"])
+        step = int(saved["tensors"]["step"])
+        log.info("resumed from step %d", step)
+        return step
+
+
+def export_head(net: EagleNet, raw_config: dict, out_dir: Path, dtype=torch.float16,
+                shard_bytes: int = SHARD_BYTES) -> Path:
+    """Standard EAGLE-3 names, floating tensors in ``dtype``, safetensors shards of at most
+    ``shard_bytes`` (a single larger tensor gets a shard of its own) with the standard
+    ``model.safetensors.index.json``. The embedding is the target's and is not written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
+             for k, v in net.state_dict().items()}
+    shards, current, size = [], {}, 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    (out_dir / "config.json").write_text(json.dumps({**raw_config, "torch_dtype": str(dtype).removeprefix("torch.")},
+                                                    indent=2))
+    return out_dir
