@@ -106,12 +106,12 @@ class EagleDrafter:
     # --- tree growth -------------------------------------------------------------------------
 
     def _builder(self, settings: TreeSettings):
-        d2t = self.net.d2t
+        d2t, topk = self.net.d2t, self.kernels.draft_topk
         if settings.tree == "static":
-            return StaticTreeBuilder(self.static, d2t)
+            return StaticTreeBuilder(self.static, d2t, topk)
         if settings.tree == "chain":
-            return StaticTreeBuilder(StaticTreeSpec.chain(settings.depth), d2t)
-        return DynamicTreeBuilder(settings.top_k, settings.depth, settings.max_nodes, d2t)
+            return StaticTreeBuilder(StaticTreeSpec.chain(settings.depth), d2t, topk)
+        return DynamicTreeBuilder(settings.top_k, settings.depth, settings.max_nodes, d2t, topk)
 
     def _propose(self, requests: list[ProposeRequest]) -> dict[int, CandidateTree]:
         """One batched tree build per distinct tree shape among the requests."""

@@ -141,7 +141,7 @@ class _PoolBuilder:
     def _level_topk(self, logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k children of every fed node: (target ids, log-probs), each [B, F, k]."""
         lead = logprobs.shape[:-1]
-        ids, lp = draft_topk_ref(logprobs.reshape(-1, logprobs.shape[-1]), k, self._d2t)
+        ids, lp = self._topk(logprobs.reshape(-1, logprobs.shape[-1]), k, self._d2t)
         # Clamp: log-probs are <= 0 in exact maths; keeping them so in float keeps scores
         # monotone along paths, which makes the best-by-score set ancestor-closed.
         return ids.view(*lead, k), lp.clamp(max=0.0).view(*lead, k)
@@ -157,10 +157,11 @@ class DynamicTreeBuilder(_PoolBuilder):
     index), ordered by depth then score, so siblings appear in the draft's rank order.
     """
 
-    def __init__(self, top_k: int, depth: int, max_nodes: int, d2t: torch.Tensor):
+    def __init__(self, top_k: int, depth: int, max_nodes: int, d2t: torch.Tensor, topk=draft_topk_ref):
+        """``topk``: the draft top-k kernel (``KernelSet.draft_topk``; the reference by default)."""
         assert top_k >= 1 and depth >= 1 and max_nodes >= 1, (top_k, depth, max_nodes)
         self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
-        self._d2t = d2t
+        self._d2t, self._topk = d2t, topk
         self._capacity = top_k + (depth - 1) * top_k * top_k
 
     def start(self, logprobs: torch.Tensor) -> Frontier | None:
@@ -205,9 +206,9 @@ class StaticTreeBuilder(_PoolBuilder):
     node (r1, .., rd-1). The pool holds the spec's nodes in spec order; the frontier at depth d
     is the depth-d nodes that have children in the spec (F varies by level, not by sequence)."""
 
-    def __init__(self, spec: StaticTreeSpec, d2t: torch.Tensor):
+    def __init__(self, spec: StaticTreeSpec, d2t: torch.Tensor, topk=draft_topk_ref):
         self.spec = spec
-        self._d2t = d2t
+        self._d2t, self._topk = d2t, topk
 
     def start(self, logprobs: torch.Tensor) -> Frontier | None:
         self.spec.check_vocab(logprobs.shape[-1])
