@@ -66,7 +66,7 @@ class Generator:
         self.drafter, self.spec = drafter, spec
         if drafter is not None:
             engine.runner.set_capture_layers(drafter.capture_layers)
-        extra = spec.node_budget + 1 if spec else 0  # KV slots a tree occupies beyond the sequence
+        extra = max(spec.max_nodes, spec.depth) + 1 if spec else 0  # KV slots any allowed tree may occupy
         self.scheduler = Scheduler(engine.blocks, engine.cfg.max_num_seqs, engine.cfg.max_batch_tokens, extra)
         self.sampler = Sampler(engine.runner.kernels, engine.device)
         self.speculator = Speculator(engine, self.sampler)
