@@ -160,3 +160,13 @@ def test_malformed_trees_fall_back_to_plain_decoding(dirs, tmp_path, mode):
         assert "REJECTED" in s.draft.log()  # the draft was told why
     finally:
         s.close()
+
+
+def test_per_request_speculation_settings(stack, dirs):
+    want = expected(dirs[1], [PROMPTS[2]], [12])[0]
+    off = stack.client.complete(PROMPTS[2], max_tokens=12, ignore_eos=True, speculate=False)
+    chain = stack.client.complete(PROMPTS[2], max_tokens=12, ignore_eos=True, tree="chain", depth=2)
+    assert off.token_ids == chain.token_ids == want
+    assert not off.speculation["speculated"]
+    s = chain.speculation
+    assert s["speculated"] and s["draft_tokens"] <= 2 * s["steps"]  # chains of at most 2 nodes

@@ -56,3 +56,15 @@ def test_cli_with_a_draft_prints_speculation_metrics(dirs, capsys):
 def test_cli_rejects_a_bad_tree_setting_before_loading(dirs, capsys):
     assert main(["generate", "--draft", str(dirs[1]), "--tree-depth", "0", "hi"]) == 2
     assert "depth: must be an integer in [1, 32]" in capsys.readouterr().err
+
+
+def test_stop_string_with_speculation(dirs):
+    """A stop string ends a speculative generation exactly where it ends target-only generation."""
+    model_dir, head = dirs
+    base = build_generator(engine_cfg(model_dir))
+    ids = base.engine.encode(messages=[{"role": "user", "content": QUESTIONS[0]}])
+    params = SamplingParams(max_tokens=40, stop=("Paris",))
+    want = base.generate([ids], params)[0]
+    got = build_generator(engine_cfg(model_dir), SpecConfig(str(head), tree="chain", depth=4)).generate([ids], params)[0]
+    assert got.text == want.text and got.token_ids == want.token_ids and got.finish_reason == "stop"
+    assert "Paris" not in got.text

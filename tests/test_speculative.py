@@ -113,3 +113,29 @@ def test_speculative_sampling_matches_the_target_distribution(model_dir, tmp_pat
     tv_wrong = 0.5 * (freq - torch.softmax(logits / 0.5, -1).double()).abs().sum().item()
     # observed: about 0.08 from sampling noise; sampling at the wrong temperature gives about 0.35
     assert len(second) > 500 and tv < 0.15 < tv_wrong, (len(second), tv, tv_wrong)
+
+
+@pytest.mark.slow
+def test_stop_string_completed_inside_an_accepted_path(tmp_path):
+    """With an always-right draft, the stop string's last token sits mid-commit; text and
+    tokens are cut exactly where target-only decoding cuts them."""
+    import shutil
+
+    from common.default_model import ensure_default_model
+    smol = ensure_default_model(progress=False)
+    model = make_model_dir(tmp_path / "m", "smollm2", seed=3, std=0.8, vocab_size=49152, eos_token_id=2)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smol / f, model / f)
+    prompt = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+    free = Generator(engine_for(model)).generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    engine = engine_for(model)
+    # Completed by the 10th token: steps commit 5 tokens (4 accepted + bonus) after the first,
+    # so it is the 4th of the second step's commit and the 5th must be dropped.
+    stop = engine.tokenizer.decode(free.token_ids[8:10])
+    assert stop.strip(), "the chosen tokens must render as text"
+    params = SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,))
+    want = Generator(engine_for(model)).generate([prompt], params)[0]
+    gen, _ = spec_generator(model, tmp_path, depth=4)
+    got = gen.generate([prompt], params)[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
+    assert got.spec.tau > 1.0 and stop not in got.text and len(got.token_ids) == 10
