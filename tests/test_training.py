@@ -136,3 +136,17 @@ def test_bad_training_inputs(tiny_with_tokenizer, tmp_path):
         Trainer(train_cfg(model, prompts, tmp_path / "o", draft_vocab=100_000), progress=False)
     with pytest.raises(InvalidRequestError, match="steps"):
         train_cfg(model, prompts, tmp_path / "o", steps=0)
+
+
+@pytest.mark.slow
+def test_time_limit_stops_with_state_and_the_same_command_resumes(tiny_with_tokenizer, tmp_path):
+    model, prompts = tiny_with_tokenizer
+    assert Trainer(train_cfg(model, prompts, tmp_path, time_limit_s=0.0), progress=False).train() is None
+    assert not (tmp_path / "examples.jsonl").exists() or not (tmp_path / "examples.jsonl").read_text()
+    partial = Trainer(train_cfg(model, prompts, tmp_path, steps=10, time_limit_s=None), progress=False)
+    assert partial.train() is not None
+    saved = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert int(saved["tensors"]["step"]) == 10
+    longer = Trainer(train_cfg(model, prompts, tmp_path, steps=14), progress=False)
+    assert longer.train() is not None  # resumed at 10, ran 4 more
+    assert int(torch.load(tmp_path / "state.pt", weights_only=True)["tensors"]["step"]) == 14

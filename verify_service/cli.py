@@ -117,6 +117,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gen-batch", type=int, default=64, help="prompts answered together while distilling")
+    p.add_argument("--time-limit-s", type=float, default=None,
+                   help="stop after this long with state saved; the same command resumes")
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -126,8 +129,10 @@ def _train(args: argparse.Namespace) -> None:
     cfg = TrainConfig(args.target or str(ensure_default_model()), args.prompts, args.out,
                       draft_vocab=args.draft_vocab, steps=args.steps, batch=args.batch, lr=args.lr,
                       ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
-                      eval_every=args.eval_every, seed=args.seed, device=args.device)
-    print(Trainer(cfg).train())
+                      eval_every=args.eval_every, seed=args.seed, device=args.device, gen_batch=args.gen_batch,
+                      time_limit_s=args.time_limit_s)
+    head = Trainer(cfg).train()
+    print(head if head is not None else f"stopped by the time limit; run the same command to resume ({args.out})")
 
 
 def _add_up_args(p: argparse.ArgumentParser) -> None:

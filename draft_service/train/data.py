@@ -8,6 +8,7 @@ target engine for every batch (cheap next to generation, and no terabytes of fea
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -46,26 +47,37 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
 
 
 def read_examples(path: Path) -> list[Example]:
+    """Every line of an examples file, skipped prompts (empty ``ids``) included."""
     if not path.is_file():
         return []
     return [Example(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
 def generate_examples(gen: Generator, prompts: list[str], out_path: Path, max_new_tokens: int,
-                      batch: int = 16, sampled_every: int = 2, seed: int = 0, progress: bool = True) -> list[Example]:
-    """Answer every prompt not yet in ``out_path`` (greedy, and sampled at temperature 0.7 for
-    every ``sampled_every``-th prompt) and append the examples; returns all of them."""
+                      batch: int = 64, sampled_every: int = 2, seed: int = 0, progress: bool = True,
+                      max_prompt_tokens: int = 1024, deadline: float | None = None) -> list[Example]:
+    """Answer the prompts not yet in ``out_path`` (greedy, and sampled at temperature 0.7 for
+    every ``sampled_every``-th prompt), appending one line per prompt; returns every line.
+
+    A prompt longer than ``max_prompt_tokens`` is recorded as skipped (empty ids), so line n
+    always belongs to prompt n. Stops between batches once ``deadline`` (time.monotonic())
+    passes; the caller sees fewer lines than prompts and runs again to continue.
+    """
     done = read_examples(out_path)
     todo = list(enumerate(prompts))[len(done):]
     bar = tqdm(total=len(prompts), initial=len(done), desc="answers", disable=not progress)
     with out_path.open("a") as f:
         for i in range(0, len(todo), batch):
+            if deadline is not None and time.monotonic() > deadline:
+                break
             chunk = todo[i:i + batch]
-            ids = [gen.engine.encode(messages=[{"role": "user", "content": q}]) for _, q in chunk]
-            params = [SamplingParams(max_tokens=max_new_tokens, temperature=0.7 if k % sampled_every else 0.0,
-                                     seed=seed + k) for k, _ in chunk]
-            for prompt, result in zip(ids, gen.generate(ids, params)):
-                ex = Example(prompt + result.token_ids, len(prompt))
+            encoded = [gen.engine.encode(messages=[{"role": "user", "content": q}]) for _, q in chunk]
+            keep = [j for j, ids in enumerate(encoded) if len(ids) <= max_prompt_tokens]
+            params = [SamplingParams(max_tokens=max_new_tokens, temperature=0.7 if chunk[j][0] % sampled_every else 0.0,
+                                     seed=seed + chunk[j][0]) for j in keep]
+            results = dict(zip(keep, gen.generate([encoded[j] for j in keep], params))) if keep else {}
+            for j, ids in enumerate(encoded):
+                ex = Example(ids + results[j].token_ids, len(ids)) if j in results else Example([], 0)
                 f.write(json.dumps({"ids": ex.ids, "answer_start": ex.answer_start}) + "\n")
                 done.append(ex)
             f.flush()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,9 +51,11 @@ class TrainConfig:
     eval_examples: int = 16
     seed: int = 0
     device: str = "auto"
+    gen_batch: int = 64  # prompts answered together while distilling
+    time_limit_s: float | None = None  # stop (state saved) after this long; run again to resume
 
     def __post_init__(self):
-        for name in ("draft_vocab", "steps", "batch", "ttt_steps", "max_new_tokens", "eval_every"):
+        for name in ("draft_vocab", "steps", "batch", "ttt_steps", "max_new_tokens", "eval_every", "gen_batch"):
             if getattr(self, name) <= 0:
                 raise InvalidRequestError(name, f"must be > 0, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -62,20 +65,28 @@ class TrainConfig:
 class Trainer:
     def __init__(self, cfg: TrainConfig, progress: bool = True):
         self.cfg, self.progress = cfg, progress
+        self.deadline = None if cfg.time_limit_s is None else time.monotonic() + cfg.time_limit_s
         self.prompts = load_prompts(cfg.prompts, cfg.num_prompts)  # bad input fails before the model loads
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.engine = TargetEngine.from_config(EngineConfig(cfg.target_dir, device=cfg.device, dtype="float32",
-                                                            max_num_seqs=cfg.batch, kv_cache_gib=1.0))
+                                                            max_num_seqs=max(cfg.batch, cfg.gen_batch)))
         self.target_raw = read_config_json(cfg.target_dir, "model", UnsupportedModelError)
         if cfg.draft_vocab > self.engine.model_config.vocab_size:
             raise InvalidRequestError("draft_vocab", f"{cfg.draft_vocab} exceeds the target vocabulary "
                                                      f"({self.engine.model_config.vocab_size})")
 
-    def prepare(self) -> list[Example]:
+    def prepare(self) -> list[Example] | None:
+        """The distilled examples, or None when the time limit stopped generation first."""
         gen = Generator(self.engine)
-        return generate_examples(gen, self.prompts, self.out / "examples.jsonl", self.cfg.max_new_tokens,
-                                 batch=self.cfg.batch, seed=self.cfg.seed, progress=self.progress)
+        lines = generate_examples(gen, self.prompts, self.out / "examples.jsonl", self.cfg.max_new_tokens,
+                                  batch=self.cfg.gen_batch, seed=self.cfg.seed, progress=self.progress,
+                                  deadline=self.deadline)
+        if len(lines) < len(self.prompts):
+            log.warning("answered %d of %d prompts before the time limit; run again to continue",
+                        len(lines), len(self.prompts))
+            return None
+        return [e for e in lines if len(e.ids) > e.answer_start]
 
     def build_head(self, examples: list[Example]) -> tuple[EagleNet, dict]:
         counts = token_counts((e.ids[e.answer_start:] for e in examples), self.engine.model_config.vocab_size)
@@ -115,8 +126,12 @@ class Trainer:
             mask[i, ex.answer_start - 1:b - a - 1] = 1.0  # positions whose next token is an answer token
         return feats, logits, ids, mask
 
-    def train(self) -> Path:
+    def train(self) -> Path | None:
+        """Run (or resume) to ``steps``; returns the exported head, or None if the time limit
+        stopped the run first (state saved: run the same command again)."""
         examples = self.prepare()
+        if examples is None:
+            return None
         held_out, train_set = examples[:self.cfg.eval_examples], examples[self.cfg.eval_examples:] or examples
         net, raw = self.build_head(examples)
         self.net = net
@@ -127,6 +142,11 @@ class Trainer:
                    total=self.cfg.steps)
         batches = iter_batches(train_set, self.cfg.batch, self.cfg.seed, start)
         for step in bar:
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                self._save_state(net, opt, step)
+                log.warning("time limit reached at step %d of %d; state saved, run again to resume",
+                            step, self.cfg.steps)
+                return None
             feats, logits, ids, mask = self.target_batch(next(batches))
             loss, stats = ttt_loss(ttt_forward(net, ids, feats, self.cfg.ttt_steps), logits, mask, net.d2t)
             opt.zero_grad(set_to_none=True)
