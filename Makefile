@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU machines: torch 2.13.0 (CPU build). GPU hosts may override, e.g. TORCH_SPEC="torch>=2.5".
 TORCH_SPEC ?= torch==2.13.0
+# GPU hosts add cupy for the CUDA IPC buffers: EXTRAS=test,cuda12 (or cuda13).
+EXTRAS ?= test
 PROMPT ?= What is the capital of France?
 
 .PHONY: install demo test
@@ -13,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
 install: $(VENV)/.installed
