@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,23 +26,7 @@ from common.sampling_params import SamplingParams  # noqa: E402
 from draft_service.eagle_init import write_random_head  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
 from verify_service.inprocess import build_generator  # noqa: E402
-
-
-def start(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "verify_service.cli", *args], stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)
-
-
-def wait(client: Eagle3Client, service: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if client.health(service) == "SERVING":
-                return
-        except Exception:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"{service or 'verify'} not healthy")
+from verify_service.up import spawn, wait_healthy  # noqa: E402
 
 
 def main() -> None:
@@ -76,16 +59,16 @@ def main() -> None:
 
     public, internal = f"unix:{tmp}/public.sock", f"unix:{tmp}/draft.sock"
     common = ["--device", args.device]
-    verify = start(["serve-verify", "--model", model, "--listen", public, "--internal", internal, "--dtype",
+    verify = spawn(["serve-verify", "--model", model, "--listen", public, "--internal", internal, "--dtype",
                     args.dtype, "--max-model-len", "4096", "--max-num-seqs", "8", "--tree", tree,
                     "--tree-depth", depth, *common], tmp / "verify.log")
     draft = None
     try:
         client = Eagle3Client(public, timeout_s=600)
-        wait(client, "")
-        draft = start(["serve-draft", "--draft", head, "--verify", internal, "--listen", f"unix:{tmp}/dh.sock",
+        wait_healthy(client, "", verify, "verify service")
+        draft = spawn(["serve-draft", "--draft", head, "--verify", internal, "--listen", f"unix:{tmp}/dh.sock",
                        "--tree", tree, "--tree-depth", depth, *common], tmp / "draft.log")
-        wait(client, "eagle3.speculation")
+        wait_healthy(client, "eagle3.speculation", draft, "draft service")
         client.complete(prompts[0], max_tokens=8)  # warm-up
         rows, start_t = [], time.perf_counter()
         for p in prompts:

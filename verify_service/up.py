@@ -18,11 +18,16 @@ from common.client import Eagle3Client
 from common.default_model import ensure_default_model
 
 
-def _spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "verify_service.cli", *args])
+def spawn(args: list[str], log: Path | None = None) -> subprocess.Popen:
+    """``eagle3 ARGS`` as a child process (output to ``log`` when given)."""
+    out = open(log, "w") if log is not None else None
+    return subprocess.Popen([sys.executable, "-m", "verify_service.cli", *args], stdout=out,
+                            stderr=subprocess.STDOUT if out else None)
 
 
-def _wait(client: Eagle3Client, service: str, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
+def wait_healthy(client: Eagle3Client, service: str, proc: subprocess.Popen, what: str,
+                 timeout_s: float = 300) -> None:
+    """Poll ``service``'s health until SERVING; exit with a clear message if ``proc`` dies first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -40,15 +45,15 @@ def up(args: argparse.Namespace) -> int:
     model = str(ensure_default_model())
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="eagle3-"))
     internal = f"unix:{run_dir}/draft.sock"
-    procs = [_spawn(["serve-verify", "--model", model, "--listen", args.listen, "--internal", internal,
+    procs = [spawn(["serve-verify", "--model", model, "--listen", args.listen, "--internal", internal,
                      "--device", args.device])]
     try:
         with Eagle3Client(args.listen, timeout_s=600) as client:
-            _wait(client, "", procs[0], "verify service")
+            wait_healthy(client, "", procs[0], "verify service")
             if args.draft:
-                procs.append(_spawn(["serve-draft", "--draft", args.draft, "--verify", internal,
+                procs.append(spawn(["serve-draft", "--draft", args.draft, "--verify", internal,
                                      "--listen", f"unix:{run_dir}/draft-health.sock", "--device", args.device]))
-                _wait(client, "eagle3.speculation", procs[1], "draft service")
+                wait_healthy(client, "eagle3.speculation", procs[1], "draft service")
                 print("[verify + draft services healthy; speculating]", file=sys.stderr)
             else:
                 print("[verify service healthy; no draft head given (--draft DIR): decoding one token per "

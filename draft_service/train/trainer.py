@@ -107,12 +107,12 @@ class Trainer:
         eng = self.engine
         eng.runner.set_capture_layers(eng.model_config.default_capture_layers())
         chunks = []
-        for i, ex in enumerate(batch):
-            eng.blocks.ensure_capacity(10_000 + i, len(ex.ids))
-            chunks.append(SeqChunk(ex.ids, 0, eng.blocks.block_table(10_000 + i), logits_rows=range(len(ex.ids))))
+        for i, ex in enumerate(batch):  # negative ids: never a Generator's sequence
+            eng.blocks.ensure_capacity(-1 - i, len(ex.ids))
+            chunks.append(SeqChunk(ex.ids, 0, eng.blocks.block_table(-1 - i), logits_rows=range(len(ex.ids))))
         out = eng.runner.step(chunks)
         for i in range(len(batch)):
-            eng.blocks.free(10_000 + i)
+            eng.blocks.free(-1 - i)
         T = max(len(ex.ids) for ex in batch)
         B, V = len(batch), out.logits.shape[-1]
         feats = out.captured.new_zeros(B, T, out.captured.shape[-1])
