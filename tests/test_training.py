@@ -150,3 +150,14 @@ def test_time_limit_stops_with_state_and_the_same_command_resumes(tiny_with_toke
     longer = Trainer(train_cfg(model, prompts, tmp_path, steps=14), progress=False)
     assert longer.train() is not None  # resumed at 10, ran 4 more
     assert int(torch.load(tmp_path / "state.pt", weights_only=True)["tensors"]["step"]) == 14
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth(tiny_with_tokenizer, tmp_path):
+    model, prompts = tiny_with_tokenizer
+    cfg = train_cfg(model, prompts, tmp_path, steps=100, lr=1e-3, warmup_steps=10)
+    lrs = [cfg.lr_at(s) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # non-increasing after warm-up
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.01)
+    with pytest.raises(InvalidRequestError, match="warmup_steps"):
+        train_cfg(model, prompts, tmp_path, steps=10, warmup_steps=10)

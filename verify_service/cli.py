@@ -120,6 +120,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-batch", type=int, default=64, help="prompts answered together while distilling")
     p.add_argument("--time-limit-s", type=float, default=None,
                    help="stop after this long with state saved; the same command resumes")
+    p.add_argument("--dtype", default="auto", help="the target's dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="the target's KV cache (default: 16 on CUDA)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default: 5%% of --steps)")
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -130,7 +133,8 @@ def _train(args: argparse.Namespace) -> None:
                       draft_vocab=args.draft_vocab, steps=args.steps, batch=args.batch, lr=args.lr,
                       ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
                       eval_every=args.eval_every, seed=args.seed, device=args.device, gen_batch=args.gen_batch,
-                      time_limit_s=args.time_limit_s)
+                      time_limit_s=args.time_limit_s, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
+                      warmup_steps=args.warmup_steps)
     head = Trainer(cfg).train()
     print(head if head is not None else f"stopped by the time limit; run the same command to resume ({args.out})")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from common.config import read_config_json
+from common.config import ModelConfig, read_config_json
 from common.errors import InvalidRequestError, UnsupportedModelError
 from common.step_layout import SeqChunk
 from draft_service.eagle_config import DraftConfig
@@ -33,6 +34,7 @@ from verify_service.generator import Generator
 
 log = logging.getLogger(__name__)
 SHARD_BYTES = 16 << 20
+MAX_PROMPT_TOKENS = 1024  # longer training prompts are skipped
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,9 @@ class TrainConfig:
     device: str = "auto"
     gen_batch: int = 64  # prompts answered together while distilling
     time_limit_s: float | None = None  # stop (state saved) after this long; run again to resume
+    dtype: str = "auto"  # the target's dtype while distilling and for features: bfloat16 on CUDA
+    kv_cache_gib: float | None = None  # the target's KV cache: 16 GiB on CUDA (room left to train)
+    warmup_steps: int | None = None  # linear warm-up, then cosine decay to lr/10; None: 5% of steps
 
     def __post_init__(self):
         for name in ("draft_vocab", "steps", "batch", "ttt_steps", "max_new_tokens", "eval_every", "gen_batch"):
@@ -60,6 +65,16 @@ class TrainConfig:
                 raise InvalidRequestError(name, f"must be > 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise InvalidRequestError("lr", f"must be > 0, got {self.lr}")
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
+            raise InvalidRequestError("warmup_steps", f"must be in [0, steps), got {self.warmup_steps}")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of ``step``: linear warm-up, then cosine decay to a tenth."""
+        warmup = self.warmup_steps if self.warmup_steps is not None else self.steps // 20
+        if step < warmup:
+            return self.lr * (step + 1) / warmup
+        done = (step - warmup) / max(1, self.steps - warmup)
+        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
 
 
 class Trainer:
@@ -69,8 +84,15 @@ class Trainer:
         self.prompts = load_prompts(cfg.prompts, cfg.num_prompts)  # bad input fails before the model loads
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.engine = TargetEngine.from_config(EngineConfig(cfg.target_dir, device=cfg.device, dtype="float32",
-                                                            max_num_seqs=max(cfg.batch, cfg.gen_batch)))
+        device = EngineConfig(cfg.target_dir, device=cfg.device).torch_device()
+        kv_gib = cfg.kv_cache_gib if cfg.kv_cache_gib is not None else (16.0 if device.type == "cuda" else None)
+        self.engine = TargetEngine.from_config(EngineConfig(
+            cfg.target_dir, device=cfg.device, dtype=cfg.dtype, kv_cache_gib=kv_gib,
+            max_model_len=min(MAX_PROMPT_TOKENS + cfg.max_new_tokens + 1,
+                              ModelConfig.from_dir(cfg.target_dir).max_position_embeddings),
+            max_num_seqs=max(cfg.batch, cfg.gen_batch), max_batch_tokens=max(2048, 2 * cfg.gen_batch)))
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True  # the head trains in float32 on tensor cores
         self.target_raw = read_config_json(cfg.target_dir, "model", UnsupportedModelError)
         if cfg.draft_vocab > self.engine.model_config.vocab_size:
             raise InvalidRequestError("draft_vocab", f"{cfg.draft_vocab} exceeds the target vocabulary "
@@ -81,7 +103,7 @@ class Trainer:
         gen = Generator(self.engine)
         lines = generate_examples(gen, self.prompts, self.out / "examples.jsonl", self.cfg.max_new_tokens,
                                   batch=self.cfg.gen_batch, seed=self.cfg.seed, progress=self.progress,
-                                  deadline=self.deadline)
+                                  max_prompt_tokens=self.engine.max_model_len - self.cfg.max_new_tokens, deadline=self.deadline)
         if len(lines) < len(self.prompts):
             log.warning("answered %d of %d prompts before the time limit; run again to continue",
                         len(lines), len(self.prompts))
@@ -102,8 +124,9 @@ class Trainer:
         return net, raw
 
     @torch.no_grad()
-    def target_batch(self, batch: list[Example]):
-        """Features [B, T, 3H], logits [B, T, V], ids and answer mask [B, T] (padded with 0)."""
+    def target_batch(self, batch: list[Example], d2t: torch.Tensor):
+        """Features [B, T, 3H] and the target's logits over the draft vocabulary [B, T, Vd]
+        (both float32), ids and answer mask [B, T]; padded with 0."""
         eng = self.engine
         eng.runner.set_capture_layers(eng.model_config.default_capture_layers())
         chunks = []
@@ -113,15 +136,17 @@ class Trainer:
         out = eng.runner.step(chunks)
         for i in range(len(batch)):
             eng.blocks.free(-1 - i)
+        vocab_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t  # target id of each draft id
+        flat_logits = out.logits.index_select(-1, vocab_ids).float()  # (N, Vd): the full V never padded
         T = max(len(ex.ids) for ex in batch)
-        B, V = len(batch), out.logits.shape[-1]
-        feats = out.captured.new_zeros(B, T, out.captured.shape[-1])
-        logits = out.logits.new_zeros(B, T, V)
+        B = len(batch)
+        feats = torch.zeros(B, T, out.captured.shape[-1], device=eng.device)
+        logits = torch.zeros(B, T, flat_logits.shape[-1], device=eng.device)
         ids = torch.zeros(B, T, dtype=torch.int64, device=eng.device)
         mask = torch.zeros(B, T, device=eng.device)
         for i, ex in enumerate(batch):
             a, b = out.query_start_loc[i], out.query_start_loc[i + 1]
-            feats[i, :b - a], logits[i, :b - a] = out.captured[a:b], out.logits[a:b]
+            feats[i, :b - a], logits[i, :b - a] = out.captured[a:b], flat_logits[a:b]
             ids[i, :b - a] = torch.tensor(ex.ids, device=eng.device)
             mask[i, ex.answer_start - 1:b - a - 1] = 1.0  # positions whose next token is an answer token
         return feats, logits, ids, mask
@@ -147,13 +172,16 @@ class Trainer:
                 log.warning("time limit reached at step %d of %d; state saved, run again to resume",
                             step, self.cfg.steps)
                 return None
-            feats, logits, ids, mask = self.target_batch(next(batches))
-            loss, stats = ttt_loss(ttt_forward(net, ids, feats, self.cfg.ttt_steps), logits, mask, net.d2t)
+            for group in opt.param_groups:
+                group["lr"] = self.cfg.lr_at(step)
+            feats, logits, ids, mask = self.target_batch(next(batches), net.d2t)
+            loss, stats = ttt_loss(ttt_forward(net, ids, feats, self.cfg.ttt_steps), logits, mask)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{s['acc']:.2f}" for s in stats))
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{s['acc']:.2f}" for s in stats),
+                            lr=f"{self.cfg.lr_at(step):.1e}")
             if (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps:
                 self.last_eval = self.evaluate(net, held_out)
                 log.info("step %d eval: %s", step + 1, self.last_eval)
@@ -162,9 +190,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, net: EagleNet, examples: list[Example]) -> list[dict]:
-        """Per unrolled step: loss and the draft-argmax == target-argmax rate on held-out answers."""
-        feats, logits, ids, mask = self.target_batch(examples)
-        _, stats = ttt_loss(ttt_forward(net, ids, feats, self.cfg.ttt_steps), logits, mask, net.d2t)
+        """Per unrolled step: loss and the draft-argmax == target-argmax rate on held-out answers
+        (in batches of ``batch``, weighted by answer tokens)."""
+        stats = []
+        for i in range(0, len(examples), self.cfg.batch):
+            feats, logits, ids, mask = self.target_batch(examples[i:i + self.cfg.batch], net.d2t)
+            _, part = ttt_loss(ttt_forward(net, ids, feats, self.cfg.ttt_steps), logits, mask)
+            stats.append((float(mask.sum()), part))
+        total = sum(n for n, _ in stats)
+        return [{key: sum(n * part[s][key] for n, part in stats if s < len(part)) / total for key in ("loss", "acc")}
+                for s in range(len(stats[0][1]))]
         return stats
 
     def _save_state(self, net: EagleNet, opt, step: int) -> None:

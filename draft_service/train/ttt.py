@@ -86,31 +86,33 @@ def ttt_forward(net: EagleNet, input_ids: torch.Tensor, features: torch.Tensor, 
     return TTTOutput(logits)
 
 
-def ttt_loss(out: TTTOutput, target_logits: torch.Tensor, loss_mask: torch.Tensor, d2t: torch.Tensor,
+def ttt_loss(out: TTTOutput, target_logits: torch.Tensor, loss_mask: torch.Tensor,
              step_weights: list[float] | None = None) -> tuple[torch.Tensor, list[dict]]:
     """Soft cross-entropy against the target's distribution restricted to the draft vocabulary.
 
-    target_logits [B, T, V]: position p predicts x_{p+1}; step s row i is compared with the
+    target_logits [B, T, Vd]: the target's logits at the draft vocabulary's target ids
+    (column j is target id j + d2t[j]); position p predicts x_{p+1}; step s row i is compared with the
     target at p = i + 1 + s. loss_mask [B, T] marks positions whose prediction is trained
     (the answer). Returns the loss and, per step, {"loss", "acc"} where acc is the share of
     rows whose draft argmax equals the target's argmax (within the draft vocabulary).
     """
     T = target_logits.shape[1]
-    vocab_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t  # target id of each draft id
     weights = step_weights or [0.8 ** s for s in range(len(out.logits))]  # later steps matter less
-    total, stats = 0.0, []
+    probs = target_logits.float().softmax(dim=-1)  # once for every step: step s uses rows 1+s..
+    best = target_logits.argmax(dim=-1)
+    total, per_step = 0.0, []
     for s, logits in enumerate(out.logits):
         n = T - 1 - s  # rows i with i + 1 + s <= T - 1
         if n <= 0:
             break
-        tgt = target_logits[:, 1 + s:, :].index_select(-1, vocab_ids).float()  # (B, n, Vd)
-        p = tgt.softmax(dim=-1)
+        p = probs[:, 1 + s:]  # (B, n, Vd)
         logq = logits[:, :n].log_softmax(dim=-1)
         mask = loss_mask[:, 1 + s:].float()
         ce = -(p * logq).sum(-1)  # (B, n)
         denom = mask.sum().clamp(min=1.0)
         step_loss = (ce * mask).sum() / denom
-        acc = ((logits[:, :n].argmax(-1) == tgt.argmax(-1)).float() * mask).sum() / denom
+        acc = ((logits[:, :n].argmax(-1) == best[:, 1 + s:]).float() * mask).sum() / denom
         total = total + weights[s] * step_loss
-        stats.append({"loss": step_loss.item(), "acc": acc.item()})
-    return total, stats
+        per_step.append(torch.stack((step_loss.detach(), acc)))
+    values = torch.stack(per_step).tolist() if per_step else []  # one device sync for all steps
+    return total, [{"loss": loss, "acc": acc} for loss, acc in values]
