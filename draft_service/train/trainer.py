@@ -169,8 +169,9 @@ class Trainer:
         for step in bar:
             if self.deadline is not None and time.monotonic() > self.deadline:
                 self._save_state(net, opt, step)
-                log.warning("time limit reached at step %d of %d; state saved, run again to resume",
-                            step, self.cfg.steps)
+                export_head(net, raw, self.out / "head")  # the latest weights, usable meanwhile
+                log.warning("time limit reached at step %d of %d; state saved and head/ exported, "
+                            "run again to resume", step, self.cfg.steps)
                 return None
             for group in opt.param_groups:
                 group["lr"] = self.cfg.lr_at(step)
