@@ -34,7 +34,6 @@ from verify_service.generator import Generator
 
 log = logging.getLogger(__name__)
 SHARD_BYTES = 16 << 20
-MAX_PROMPT_TOKENS = 1024  # longer training prompts are skipped
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +56,12 @@ class TrainConfig:
     time_limit_s: float | None = None  # stop (state saved) after this long; run again to resume
     dtype: str = "auto"  # the target's dtype while distilling and for features: bfloat16 on CUDA
     kv_cache_gib: float | None = None  # the target's KV cache: 16 GiB on CUDA (room left to train)
+    max_prompt_tokens: int = 512  # longer training prompts are skipped (bounds the unroll's T x T scores)
     warmup_steps: int | None = None  # linear warm-up, then cosine decay to lr/10; None: 5% of steps
 
     def __post_init__(self):
-        for name in ("draft_vocab", "steps", "batch", "ttt_steps", "max_new_tokens", "eval_every", "gen_batch"):
+        for name in ("draft_vocab", "steps", "batch", "ttt_steps", "max_new_tokens", "eval_every", "gen_batch",
+                     "max_prompt_tokens"):
             if getattr(self, name) <= 0:
                 raise InvalidRequestError(name, f"must be > 0, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -88,7 +89,7 @@ class Trainer:
         kv_gib = cfg.kv_cache_gib if cfg.kv_cache_gib is not None else (16.0 if device.type == "cuda" else None)
         self.engine = TargetEngine.from_config(EngineConfig(
             cfg.target_dir, device=cfg.device, dtype=cfg.dtype, kv_cache_gib=kv_gib,
-            max_model_len=min(MAX_PROMPT_TOKENS + cfg.max_new_tokens + 1,
+            max_model_len=min(cfg.max_prompt_tokens + cfg.max_new_tokens + 1,
                               ModelConfig.from_dir(cfg.target_dir).max_position_embeddings),
             max_num_seqs=max(cfg.batch, cfg.gen_batch), max_batch_tokens=max(2048, 2 * cfg.gen_batch)))
         if device.type == "cuda":
