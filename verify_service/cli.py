@@ -125,6 +125,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer training prompts are skipped")
     p.add_argument("--generate-only", action="store_true",
                    help="only distil (answer the prompts into OUT/examples.jsonl), then stop")
+    p.add_argument("--init-head", default=None, help="start from this head's weights and vocabulary")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default: 5%% of --steps)")
 
 
@@ -137,7 +138,8 @@ def _train(args: argparse.Namespace) -> None:
                       ttt_steps=args.ttt_steps, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
                       eval_every=args.eval_every, seed=args.seed, device=args.device, gen_batch=args.gen_batch,
                       time_limit_s=args.time_limit_s, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
-                      warmup_steps=args.warmup_steps, max_prompt_tokens=args.max_prompt_tokens)
+                      warmup_steps=args.warmup_steps, max_prompt_tokens=args.max_prompt_tokens,
+                      init_head=args.init_head)
     if args.generate_only:
         examples = Trainer(cfg).prepare()
         print(f"{len(examples)} examples in {args.out}/examples.jsonl" if examples is not None

@@ -24,6 +24,7 @@ from common.errors import InvalidRequestError, UnsupportedModelError
 from common.step_layout import SeqChunk
 from draft_service.eagle_config import DraftConfig
 from draft_service.eagle_init import draft_raw_config
+from draft_service.eagle_loader import load_eagle
 from draft_service.eagle_net import EagleNet
 from draft_service.train.data import Example, generate_examples, iter_batches, load_prompts
 from draft_service.train.ttt import ttt_forward, ttt_loss
@@ -57,6 +58,7 @@ class TrainConfig:
     dtype: str = "auto"  # the target's dtype while distilling and for features: bfloat16 on CUDA
     kv_cache_gib: float | None = None  # the target's KV cache: 16 GiB on CUDA (room left to train)
     max_prompt_tokens: int = 512  # longer training prompts are skipped (bounds the unroll's T x T scores)
+    init_head: str | None = None  # start from this head's weights and vocabulary (fine-tuning)
     warmup_steps: int | None = None  # linear warm-up, then cosine decay to lr/10; None: 5% of steps
 
     def __post_init__(self):
@@ -121,7 +123,14 @@ class Trainer:
         net.d2t.copy_(d2t)
         net.t2d.copy_(t2d)
         net.attach_embedding(self.engine.model.model.embed_tokens.weight.detach())
-        net.init_rope(self.engine.max_model_len)
+        net.init_rope(self.engine.max_model_len + self.cfg.ttt_steps)  # unrolled steps sit past the rows
+        if self.cfg.init_head is not None:
+            start = load_eagle(self.cfg.init_head, self.engine.model_config, net.embed_weight, torch.float32,
+                               self.engine.device, self.engine.max_model_len)
+            if start.config.draft_vocab_size != self.cfg.draft_vocab:
+                raise InvalidRequestError("init_head", f"{self.cfg.init_head} drafts {start.config.draft_vocab_size} "
+                                                       f"tokens, not --draft-vocab {self.cfg.draft_vocab}")
+            net.load_state_dict(start.state_dict())  # its weights and its vocabulary maps
         return net, raw
 
     @torch.no_grad()
