@@ -3,7 +3,7 @@
 #
 #   docker build -t eagle3-serve .
 #   docker run --gpus all eagle3-serve serve-verify --listen 0.0.0.0:50051 --device cuda:0 ...
-#   docker run --gpus all eagle3-serve serve-draft --draft /drafts/head --device cuda:0 ...
+#   docker run --gpus all eagle3-serve serve-draft --device cuda:0 ...   (the shipped head; --draft DIR for another)
 #
 # Base: PyTorch's official runtime image, which already carries a CUDA 12 build of torch,
 # the CUDA runtime libraries and cuDNN (Ubuntu 22.04, Python 3.11 under /opt/conda). Building

@@ -7,6 +7,13 @@ from pathlib import Path
 
 from common.errors import InvalidRequestError, ModelNotFoundError
 
+DEFAULT_DRAFT = "default"  # the EAGLE-3 head shipped for the embedded default target
+
+
+def default_draft_dir() -> Path:
+    """The shipped head for SmolLM2-135M-Instruct (``draft_service/heads/``, in the package)."""
+    return Path(__file__).resolve().parent.parent / "draft_service" / "heads" / "smollm2-135m-instruct"
+
 TREE_KINDS = ("dynamic", "static", "chain")
 MAX_DEPTH = 32
 MAX_TOP_K = 64
@@ -35,7 +42,8 @@ class SpecConfig:
     best ``max_nodes`` kept. ``static``: the paths in ``static_tree_file`` (child ranks).
     ``chain``: one path of ``depth`` tokens. ``max_nodes`` excludes the root, so a step
     verifies at most ``max_nodes + 1`` tokens per sequence. ``draft_path`` is None where only
-    the tree settings matter (the verify service's limits; the head lives in the draft service).
+    the tree settings matter (the verify service's limits; the head lives in the draft service);
+    ``"default"`` names the head shipped for the embedded SmolLM2-135M-Instruct.
     """
 
     draft_path: str | None
@@ -52,6 +60,8 @@ class SpecConfig:
                                 ("max_nodes", self.max_nodes, MAX_NODES)):
             if not isinstance(value, int) or not 1 <= value <= hi:
                 raise InvalidRequestError(name, f"must be an integer in [1, {hi}], got {value!r}")
+        if self.draft_path == DEFAULT_DRAFT:
+            object.__setattr__(self, "draft_path", str(default_draft_dir()))
         if self.draft_path is not None and not Path(self.draft_path).is_dir():
             raise ModelNotFoundError(f"draft directory {self.draft_path!r} does not exist")
         if self.tree == "static" and self.draft_path is not None:  # the draft side reads the file

@@ -27,7 +27,8 @@ class DraftServerConfig:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft", required=True, help="EAGLE-3 head directory (config.json + weights)")
+    p.add_argument("--draft", default="default",
+                   help="EAGLE-3 head directory (config.json + weights); default: the head shipped for SmolLM2")
     p.add_argument("--verify", default=DEFAULT_VERIFY, help="the verify service's internal address")
     p.add_argument("--listen", default=DEFAULT_HEALTH, help="health / metrics address of this service")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (the verify service's device)")

@@ -107,11 +107,9 @@ def test_both_reserve_the_same_single_gpu(services):
     assert draft.device == verify.device and verify.device.startswith("cuda")
 
 
-def test_draft_head_is_a_read_only_bind_mount(services):
+def test_draft_uses_the_shipped_head_unless_overridden(services):
     draft = _parse(services["draft"]["command"])
-    binds = {tgt: (src, ro) for kind, src, tgt, ro in _mounts(services["draft"]) if kind == "bind"}
-    source, read_only = binds[draft.draft]
-    assert read_only and source.startswith("${EAGLE3_DRAFT_DIR:-"), source  # overridable, with a default
+    assert draft.draft == "${EAGLE3_DRAFT:-default}"  # "default": the head inside the image
 
 
 def test_draft_starts_after_verify_is_healthy(services):

@@ -161,3 +161,32 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth(tiny_with_tokenizer, tmp_
     assert lrs[-1] == pytest.approx(1e-4, rel=0.01)
     with pytest.raises(InvalidRequestError, match="warmup_steps"):
         train_cfg(model, prompts, tmp_path, steps=10, warmup_steps=10)
+
+
+# --- the head shipped for the embedded SmolLM2, through the evaluation command ----------------
+
+from common.spec_config import DEFAULT_DRAFT, default_draft_dir  # noqa: E402
+
+
+def test_default_names_the_shipped_head():
+    spec = SpecConfig(DEFAULT_DRAFT, tree="chain", depth=3)
+    assert spec.draft_path == str(default_draft_dir())
+    assert (default_draft_dir() / "model.safetensors.index.json").is_file()
+    assert (default_draft_dir() / "README.md").is_file()  # its model card
+
+
+@pytest.mark.slow
+def test_shipped_head_speculates_exactly_and_accepts_tokens(tmp_path):
+    from common.default_model import ensure_default_model
+    from draft_service.evaluate import evaluate, format_table
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in
+                               ("What is the capital of France?", "Give three tips for staying healthy.")))
+    report = evaluate(str(ensure_default_model(progress=False)), DEFAULT_DRAFT, [str(prompts)], ["chain:3"],
+                      max_tokens=48, batch=2, device="cpu", dtype="float32", report=lambda *_: None)
+    base, chain = report["results"]["p"]
+    assert chain["identical_outputs"] == 2  # greedy speculative output == target-only output (fp32)
+    assert chain["tau"] > 1.4, chain  # a random head gives ~1.0; the trained one accepts drafts
+    assert len(chain["acceptance_per_depth"]) == 3
+    assert "| p | chain:3 |" in format_table(report)

@@ -34,7 +34,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--stats", action="store_true", help="print token counts, speed and speculation metrics to stderr")
     spec = p.add_argument_group("speculative decoding (EAGLE-3)")
-    spec.add_argument("--draft", default=None, help="EAGLE-3 draft head directory; enables speculation")
+    spec.add_argument("--draft", default=None,
+                      help="EAGLE-3 draft head directory, or 'default' (the head shipped for SmolLM2); enables speculation")
     spec.add_argument("--tree", default="dynamic", choices=["dynamic", "static", "chain"])
     spec.add_argument("--tree-depth", dest="depth", type=int, default=6, help="tree depth (chain length)")
     spec.add_argument("--tree-top-k", dest="tree_top_k", type=int, default=8, help="children per expanded node")
@@ -97,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify_flags.add_arguments(sub.add_parser("serve-verify", help="run the verify service (the front door)"))
     draft_flags.add_arguments(sub.add_parser("serve-draft", help="run the draft service beside a verify service"))
     _add_train_args(sub.add_parser("train-draft", help="train an EAGLE-3 head for a target by self-distillation"))
+    _add_eval_args(sub.add_parser("eval-draft", help="tau, acceptance per depth and speed of a head vs target-only"))
     up = sub.add_parser("up", help="start both services, wait until healthy, stream an answer")
     _add_up_args(up)
     client_cli.add_subcommands(sub)
@@ -149,9 +151,42 @@ def _train(args: argparse.Namespace) -> None:
     print(head if head is not None else f"stopped by the time limit; run the same command to resume ({args.out})")
 
 
+def _add_eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target model directory (default: the embedded SmolLM2)")
+    p.add_argument("--draft", default="default", help="EAGLE-3 head directory (default: the shipped SmolLM2 head)")
+    p.add_argument("--prompts", action="append", required=True,
+                   help="JSONL of {\"turns\": [...]} (first turns are used); repeat for several sets")
+    p.add_argument("--config", action="append", default=None,
+                   help="TREE:DEPTH[:TOP_K[:NODES]], repeatable (default: dynamic:6:8:59, chain:3, chain:5)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1, help="prompts generated together (tau does not depend on it)")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--out", default=None, help="write the report as JSON here")
+
+
+def _eval(args: argparse.Namespace) -> None:
+    import json
+
+    from common.default_model import ensure_default_model
+    from draft_service.evaluate import evaluate, format_table
+
+    configs = args.config or ["dynamic:6:8:59", "chain:3", "chain:5"]
+    report = evaluate(args.target or str(ensure_default_model()), args.draft, args.prompts, configs,
+                      args.max_tokens, args.batch, args.limit, args.device, args.dtype,
+                      report=lambda name, row: print(f"[{name}] {json.dumps(row)}", file=sys.stderr, flush=True))
+    print(format_table(report))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
 def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="What is the capital of France?")
-    p.add_argument("--draft", default=None, help="EAGLE-3 head for the draft service (default: none shipped yet)")
+    p.add_argument("--draft", default="default",
+                   help="EAGLE-3 head for the draft service (default: the head shipped for SmolLM2)")
+    p.add_argument("--no-draft", action="store_true", help="start only the verify service (one token per step)")
     p.add_argument("--device", default="auto")
     p.add_argument("--listen", default="127.0.0.1:50051")
     p.add_argument("--run-dir", default=None, help="where the internal unix socket lives (default: a temp dir)")
@@ -173,6 +208,8 @@ def _run(args: argparse.Namespace) -> int:
         server.serve(server_config.from_args(args))
     elif args.command == "train-draft":
         _train(args)
+    elif args.command == "eval-draft":
+        _eval(args)
     elif args.command == "up":
         from verify_service.up import up
         return up(args)

@@ -1,8 +1,8 @@
 """``eagle3 up``: both services as child processes, a health wait, then a streamed answer.
 
-The embedded default target is used (fetched and converted on first use). With ``--draft``
-the draft service starts too; without one (no trained head ships yet) the verify service
-decodes one token per step and says so.
+The embedded default target is used (fetched and converted on first use) with the EAGLE-3
+head shipped for it (``--draft`` names another). With ``--no-draft`` only the verify service
+starts: it decodes one token per step and says so.
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ def up(args: argparse.Namespace) -> int:
     try:
         with Eagle3Client(args.listen, timeout_s=600) as client:
             wait_healthy(client, "", procs[0], "verify service")
-            if args.draft:
+            if not args.no_draft:
                 procs.append(spawn(["serve-draft", "--draft", args.draft, "--verify", internal,
                                      "--listen", f"unix:{run_dir}/draft-health.sock", "--device", args.device]))
                 wait_healthy(client, "eagle3.speculation", procs[1], "draft service")
                 print("[verify + draft services healthy; speculating]", file=sys.stderr)
             else:
-                print("[verify service healthy; no draft head given (--draft DIR): decoding one token per "
+                print("[verify service healthy; --no-draft: decoding one token per "
                       "step, health reports eagle3.speculation NOT_SERVING]", file=sys.stderr)
             _answer(client, args.prompt)
             if not args.once:
