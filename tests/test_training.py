@@ -58,30 +58,18 @@ def test_training_unroll_matches_inference_steps_0_and_1(setup):
 # --- the training tool end to end, on a tiny target with SmolLM2's tokenizer -----------------
 
 import json  # noqa: E402
-import shutil  # noqa: E402
 
 from common.errors import InvalidRequestError, ModelNotFoundError  # noqa: E402
 from draft_service.eagle_loader import load_eagle  # noqa: E402
 from draft_service.train.trainer import Trainer, TrainConfig  # noqa: E402
 from draft_service.train.vocab import select_draft_vocab  # noqa: E402
 
-QUESTIONS = ["What is 2+2?", "Name a colour.", "Say hello.", "Count to five.", "What is the sky?",
-             "Name a fruit.", "Write a word.", "What day is it?", "Spell cat.", "Name an animal.",
-             "Give a number.", "Say goodbye."]
+from tiny_chat import tiny_chat_target  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny_with_tokenizer(tmp_path_factory):
-    from common.default_model import ensure_default_model
-    smol = ensure_default_model(progress=False)
-    root = tmp_path_factory.mktemp("tt")
-    model = make_model_dir(root / "target", "smollm2", seed=3, std=0.8, vocab_size=49152, eos_token_id=2,
-                           max_position_embeddings=512)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smol / f, model / f)
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": i, "turns": [q]}) + "\n" for i, q in enumerate(QUESTIONS)))
-    return model, prompts
+    return tiny_chat_target(tmp_path_factory.mktemp("tt"))
 
 
 def train_cfg(model, prompts, out, **kw):

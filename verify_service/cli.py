@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 
-from common.errors import EagleError
+from common.errors import EagleError, InvalidRequestError
 from common.sampling_params import SamplingParams
 from verify_service.config import EngineConfig
 
@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify_flags.add_arguments(sub.add_parser("serve-verify", help="run the verify service (the front door)"))
     draft_flags.add_arguments(sub.add_parser("serve-draft", help="run the draft service beside a verify service"))
     _add_train_args(sub.add_parser("train-draft", help="train an EAGLE-3 head for a target by self-distillation"))
+    _add_self_prompt_args(sub.add_parser("self-prompts", help="the target writes chat prompts itself (training data)"))
     _add_eval_args(sub.add_parser("eval-draft", help="tau, acceptance per depth and speed of a head vs target-only"))
     up = sub.add_parser("up", help="start both services, wait until healthy, stream an answer")
     _add_up_args(up)
@@ -107,11 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target model directory (default: the embedded SmolLM2)")
-    p.add_argument("--prompts", required=True, help="JSONL of {\"turns\": [...]} training prompts")
+    p.add_argument("--prompts", action="append", required=True,
+                   help="JSONL of {\"turns\": [...]} training prompts; repeat for several files (used in order)")
     p.add_argument("--out", required=True, help="run directory (examples, resume state, exported head/)")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (over all processes under torchrun)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--ttt-steps", type=int, default=4, help="unrolled draft steps (training-time test)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length when distilling")
@@ -129,6 +131,42 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="only distil (answer the prompts into OUT/examples.jsonl), then stop")
     p.add_argument("--init-head", default=None, help="start from this head's weights and vocabulary")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default: 5%% of --steps)")
+    p.add_argument("--no-autocast", action="store_true", help="run the head in float32 on CUDA (default: bfloat16 autocast)")
+
+
+def _add_self_prompt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target model directory (default: the embedded SmolLM2)")
+    p.add_argument("--out", required=True, help="JSONL prompt file to write (appended to: a stopped run resumes)")
+    p.add_argument("--count", type=int, required=True, help="distinct prompts wanted")
+    p.add_argument("--max-tokens", type=int, default=128, help="longest prompt; longer turns are dropped")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--batch", type=int, default=256, help="prompts sampled together")
+    p.add_argument("--seed", type=int, default=0, help="attempt k samples with seed SEED + k")
+    p.add_argument("--time-limit-s", type=float, default=None, help="stop after this long; the same command resumes")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-gib", type=float, default=None)
+
+
+def _self_prompts(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from common.default_model import ensure_default_model
+    from draft_service.train.self_prompts import generate_self_prompts
+    from verify_service.engine import TargetEngine
+    from verify_service.generator import Generator
+
+    if args.count <= 0:
+        raise InvalidRequestError("count", f"must be > 0, got {args.count}")
+    engine = TargetEngine.from_config(EngineConfig(
+        args.target or str(ensure_default_model()), device=args.device, dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.batch, max_batch_tokens=max(2048, 2 * args.batch)))
+    deadline = None if args.time_limit_s is None else time.monotonic() + args.time_limit_s
+    got = generate_self_prompts(Generator(engine), Path(args.out), args.count, args.max_tokens, args.temperature,
+                                args.top_p, args.batch, args.seed, deadline=deadline)
+    print(f"{len(got)} prompts in {args.out}" + ("" if len(got) >= args.count else
+                                                 "; stopped by the time limit: run the same command to resume"))
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -141,7 +179,7 @@ def _train(args: argparse.Namespace) -> None:
                       eval_every=args.eval_every, seed=args.seed, device=args.device, gen_batch=args.gen_batch,
                       time_limit_s=args.time_limit_s, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
                       warmup_steps=args.warmup_steps, max_prompt_tokens=args.max_prompt_tokens,
-                      init_head=args.init_head)
+                      init_head=args.init_head, autocast=not args.no_autocast)
     if args.generate_only:
         examples = Trainer(cfg).prepare()
         print(f"{len(examples)} examples in {args.out}/examples.jsonl" if examples is not None
@@ -210,6 +248,8 @@ def _run(args: argparse.Namespace) -> int:
         _train(args)
     elif args.command == "eval-draft":
         _eval(args)
+    elif args.command == "self-prompts":
+        _self_prompts(args)
     elif args.command == "up":
         from verify_service.up import up
         return up(args)
@@ -221,7 +261,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    verbose = args.command.startswith("serve") or args.command == "train-draft"
+    verbose = args.command.startswith("serve") or args.command in ("train-draft", "self-prompts")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

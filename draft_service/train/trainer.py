@@ -26,8 +26,9 @@ from draft_service.eagle_config import DraftConfig
 from draft_service.eagle_init import draft_raw_config
 from draft_service.eagle_loader import load_eagle
 from draft_service.eagle_net import EagleNet
-from draft_service.train.data import Example, generate_examples, iter_batches, load_prompts
-from draft_service.train.ttt import ttt_forward, ttt_loss
+from draft_service.train.data import Example, generate_examples, iter_batches, load_prompts, read_examples
+from draft_service.train.distributed import ProcessGroup
+from draft_service.train.ttt import step_token_counts, ttt_forward, ttt_loss
 from draft_service.train.vocab import select_draft_vocab, token_counts
 from verify_service.config import EngineConfig
 from verify_service.engine import TargetEngine
@@ -40,11 +41,11 @@ SHARD_BYTES = 16 << 20
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
     target_dir: str
-    prompts: str
+    prompts: str | tuple[str, ...]  # one JSONL prompt file or several, used in order
     out_dir: str
     draft_vocab: int = 8192
     steps: int = 1000
-    batch: int = 8
+    batch: int = 8  # sequences per optimizer step, over all processes together
     lr: float = 3e-4
     ttt_steps: int = 4
     max_new_tokens: int = 256
@@ -60,8 +61,10 @@ class TrainConfig:
     max_prompt_tokens: int = 512  # longer training prompts are skipped (bounds the unroll's T x T scores)
     init_head: str | None = None  # start from this head's weights and vocabulary (fine-tuning)
     warmup_steps: int | None = None  # linear warm-up, then cosine decay to lr/10; None: 5% of steps
+    autocast: bool = True  # the head's forward in bfloat16 on CUDA (fp32 weights and optimizer)
 
     def __post_init__(self):
+        object.__setattr__(self, "prompts", (self.prompts,) if isinstance(self.prompts, str) else tuple(self.prompts))
         for name in ("draft_vocab", "steps", "batch", "ttt_steps", "max_new_tokens", "eval_every", "gen_batch",
                      "max_prompt_tokens"):
             if getattr(self, name) <= 0:
@@ -82,15 +85,22 @@ class TrainConfig:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, progress: bool = True):
-        self.cfg, self.progress = cfg, progress
+        self.cfg = cfg
         self.deadline = None if cfg.time_limit_s is None else time.monotonic() + cfg.time_limit_s
-        self.prompts = load_prompts(cfg.prompts, cfg.num_prompts)  # bad input fails before the model loads
+        prompts = [q for path in cfg.prompts for q in load_prompts(path)]  # bad input fails before the model loads
+        self.prompts = prompts[:cfg.num_prompts]
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         device = EngineConfig(cfg.target_dir, device=cfg.device).torch_device()
+        self.group = ProcessGroup.from_env(cuda=device.type == "cuda")
+        if self.group.world > 1 and cfg.batch % self.group.world:
+            raise InvalidRequestError("batch", f"{cfg.batch} sequences do not split over {self.group.world} processes")
+        if self.group.world > 1 and device.type == "cuda":
+            device = torch.device("cuda", self.group.local_rank)  # one GPU per process
+        self.progress = progress and self.group.main
         kv_gib = cfg.kv_cache_gib if cfg.kv_cache_gib is not None else (16.0 if device.type == "cuda" else None)
         self.engine = TargetEngine.from_config(EngineConfig(
-            cfg.target_dir, device=cfg.device, dtype=cfg.dtype, kv_cache_gib=kv_gib,
+            cfg.target_dir, device=str(device), dtype=cfg.dtype, kv_cache_gib=kv_gib,
             max_model_len=min(cfg.max_prompt_tokens + cfg.max_new_tokens + 1,
                               ModelConfig.from_dir(cfg.target_dir).max_position_embeddings),
             max_num_seqs=max(cfg.batch, cfg.gen_batch), max_batch_tokens=max(2048, 2 * cfg.gen_batch)))
@@ -103,6 +113,13 @@ class Trainer:
 
     def prepare(self) -> list[Example] | None:
         """The distilled examples, or None when the time limit stopped generation first."""
+        if self.group.world > 1:  # distilling is one process's job (or shards' in parallel, concatenated)
+            lines = read_examples(self.out / "examples.jsonl")
+            if len(lines) < len(self.prompts):
+                raise InvalidRequestError("prompts", f"{self.out}/examples.jsonl answers {len(lines)} of "
+                                                     f"{len(self.prompts)} prompts: distil first (--generate-only, "
+                                                     "one process), then train on several")
+            return [e for e in lines[:len(self.prompts)] if len(e.ids) > e.answer_start]
         gen = Generator(self.engine)
         lines = generate_examples(gen, self.prompts, self.out / "examples.jsonl", self.cfg.max_new_tokens,
                                   batch=self.cfg.gen_batch, seed=self.cfg.seed, progress=self.progress,
@@ -124,6 +141,7 @@ class Trainer:
         net.t2d.copy_(t2d)
         net.attach_embedding(self.engine.model.model.embed_tokens.weight.detach())
         net.init_rope(self.engine.max_model_len + self.cfg.ttt_steps)  # unrolled steps sit past the rows
+        self.group.broadcast_(list(net.parameters()))  # the same start on every process
         if self.cfg.init_head is not None:
             start = load_eagle(self.cfg.init_head, self.engine.model_config, net.embed_weight, torch.float32,
                                self.engine.device, self.engine.max_model_len)
@@ -142,24 +160,26 @@ class Trainer:
         chunks = []
         for i, ex in enumerate(batch):  # negative ids: never a Generator's sequence
             eng.blocks.ensure_capacity(-1 - i, len(ex.ids))
-            chunks.append(SeqChunk(ex.ids, 0, eng.blocks.block_table(-1 - i), logits_rows=range(len(ex.ids))))
+            chunks.append(SeqChunk(ex.ids, 0, eng.blocks.block_table(-1 - i), logits_rows=()))
         out = eng.runner.step(chunks)
         for i in range(len(batch)):
             eng.blocks.free(-1 - i)
-        vocab_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t  # target id of each draft id
-        flat_logits = out.logits.index_select(-1, vocab_ids).float()  # (N, Vd): the full V never padded
-        T = max(len(ex.ids) for ex in batch)
-        B = len(batch)
+        T, B = max(len(ex.ids) for ex in batch), len(batch)
         feats = torch.zeros(B, T, out.captured.shape[-1], device=eng.device)
-        logits = torch.zeros(B, T, flat_logits.shape[-1], device=eng.device)
+        hidden = torch.zeros(B, T, out.hidden.shape[-1], dtype=out.hidden.dtype, device=eng.device)
         ids = torch.zeros(B, T, dtype=torch.int64, device=eng.device)
-        mask = torch.zeros(B, T, device=eng.device)
+        mask = torch.zeros(B, T, dtype=torch.bool, device=eng.device)
         for i, ex in enumerate(batch):
             a, b = out.query_start_loc[i], out.query_start_loc[i + 1]
-            feats[i, :b - a], logits[i, :b - a] = out.captured[a:b], flat_logits[a:b]
+            feats[i, :b - a], hidden[i, :b - a] = out.captured[a:b], out.hidden[a:b]
             ids[i, :b - a] = torch.tensor(ex.ids, device=eng.device)
-            mask[i, ex.answer_start - 1:b - a - 1] = 1.0  # positions whose next token is an answer token
-        return feats, logits, ids, mask
+            mask[i, ex.answer_start - 1:b - a - 1] = True  # positions whose next token is an answer token
+        # The target's logits over the draft vocabulary only, and only where a loss reads them:
+        # hidden @ lm_head[target ids of the draft vocabulary].T, never the full vocabulary.
+        vocab_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
+        logits = torch.zeros(B, T, d2t.numel(), device=eng.device)
+        logits[mask] = torch.nn.functional.linear(hidden[mask], eng.model.lm_head_weight()[vocab_ids]).float()
+        return feats, logits, ids, mask.float()
 
     def train(self) -> Path | None:
         """Run (or resume) to ``steps``; returns the exported head, or None if the time limit
@@ -177,27 +197,37 @@ class Trainer:
                    total=self.cfg.steps)
         batches = iter_batches(train_set, self.cfg.batch, self.cfg.seed, start)
         for step in bar:
-            if self.deadline is not None and time.monotonic() > self.deadline:
-                self._save_state(net, opt, step)
-                export_head(net, raw, self.out / "head")  # the latest weights, usable meanwhile
-                log.warning("time limit reached at step %d of %d; state saved and head/ exported, "
-                            "run again to resume", step, self.cfg.steps)
+            if self.group.any(self.deadline is not None and time.monotonic() > self.deadline, self.engine.device):
+                if self.group.main:
+                    self._save_state(net, opt, step)
+                    export_head(net, raw, self.out / "head")  # the latest weights, usable meanwhile
+                    log.warning("time limit reached at step %d of %d; state saved and head/ exported, "
+                                "run again to resume", step, self.cfg.steps)
+                self.group.barrier()
                 return None
             for group in opt.param_groups:
                 group["lr"] = self.cfg.lr_at(step)
-            feats, logits, ids, mask = self.target_batch(next(batches), net.d2t)
-            loss, stats = ttt_loss(ttt_forward(net, ids, feats, self.cfg.ttt_steps), logits, mask)
+            loss, stats = self._loss(net, self.group.share(next(batches)))
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            self.group.sum_grads_(params)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{s['acc']:.2f}" for s in stats),
                             lr=f"{self.cfg.lr_at(step):.1e}")
             if (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps:
-                self.last_eval = self.evaluate(net, held_out)
-                log.info("step %d eval: %s", step + 1, self.last_eval)
-                self._save_state(net, opt, step + 1)
-        return export_head(net, raw, self.out / "head")
+                if self.group.main:
+                    self.last_eval = self.evaluate(net, held_out)
+                    log.info("step %d eval: %s", step + 1, self.last_eval)
+                    self._save_state(net, opt, step + 1)
+                self.group.barrier()  # nobody reads state.pt before it is whole
+        return export_head(net, raw, self.out / "head") if self.group.main else self.out / "head"
+
+    def _loss(self, net: EagleNet, batch: list[Example]) -> tuple[torch.Tensor, list[dict]]:
+        """This process's part of the loss of a global batch (normalised by the global token counts)."""
+        feats, logits, ids, mask = self.target_batch(batch, net.d2t)
+        counts = self.group.sum_(step_token_counts(mask, self.cfg.ttt_steps))
+        return ttt_loss(self._unroll(net, ids, feats), logits, mask, denominators=counts)
 
     @torch.no_grad()
     def evaluate(self, net: EagleNet, examples: list[Example]) -> list[dict]:
@@ -206,12 +236,15 @@ class Trainer:
         stats = []
         for i in range(0, len(examples), self.cfg.batch):
             feats, logits, ids, mask = self.target_batch(examples[i:i + self.cfg.batch], net.d2t)
-            _, part = ttt_loss(ttt_forward(net, ids, feats, self.cfg.ttt_steps), logits, mask)
+            _, part = ttt_loss(self._unroll(net, ids, feats), logits, mask)
             stats.append((float(mask.sum()), part))
         total = sum(n for n, _ in stats)
         return [{key: sum(n * part[s][key] for n, part in stats if s < len(part)) / total for key in ("loss", "acc")}
                 for s in range(len(stats[0][1]))]
-        return stats
+
+    def _unroll(self, net: EagleNet, ids: torch.Tensor, feats: torch.Tensor):
+        with torch.autocast("cuda", torch.bfloat16, enabled=self.cfg.autocast and self.engine.device.type == "cuda"):
+            return ttt_forward(net, ids, feats, self.cfg.ttt_steps)
 
     def _save_state(self, net: EagleNet, opt, step: int) -> None:
         state = {"step": torch.tensor(step), **{f"model.{k}": v for k, v in net.state_dict().items()}}

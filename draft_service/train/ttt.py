@@ -86,15 +86,24 @@ def ttt_forward(net: EagleNet, input_ids: torch.Tensor, features: torch.Tensor, 
     return TTTOutput(logits)
 
 
+def step_token_counts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """Trained tokens of each unrolled step [steps] (step s sees positions 1+s.. of the mask)."""
+    return torch.stack([loss_mask[:, 1 + s:].float().sum() for s in range(steps)])
+
+
 def ttt_loss(out: TTTOutput, target_logits: torch.Tensor, loss_mask: torch.Tensor,
-             step_weights: list[float] | None = None) -> tuple[torch.Tensor, list[dict]]:
+             step_weights: list[float] | None = None,
+             denominators: torch.Tensor | None = None) -> tuple[torch.Tensor, list[dict]]:
     """Soft cross-entropy against the target's distribution restricted to the draft vocabulary.
 
     target_logits [B, T, Vd]: the target's logits at the draft vocabulary's target ids
     (column j is target id j + d2t[j]); position p predicts x_{p+1}; step s row i is compared with the
     target at p = i + 1 + s. loss_mask [B, T] marks positions whose prediction is trained
-    (the answer). Returns the loss and, per step, {"loss", "acc"} where acc is the share of
-    rows whose draft argmax equals the target's argmax (within the draft vocabulary).
+    (the answer). ``denominators`` [steps]: the tokens each step's loss is averaged over
+    (default: this batch's, ``step_token_counts``; data-parallel training passes the sum over
+    processes, so summed gradients equal one process's on the whole batch). Returns the loss
+    and, per step, {"loss", "acc"} over this batch, where acc is the share of rows whose draft
+    argmax equals the target's argmax (within the draft vocabulary).
     """
     T = target_logits.shape[1]
     weights = step_weights or [0.8 ** s for s in range(len(out.logits))]  # later steps matter less
@@ -106,13 +115,13 @@ def ttt_loss(out: TTTOutput, target_logits: torch.Tensor, loss_mask: torch.Tenso
         if n <= 0:
             break
         p = probs[:, 1 + s:]  # (B, n, Vd)
-        logq = logits[:, :n].log_softmax(dim=-1)
+        logq = logits[:, :n].float().log_softmax(dim=-1)
         mask = loss_mask[:, 1 + s:].float()
         ce = -(p * logq).sum(-1)  # (B, n)
-        denom = mask.sum().clamp(min=1.0)
-        step_loss = (ce * mask).sum() / denom
-        acc = ((logits[:, :n].argmax(-1) == best[:, 1 + s:]).float() * mask).sum() / denom
-        total = total + weights[s] * step_loss
-        per_step.append(torch.stack((step_loss.detach(), acc)))
+        local = mask.sum().clamp(min=1.0)
+        denom = local if denominators is None else denominators[s].clamp(min=1.0)
+        total = total + weights[s] * (ce * mask).sum() / denom
+        acc = ((logits[:, :n].argmax(-1) == best[:, 1 + s:]).float() * mask).sum() / local
+        per_step.append(torch.stack(((ce * mask).sum().detach() / local, acc)))
     values = torch.stack(per_step).tolist() if per_step else []  # one device sync for all steps
     return total, [{"loss": loss, "acc": acc} for loss, acc in values]
