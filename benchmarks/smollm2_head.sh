@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# How the shipped SmolLM2-135M-Instruct head is made and measured, on one host with N GPUs.
+# Each phase is bounded in time (resumable tools), so it fits a 10-minute job:
+#
+#   benchmarks/smollm2_head.sh distil   # the target writes chat prompts, then answers them + the prompt file
+#   benchmarks/smollm2_head.sh train    # data-parallel training over every GPU (torchrun)
+#   benchmarks/smollm2_head.sh eval     # tau (fp32) on MT-bench and Vicuna-bench, speed (bf16, batch 1)
+#
+# Environment: DATA (folder with train_prompts.jsonl, mt_bench.jsonl, vicuna_bench.jsonl),
+# WORK (run folder, default /root/smol-head), RESULTS (where eval writes its JSON, default WORK/results),
+# SELF_PROMPTS (default 24000), PROCS_PER_GPU (8), DISTIL_S (seconds for distilling, 420),
+# TRAIN_S (480), STEPS (1800), BATCH (global, 128), LR (5e-4), INIT_HEAD (default: the shipped head),
+# TARGET (default: the embedded SmolLM2), NG (GPUs to use, default: all), MAX_NEW (answer tokens, 256).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${DATA:?set DATA to the folder with the prompt files}"
+WORK=${WORK:-/root/smol-head}
+RESULTS=${RESULTS:-$WORK/results}
+NG=${NG:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+PP=${PROCS_PER_GPU:-8}
+P=$((NG * PP))
+E3="python3 -m verify_service.cli"
+TARGET=${TARGET:+--target $TARGET}  # default: the embedded SmolLM2
+INIT=${INIT_HEAD-draft_service/heads/smollm2-135m-instruct}  # INIT_HEAD= (empty): a fresh head
+INIT=${INIT:+--init-head $INIT}
+mkdir -p "$WORK" "$RESULTS"
+
+wait_all() {  # wait for every background job; fail if any failed
+  local rc=0
+  for pid in $(jobs -p); do wait "$pid" || rc=1; done
+  return $rc
+}
+
+distil() {
+  local budget=${DISTIL_S:-420} count=${SELF_PROMPTS:-24000}
+  local t_self=$((budget * 3 / 10)) t_answer=$((budget * 7 / 10 - 20))
+  mkdir -p "$WORK/self" "$WORK/shards"
+  for i in $(seq 0 $((P - 1))); do  # disjoint seeds: attempt k of process i samples with seed i*10^7 + k
+    CUDA_VISIBLE_DEVICES=$((i % NG)) $E3 self-prompts $TARGET --out "$WORK/self/$i.jsonl" --count $((count / P)) \
+      --seed $((i * 10000000)) --batch 256 --kv-cache-gib 4 --time-limit-s "$t_self" \
+      >"$WORK/self/$i.log" 2>&1 &
+  done
+  wait_all
+  cat "$WORK"/self/*.jsonl >"$WORK/self.jsonl"
+  echo "self-written prompts: $(wc -l <"$WORK/self.jsonl")"
+  cat "$DATA/train_prompts.jsonl" "$WORK/self.jsonl" >"$WORK/all_prompts.jsonl"
+  python3 - "$WORK/all_prompts.jsonl" "$WORK/shards" "$P" <<'PY'
+import sys
+lines = open(sys.argv[1]).read().splitlines()
+n = int(sys.argv[3])
+size = -(-len(lines) // n)
+for i in range(n):
+    open(f"{sys.argv[2]}/{i}.jsonl", "w").write("".join(l + "\n" for l in lines[i * size:(i + 1) * size]))
+PY
+  for i in $(seq 0 $((P - 1))); do
+    [ -s "$WORK/shards/$i.jsonl" ] || continue
+    CUDA_VISIBLE_DEVICES=$((i % NG)) $E3 train-draft $TARGET --generate-only --prompts "$WORK/shards/$i.jsonl" \
+      --out "$WORK/shards/run$i" --gen-batch 256 --max-new-tokens "${MAX_NEW:-256}" --kv-cache-gib 6 \
+      --time-limit-s "$t_answer" >"$WORK/shards/$i.log" 2>&1 &
+  done
+  wait_all
+  # Answered prefix of every shard, in shard order: the prompt file and examples stay aligned.
+  mkdir -p "$WORK/run"
+  python3 - "$WORK/shards" "$P" "$WORK/run/prompts.jsonl" "$WORK/run/examples.jsonl" <<'PY'
+import os, sys
+d, n = sys.argv[1], int(sys.argv[2])
+with open(sys.argv[3], "w") as prompts, open(sys.argv[4], "w") as examples:
+    total = answered = 0
+    for i in range(n):
+        if not os.path.exists(f"{d}/{i}.jsonl"):
+            continue
+        ps = open(f"{d}/{i}.jsonl").read().splitlines()
+        path = f"{d}/run{i}/examples.jsonl"
+        ex = open(path).read().splitlines() if os.path.exists(path) else []
+        prompts.write("".join(l + "\n" for l in ps[:len(ex)]))
+        examples.write("".join(l + "\n" for l in ex))
+        total, answered = total + len(ps), answered + len(ex)
+print(f"answered {answered} of {total} prompts")
+PY
+}
+
+train() {
+  local log="$RESULTS/train.log"
+  if ! torchrun --standalone --nproc-per-node "$NG" -m verify_service.cli train-draft $TARGET \
+      --prompts "$WORK/run/prompts.jsonl" --out "$WORK/run" $INIT \
+      --draft-vocab 8192 --ttt-steps 7 --steps "${STEPS:-1800}" --batch "${BATCH:-128}" --lr "${LR:-5e-4}" \
+      --max-new-tokens "${MAX_NEW:-256}" --eval-every 200 --kv-cache-gib 16 --time-limit-s "${TRAIN_S:-480}" \
+      2>&1 | tr '\r' '\n' >"$log"; then
+    tail -n 30 "$log"
+    return 1
+  fi
+  grep -E "eval:|time limit|resumed|examples" "$log" || true
+  grep -E "it/s|s/it" "$log" | tail -n 1
+}
+
+evaluate() {
+  local head=${HEAD:-$WORK/run/head}
+  local tau="--draft $head --max-tokens 256 --batch 80 --dtype float32"
+  CUDA_VISIBLE_DEVICES=0 $E3 eval-draft $TARGET $tau --prompts "$DATA/mt_bench.jsonl" \
+    --config dynamic:6:8:59 --config chain:3 --config chain:5 --out "$RESULTS/tau_mt_bench.json" >"$RESULTS/tau_mt_bench.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=$((1 % NG)) $E3 eval-draft $TARGET $tau --prompts "$DATA/vicuna_bench.jsonl" \
+    --config dynamic:6:8:59 --config chain:3 --config chain:5 --out "$RESULTS/tau_vicuna_bench.json" >"$RESULTS/tau_vicuna_bench.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=$((2 % NG)) $E3 eval-draft $TARGET $tau --prompts "$DATA/mt_bench.jsonl" \
+    --config dynamic:7:8:59 --config dynamic:7:10:59 --out "$RESULTS/tau_mt_bench_depth7.json" >"$RESULTS/tau_mt_bench_depth7.log" 2>&1 &
+  [ "$NG" -ge 4 ] || { wait_all || { tail -n 20 "$RESULTS"/*.log; return 1; }; }  # speed: a GPU of its own
+  CUDA_VISIBLE_DEVICES=$((3 % NG)) $E3 eval-draft $TARGET --draft "$head" --max-tokens 256 --batch 1 --dtype bfloat16 \
+    --prompts "$DATA/mt_bench.jsonl" --limit 8 --config chain:3 --config dynamic:6:8:59 \
+    --out "$RESULTS/speed_mt_bench_bf16_b1.json" >"$RESULTS/speed_mt_bench_bf16_b1.log" 2>&1 &
+  wait_all || { tail -n 20 "$RESULTS"/*.log; return 1; }
+  for f in "$RESULTS"/*.log; do echo "== $f"; grep -v "^\[" "$f" | tail -n 8; done
+}
+
+case "${1:-}" in
+  distil) distil ;;
+  train) train ;;
+  eval) evaluate ;;
+  *) echo "usage: $0 distil|train|eval" >&2; exit 2 ;;
+esac
