@@ -175,6 +175,6 @@ def test_shipped_head_speculates_exactly_and_accepts_tokens(tmp_path):
                       max_tokens=48, batch=2, device="cpu", dtype="float32", report=lambda *_: None)
     base, chain = report["results"]["p"]
     assert chain["identical_outputs"] == 2  # greedy speculative output == target-only output (fp32)
-    assert chain["tau"] > 1.4, chain  # a random head gives ~1.0; the trained one accepts drafts
+    assert chain["tau"] > 1.8, chain  # a random head gives ~1.0; the shipped one 2.12 (CPU, fp32)
     assert len(chain["acceptance_per_depth"]) == 3
     assert "| p | chain:3 |" in format_table(report)

@@ -185,8 +185,11 @@ def _train(args: argparse.Namespace) -> None:
         print(f"{len(examples)} examples in {args.out}/examples.jsonl" if examples is not None
               else f"stopped by the time limit; run the same command to resume ({args.out})")
         return
-    head = Trainer(cfg).train()
-    print(head if head is not None else f"stopped by the time limit; run the same command to resume ({args.out})")
+    trainer = Trainer(cfg)
+    head = trainer.train()
+    if trainer.group.main:
+        print(head if head is not None else f"stopped by the time limit; run the same command to resume ({args.out})")
+    trainer.group.close()
 
 
 def _add_eval_args(p: argparse.ArgumentParser) -> None:

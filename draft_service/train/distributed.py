@@ -73,8 +73,9 @@ class ProcessGroup:
     def broadcast_(self, tensors: list[torch.Tensor]) -> None:
         """In place: every process takes the main process's values (identical start)."""
         if self.world > 1:
-            for t in tensors:
-                dist.broadcast(t, 0)
+            with torch.no_grad():  # a copy of values, not a step autograd should ever see
+                for t in tensors:
+                    dist.broadcast(t, 0)
 
     def barrier(self) -> None:
         if self.world > 1:

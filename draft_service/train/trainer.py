@@ -188,6 +188,9 @@ class Trainer:
         if examples is None:
             return None
         held_out, train_set = examples[:self.cfg.eval_examples], examples[self.cfg.eval_examples:] or examples
+        if self.group.main:
+            log.info("%d training examples (%d answer tokens), %d held out, %d process(es)", len(train_set),
+                     sum(len(e.ids) - e.answer_start for e in train_set), len(held_out), self.group.world)
         net, raw = self.build_head(examples)
         self.net = net
         params = [p for p in net.parameters() if p.requires_grad]
