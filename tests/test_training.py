@@ -178,3 +178,32 @@ def test_shipped_head_speculates_exactly_and_accepts_tokens(tmp_path):
     assert chain["tau"] > 1.8, chain  # a random head gives ~1.0; the shipped one 2.12 (CPU, fp32)
     assert len(chain["acceptance_per_depth"]) == 3
     assert "| p | chain:3 |" in format_table(report)
+
+
+def test_batches_are_deterministic_in_seed_and_step_across_epochs():
+    from draft_service.train.data import Example, iter_batches
+
+    examples = [Example([i], 0) for i in range(23)]
+    run = iter_batches(examples, 5, seed=3)
+    batches = [next(run) for _ in range(12)]  # 4 batches an epoch: 3 epochs
+    resumed = iter_batches(examples, 5, seed=3, start_step=6)
+    assert [next(resumed) for _ in range(6)] == batches[6:]  # a resumed run sees the same order
+    epochs = [sorted(e.ids[0] for b in batches[i:i + 4] for e in b) for i in (0, 4, 8)]
+    assert all(len(set(e)) == 20 for e in epochs)  # no example twice within an epoch
+    assert batches[:4] != batches[4:8]  # each epoch reshuffled
+
+
+def test_training_step_profiler_runs(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tiny_models import make_model_dir
+
+    model = make_model_dir(tmp_path / "m", "smollm2", vocab_size=512, max_position_embeddings=512)
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "train_step_profile.py"
+    run = subprocess.run([sys.executable, str(script), "--geometry", str(model), "--batch", "2", "--prompt-len", "12",
+                          "--answer-len", "8", "--draft-vocab", "64", "--steps", "2", "--ttt-steps", "2", "--device",
+                          "cpu", "--no-profile"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "whole step" in run.stdout and "target forward + logits" in run.stdout

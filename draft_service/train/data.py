@@ -92,9 +92,12 @@ def iter_batches(examples: list[Example], batch: int, seed: int, start_step: int
 
     step = start_step
     per_epoch = max(1, len(examples) // batch)
+    shuffled_epoch, order = None, []
     while True:
         epoch, k = divmod(step, per_epoch)
-        order = list(range(len(examples)))
-        random.Random(seed + epoch).shuffle(order)
+        if epoch != shuffled_epoch:  # once per epoch: shuffling 50k ids costs ~20 ms of host time
+            order = list(range(len(examples)))
+            random.Random(seed + epoch).shuffle(order)
+            shuffled_epoch = epoch
         yield [examples[j] for j in order[k * batch:(k + 1) * batch]]
         step += 1

@@ -208,14 +208,7 @@ class Trainer:
                                 "run again to resume", step, self.cfg.steps)
                 self.group.barrier()
                 return None
-            for group in opt.param_groups:
-                group["lr"] = self.cfg.lr_at(step)
-            loss, stats = self._loss(net, self.group.share(next(batches)))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.group.sum_grads_(params)
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            loss, stats = self.step(net, opt, params, step, next(batches))
             bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{s['acc']:.2f}" for s in stats),
                             lr=f"{self.cfg.lr_at(step):.1e}")
             if (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps:
@@ -225,6 +218,19 @@ class Trainer:
                     self._save_state(net, opt, step + 1)
                 self.group.barrier()  # nobody reads state.pt before it is whole
         return export_head(net, raw, self.out / "head") if self.group.main else self.out / "head"
+
+    def step(self, net: EagleNet, opt: torch.optim.Optimizer, params: list, step: int,
+             batch: list[Example]) -> tuple[torch.Tensor, list[dict]]:
+        """One optimizer step on a global batch (this process trains on its share). Mutates net and opt."""
+        for group in opt.param_groups:
+            group["lr"] = self.cfg.lr_at(step)
+        loss, stats = self._loss(net, self.group.share(batch))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.group.sum_grads_(params)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return loss, stats
 
     def _loss(self, net: EagleNet, batch: list[Example]) -> tuple[torch.Tensor, list[dict]]:
         """This process's part of the loss of a global batch (normalised by the global token counts)."""
