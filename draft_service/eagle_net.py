@@ -86,7 +86,7 @@ class EagleNet(nn.Module):
         cfg = self.config
         assert tuple(weight.shape) == (cfg.vocab_size, cfg.hidden_size), \
             f"target embedding {tuple(weight.shape)} != ({cfg.vocab_size}, {cfg.hidden_size})"
-        self.embed_weight = weight
+        self.embed_weight = weight.detach()  # a Parameter would register here and join the draft's weights
 
     def init_rope(self, max_positions: int) -> None:
         """Build the RoPE tables for the runtime context length (never the config's 2048)."""

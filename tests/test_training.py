@@ -207,3 +207,44 @@ def test_training_step_profiler_runs(tmp_path):
                           "cpu", "--no-profile"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "whole step" in run.stdout and "target forward + logits" in run.stdout
+
+
+@pytest.mark.slow
+def test_a_new_vocabulary_carries_the_init_heads_rows_over(tiny_with_tokenizer, tmp_path):
+    from draft_service.train.vocab import token_counts
+
+    model, prompts = tiny_with_tokenizer
+    first = Trainer(train_cfg(model, prompts, tmp_path, steps=4), progress=False)
+    old = load_eagle(first.train(), first.engine.model_config, first.engine.model.model.embed_tokens.weight,
+                     torch.float32, "cpu", 512)
+    second = Trainer(train_cfg(model, prompts, tmp_path, draft_vocab=600, init_head=str(tmp_path / "head"),
+                               new_vocab=True), progress=False)
+    examples = second.prepare()  # the same answers, read back
+    net, _ = second.build_head(examples)
+    counts = token_counts((e.ids[e.answer_start:] for e in examples), 49152)
+    d2t, _ = select_draft_vocab(counts, 600, second.engine.model_config.eos_token_ids)
+    assert torch.equal(net.d2t, d2t)  # chosen from this run's answers
+    for name, t in old.state_dict().items():
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            torch.testing.assert_close(net.state_dict()[name], t, rtol=0, atol=0, msg=name)
+    new_ids, old_ids = (torch.arange(600) + net.d2t).tolist(), (torch.arange(512) + old.d2t).tolist()
+    assert set(old_ids) <= set(new_ids)  # the 512 most frequent ids are among the 600 most frequent
+    row = {t: i for i, t in enumerate(new_ids)}
+    carried = torch.tensor([row[t] for t in old_ids])
+    assert torch.equal(net.lm_head.weight[carried], old.lm_head.weight)  # each row followed its target id
+    fresh = torch.ones(600, dtype=torch.bool)
+    fresh[carried] = False
+    norms = net.lm_head.weight.detach().norm(dim=1)
+    assert norms[fresh].mean().item() == pytest.approx(norms[~fresh].mean().item(), rel=1e-4)
+    with pytest.raises(InvalidRequestError, match="--new-vocab"):
+        Trainer(train_cfg(model, prompts, tmp_path, draft_vocab=600, init_head=str(tmp_path / "head")),
+                progress=False).build_head(examples)
+    with pytest.raises(InvalidRequestError, match="new_vocab"):
+        train_cfg(model, prompts, tmp_path, new_vocab=True)
+
+
+def test_the_attached_target_embedding_is_not_a_draft_weight(setup):
+    engine, drafter, _, _ = setup  # the drafter was given the target's embedding Parameter
+    assert "embed_weight" not in drafter.net.state_dict()
+    assert all(p.data_ptr() != engine.model.model.embed_tokens.weight.data_ptr() for p in drafter.net.parameters())
+    assert drafter.net.embed_weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()  # shared, no copy

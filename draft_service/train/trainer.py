@@ -60,6 +60,7 @@ class TrainConfig:
     kv_cache_gib: float | None = None  # the target's KV cache: 16 GiB on CUDA (room left to train)
     max_prompt_tokens: int = 512  # longer training prompts are skipped (bounds the unroll's T x T scores)
     init_head: str | None = None  # start from this head's weights and vocabulary (fine-tuning)
+    new_vocab: bool = False  # with init_head: choose the vocabulary from this run's answers, carry rows over
     warmup_steps: int | None = None  # linear warm-up, then cosine decay to lr/10; None: 5% of steps
     autocast: bool = True  # the head's forward in bfloat16 on CUDA (fp32 weights and optimizer)
 
@@ -71,6 +72,8 @@ class TrainConfig:
                 raise InvalidRequestError(name, f"must be > 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise InvalidRequestError("lr", f"must be > 0, got {self.lr}")
+        if self.new_vocab and self.init_head is None:
+            raise InvalidRequestError("new_vocab", "needs init_head (a fresh head always chooses its vocabulary)")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
             raise InvalidRequestError("warmup_steps", f"must be in [0, steps), got {self.warmup_steps}")
 
@@ -145,9 +148,15 @@ class Trainer:
         if self.cfg.init_head is not None:
             start = load_eagle(self.cfg.init_head, self.engine.model_config, net.embed_weight, torch.float32,
                                self.engine.device, self.engine.max_model_len)
+            if self.cfg.new_vocab:
+                carried = carry_over_weights(net, start, self.engine.model.lm_head_weight())
+                log.info("new draft vocabulary: %d of %d rows carried over from %s", carried,
+                         self.cfg.draft_vocab, self.cfg.init_head)
+                return net, raw
             if start.config.draft_vocab_size != self.cfg.draft_vocab:
                 raise InvalidRequestError("init_head", f"{self.cfg.init_head} drafts {start.config.draft_vocab_size} "
-                                                       f"tokens, not --draft-vocab {self.cfg.draft_vocab}")
+                                                       f"tokens, not --draft-vocab {self.cfg.draft_vocab} "
+                                                       "(--new-vocab chooses a new vocabulary)")
             net.load_state_dict(start.state_dict())  # its weights and its vocabulary maps
         return net, raw
 
@@ -271,6 +280,29 @@ class Trainer:
         step = int(saved["tensors"]["step"])
         log.info("resumed from step %d", step)
         return step
+
+
+@torch.no_grad()
+def carry_over_weights(net: EagleNet, start: EagleNet, target_lm_head: torch.Tensor) -> int:
+    """Mutates ``net``: every weight of ``start`` except the vocabulary, which stays ``net``'s.
+    An ``lm_head`` row follows its target id: ids in both vocabularies keep ``start``'s row;
+    ids new to the vocabulary start from the target's own output row for that id, scaled to
+    the mean norm of the carried rows (the draft's hidden is not the target's, so only the
+    direction is borrowed). Returns how many rows were carried."""
+    vocab_maps = ("lm_head.weight", "d2t", "t2d")
+    net.load_state_dict({k: v for k, v in start.state_dict().items() if k not in vocab_maps}, strict=False)
+    new_ids = torch.arange(net.d2t.numel(), device=net.d2t.device) + net.d2t
+    old_ids = torch.arange(start.d2t.numel(), device=start.d2t.device) + start.d2t
+    row_of = torch.full((net.t2d.numel(),), -1, dtype=torch.int64, device=new_ids.device)
+    row_of[old_ids] = torch.arange(old_ids.numel(), device=new_ids.device)
+    src = row_of[new_ids]  # start's row for each new draft id, -1 where the id is new
+    kept = src >= 0
+    w = net.lm_head.weight
+    w[kept] = start.lm_head.weight[src[kept]]
+    if kept.any() and not kept.all():
+        fresh = target_lm_head[new_ids[~kept]].float()
+        w[~kept] = fresh * (w[kept].norm(dim=1).mean() / fresh.norm(dim=1).mean().clamp(min=1e-12))
+    return int(kept.sum())
 
 
 def export_head(net: EagleNet, raw_config: dict, out_dir: Path, dtype=torch.float16,
