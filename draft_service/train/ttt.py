@@ -117,11 +117,11 @@ def ttt_loss(out: TTTOutput, target_logits: torch.Tensor, loss_mask: torch.Tenso
         p = probs[:, 1 + s:]  # (B, n, Vd)
         logq = logits[:, :n].float().log_softmax(dim=-1)
         mask = loss_mask[:, 1 + s:].float()
-        ce = -(p * logq).sum(-1)  # (B, n)
+        ce_sum = (-(p * logq).sum(-1) * mask).sum()  # cross-entropy over the trained rows
         local = mask.sum().clamp(min=1.0)
         denom = local if denominators is None else denominators[s].clamp(min=1.0)
-        total = total + weights[s] * (ce * mask).sum() / denom
+        total = total + weights[s] * ce_sum / denom
         acc = ((logits[:, :n].argmax(-1) == best[:, 1 + s:]).float() * mask).sum() / local
-        per_step.append(torch.stack(((ce * mask).sum().detach() / local, acc)))
+        per_step.append(torch.stack((ce_sum.detach() / local, acc)))
     values = torch.stack(per_step).tolist() if per_step else []  # one device sync for all steps
     return total, [{"loss": loss, "acc": acc} for loss, acc in values]
