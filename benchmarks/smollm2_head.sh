@@ -9,8 +9,11 @@
 # Environment: DATA (folder with train_prompts.jsonl, mt_bench.jsonl, vicuna_bench.jsonl),
 # WORK (run folder, default /root/smol-head), RESULTS (where eval writes its JSON, default WORK/results),
 # SELF_PROMPTS (default 24000), PROCS_PER_GPU (8), DISTIL_S (seconds for distilling, 420),
-# TRAIN_S (480), STEPS (1800), BATCH (global, 128), LR (5e-4), INIT_HEAD (default: the shipped head),
-# TARGET (default: the embedded SmolLM2), NG (GPUs to use, default: all), MAX_NEW (answer tokens, 256).
+# SELF_S (of which writing prompts, default 30%), SEED (0; another SEED writes other prompts and samples
+# other answers), TRAIN_S (480), STEPS (1800), BATCH (global, 128), LR (5e-4), VOCAB (draft vocabulary,
+# 8192), INIT_HEAD (default: the shipped head), NEW_VOCAB (1: fine-tune INIT_HEAD onto a vocabulary
+# chosen from this run's answers), TARGET (default: the embedded SmolLM2), NG (GPUs to use, default:
+# all), MAX_NEW (answer tokens, 256).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DATA:?set DATA to the folder with the prompt files}"
@@ -23,6 +26,8 @@ E3="python3 -m verify_service.cli"
 TARGET=${TARGET:+--target $TARGET}  # default: the embedded SmolLM2
 INIT=${INIT_HEAD-draft_service/heads/smollm2-135m-instruct}  # INIT_HEAD= (empty): a fresh head
 INIT=${INIT:+--init-head $INIT}
+[ "${NEW_VOCAB:-0}" = 1 ] && INIT="$INIT --new-vocab"
+SEED=${SEED:-0}
 mkdir -p "$WORK" "$RESULTS"
 
 wait_all() {  # wait for every background job; fail if any failed
@@ -33,11 +38,12 @@ wait_all() {  # wait for every background job; fail if any failed
 
 distil() {
   local budget=${DISTIL_S:-420} count=${SELF_PROMPTS:-24000}
-  local t_self=$((budget * 3 / 10)) t_answer=$((budget * 7 / 10 - 20))
+  local t_self=${SELF_S:-$((budget * 3 / 10))}
+  local t_answer=$((budget - t_self - 20))
   mkdir -p "$WORK/self" "$WORK/shards"
   for i in $(seq 0 $((P - 1))); do  # disjoint seeds: attempt k of process i samples with seed i*10^7 + k
     CUDA_VISIBLE_DEVICES=$((i % NG)) $E3 self-prompts $TARGET --out "$WORK/self/$i.jsonl" --count $((count / P)) \
-      --seed $((i * 10000000)) --batch 256 --kv-cache-gib 4 --time-limit-s "$t_self" \
+      --seed $((SEED * 1000000000 + i * 10000000)) --batch 256 --kv-cache-gib 4 --time-limit-s "$t_self" \
       >"$WORK/self/$i.log" 2>&1 &
   done
   wait_all
@@ -55,7 +61,7 @@ PY
   for i in $(seq 0 $((P - 1))); do
     [ -s "$WORK/shards/$i.jsonl" ] || continue
     CUDA_VISIBLE_DEVICES=$((i % NG)) $E3 train-draft $TARGET --generate-only --prompts "$WORK/shards/$i.jsonl" \
-      --out "$WORK/shards/run$i" --gen-batch 256 --max-new-tokens "${MAX_NEW:-256}" --kv-cache-gib 6 \
+      --out "$WORK/shards/run$i" --seed "$SEED" --gen-batch 256 --max-new-tokens "${MAX_NEW:-256}" --kv-cache-gib 6 \
       --time-limit-s "$t_answer" >"$WORK/shards/$i.log" 2>&1 &
   done
   wait_all
@@ -83,7 +89,7 @@ train() {
   local log="$RESULTS/train.log"
   if ! torchrun --standalone --nproc-per-node "$NG" -m verify_service.cli train-draft $TARGET \
       --prompts "$WORK/run/prompts.jsonl" --out "$WORK/run" $INIT \
-      --draft-vocab 8192 --ttt-steps 7 --steps "${STEPS:-1800}" --batch "${BATCH:-128}" --lr "${LR:-5e-4}" \
+      --draft-vocab "${VOCAB:-8192}" --ttt-steps 7 --steps "${STEPS:-1800}" --batch "${BATCH:-128}" --lr "${LR:-5e-4}" \
       --max-new-tokens "${MAX_NEW:-256}" --eval-every 200 --kv-cache-gib 16 --time-limit-s "${TRAIN_S:-480}" \
       2>&1 | tr '\r' '\n' >"$log"; then
     tail -n 30 "$log"
@@ -96,15 +102,16 @@ train() {
 evaluate() {
   local head=${HEAD:-$WORK/run/head}
   local tau="--draft $head --max-tokens 256 --batch 80 --dtype float32"
+  local tau_gpus=$((NG > 1 ? NG - 1 : 1))  # the last GPU times batch 1 alone (when there are two or more)
   CUDA_VISIBLE_DEVICES=0 $E3 eval-draft $TARGET $tau --prompts "$DATA/mt_bench.jsonl" \
     --config dynamic:6:8:59 --config chain:3 --config chain:5 --out "$RESULTS/tau_mt_bench.json" >"$RESULTS/tau_mt_bench.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=$((1 % NG)) $E3 eval-draft $TARGET $tau --prompts "$DATA/vicuna_bench.jsonl" \
+  CUDA_VISIBLE_DEVICES=$((1 % tau_gpus)) $E3 eval-draft $TARGET $tau --prompts "$DATA/vicuna_bench.jsonl" \
     --config dynamic:6:8:59 --config chain:3 --config chain:5 --out "$RESULTS/tau_vicuna_bench.json" >"$RESULTS/tau_vicuna_bench.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=$((2 % NG)) $E3 eval-draft $TARGET $tau --prompts "$DATA/mt_bench.jsonl" \
+  CUDA_VISIBLE_DEVICES=$((2 % tau_gpus)) $E3 eval-draft $TARGET $tau --prompts "$DATA/mt_bench.jsonl" \
     --config dynamic:7:8:59 --config dynamic:7:10:59 --out "$RESULTS/tau_mt_bench_depth7.json" >"$RESULTS/tau_mt_bench_depth7.log" 2>&1 &
-  [ "$NG" -ge 4 ] || { wait_all || { tail -n 20 "$RESULTS"/*.log; return 1; }; }  # speed: a GPU of its own
-  CUDA_VISIBLE_DEVICES=$((3 % NG)) $E3 eval-draft $TARGET --draft "$head" --max-tokens 256 --batch 1 --dtype bfloat16 \
-    --prompts "$DATA/mt_bench.jsonl" --limit 8 --config chain:3 --config dynamic:6:8:59 \
+  [ "$NG" -ge 2 ] || { wait_all || { tail -n 20 "$RESULTS"/*.log; return 1; }; }
+  CUDA_VISIBLE_DEVICES=$((NG - 1)) $E3 eval-draft $TARGET --draft "$head" --max-tokens 256 --batch 1 --dtype bfloat16 \
+    --prompts "$DATA/mt_bench.jsonl" --limit 8 --config chain:3 --config dynamic:6:8:59 --config dynamic:7:10:59 \
     --out "$RESULTS/speed_mt_bench_bf16_b1.json" >"$RESULTS/speed_mt_bench_bf16_b1.log" 2>&1 &
   wait_all || { tail -n 20 "$RESULTS"/*.log; return 1; }
   for f in "$RESULTS"/*.log; do echo "== $f"; grep -v "^\[" "$f" | tail -n 8; done

@@ -193,6 +193,25 @@ def test_batches_are_deterministic_in_seed_and_step_across_epochs():
     assert batches[:4] != batches[4:8]  # each epoch reshuffled
 
 
+def test_batches_group_similar_lengths():
+    import random
+
+    from draft_service.train.data import Example, iter_batches
+
+    rng = random.Random(0)
+    examples = [Example(list(range(rng.randint(20, 700))), 10) for _ in range(640)]
+    padded = lambda batches: sum(len(b) * max(len(e.ids) for e in b) for b in batches)  # noqa: E731
+    bucketed = iter_batches(examples, 16, seed=1, bucket_batches=20)
+    mixed = iter_batches(examples, 16, seed=1, bucket_batches=1)
+    first, plain = [next(bucketed) for _ in range(40)], [next(mixed) for _ in range(40)]  # one epoch each
+    real = sum(len(e.ids) for e in examples)
+    assert sorted(id(e) for b in first for e in b) == sorted(id(e) for e in examples)  # each example once
+    assert padded(first) < 1.1 * real < 1.5 * real < padded(plain)  # padding: <10% bucketed, >50% mixed
+    assert {len(b) for b in first} == {16}  # full batches
+    lengths = [max(len(e.ids) for e in b) for b in first]
+    assert lengths != sorted(lengths)  # batch order is shuffled, not longest-last
+
+
 def test_training_step_profiler_runs(tmp_path):
     import subprocess
     import sys
