@@ -8,7 +8,7 @@
 #
 # Environment: DATA (folder with train_prompts.jsonl, mt_bench.jsonl, vicuna_bench.jsonl),
 # WORK (run folder, default /root/smol-head), RESULTS (where eval writes its JSON, default WORK/results),
-# SELF_PROMPTS (default 24000), PROCS_PER_GPU (8), DISTIL_S (seconds for distilling, 420),
+# SELF_PROMPTS (default 24000; 0: none), PROCS_PER_GPU (8), DISTIL_S (seconds for distilling, 420),
 # SELF_S (of which writing prompts, default 30%), SEED (0; another SEED writes other prompts and samples
 # other answers), TRAIN_S (480), STEPS (1800), BATCH (global, 128), LR (5e-4), VOCAB (draft vocabulary,
 # 8192), INIT_HEAD (default: the shipped head), NEW_VOCAB (1: fine-tune INIT_HEAD onto a vocabulary
@@ -38,16 +38,17 @@ wait_all() {  # wait for every background job; fail if any failed
 
 distil() {
   local budget=${DISTIL_S:-420} count=${SELF_PROMPTS:-24000}
+  [ "$count" -gt 0 ] || SELF_S=0  # SELF_PROMPTS=0: the prompt file alone
   local t_self=${SELF_S:-$((budget * 3 / 10))}
   local t_answer=$((budget - t_self - 20))
   mkdir -p "$WORK/self" "$WORK/shards"
-  for i in $(seq 0 $((P - 1))); do  # disjoint seeds: attempt k of process i samples with seed i*10^7 + k
+  for i in $(seq 0 $((count > 0 ? P - 1 : -1))); do  # disjoint seeds: attempt k of process i: seed i*10^7 + k
     CUDA_VISIBLE_DEVICES=$((i % NG)) $E3 self-prompts $TARGET --out "$WORK/self/$i.jsonl" --count $((count / P)) \
       --seed $((SEED * 1000000000 + i * 10000000)) --batch 256 --kv-cache-gib 4 --time-limit-s "$t_self" \
       >"$WORK/self/$i.log" 2>&1 &
   done
   wait_all
-  cat "$WORK"/self/*.jsonl >"$WORK/self.jsonl"
+  cat "$WORK"/self/*.jsonl >"$WORK/self.jsonl" 2>/dev/null || true
   echo "self-written prompts: $(wc -l <"$WORK/self.jsonl")"
   cat "$DATA/train_prompts.jsonl" "$WORK/self.jsonl" >"$WORK/all_prompts.jsonl"
   python3 - "$WORK/all_prompts.jsonl" "$WORK/shards" "$P" <<'PY'
