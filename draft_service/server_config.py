@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
-from common.spec_config import SpecConfig
+from common.spec_config import SpecConfig, add_tree_arguments
 
 DEFAULT_VERIFY = "unix:/tmp/eagle3/draft.sock"
 DEFAULT_HEALTH = "127.0.0.1:50052"
@@ -32,11 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", default=DEFAULT_VERIFY, help="the verify service's internal address")
     p.add_argument("--listen", default=DEFAULT_HEALTH, help="health / metrics address of this service")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (the verify service's device)")
-    p.add_argument("--tree", default="dynamic", choices=["dynamic", "static", "chain"])
-    p.add_argument("--tree-depth", type=int, default=6)
-    p.add_argument("--tree-top-k", type=int, default=8)
-    p.add_argument("--tree-nodes", type=int, default=59)
-    p.add_argument("--static-tree", default=None, help='JSON file {"paths": [[0], [1], [0, 0], ...]}')
+    add_tree_arguments(p)
     p.add_argument("--reconnect-max-s", type=float, default=5.0)
     p.add_argument("--max-message-bytes", type=int, default=4 << 20)
 

@@ -14,6 +14,7 @@ import time
 
 from common.errors import EagleError, InvalidRequestError
 from common.sampling_params import SamplingParams
+from common.spec_config import DEFAULT_EVAL_CONFIGS, add_tree_arguments
 from verify_service.config import EngineConfig
 
 
@@ -36,11 +37,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     spec = p.add_argument_group("speculative decoding (EAGLE-3)")
     spec.add_argument("--draft", default=None,
                       help="EAGLE-3 draft head directory, or 'default' (the head shipped for SmolLM2); enables speculation")
-    spec.add_argument("--tree", default="dynamic", choices=["dynamic", "static", "chain"])
-    spec.add_argument("--tree-depth", dest="depth", type=int, default=6, help="tree depth (chain length)")
-    spec.add_argument("--tree-top-k", dest="tree_top_k", type=int, default=8, help="children per expanded node")
-    spec.add_argument("--tree-nodes", dest="max_nodes", type=int, default=59, help="tree nodes verified per step (root excluded)")
-    spec.add_argument("--static-tree", default=None, help='JSON file {"paths": [[0], [1], [0, 0], ...]}')
+    add_tree_arguments(spec)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -50,8 +47,8 @@ def _generate(args: argparse.Namespace) -> None:
 
     spec = None
     if args.draft:  # validated before the (slow) model load
-        spec = SpecConfig(args.draft, tree=args.tree, depth=args.depth, top_k=args.tree_top_k,
-                          max_nodes=args.max_nodes, static_tree_file=args.static_tree)
+        spec = SpecConfig(args.draft, tree=args.tree, depth=args.tree_depth, top_k=args.tree_top_k,
+                          max_nodes=args.tree_nodes, static_tree_file=args.static_tree)
     model_dir = args.model or str(ensure_default_model())
     cfg = EngineConfig(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                        max_num_seqs=1)
@@ -201,7 +198,7 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", action="append", required=True,
                    help="JSONL of {\"turns\": [...]} (first turns are used); repeat for several sets")
     p.add_argument("--config", action="append", default=None,
-                   help="TREE:DEPTH[:TOP_K[:NODES]], repeatable (default: dynamic:6:8:59, chain:3, chain:5)")
+                   help=f"TREE:DEPTH[:TOP_K[:NODES]], repeatable (default: {', '.join(DEFAULT_EVAL_CONFIGS)})")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--batch", type=int, default=1, help="prompts generated together (tau does not depend on it)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
@@ -216,7 +213,7 @@ def _eval(args: argparse.Namespace) -> None:
     from common.default_model import ensure_default_model
     from draft_service.evaluate import evaluate, format_table
 
-    configs = args.config or ["dynamic:6:8:59", "chain:3", "chain:5"]
+    configs = args.config or list(DEFAULT_EVAL_CONFIGS)
     report = evaluate(args.target or str(ensure_default_model()), args.draft, args.prompts, configs,
                       args.max_tokens, args.batch, args.limit, args.device, args.dtype,
                       report=lambda name, row: print(f"[{name}] {json.dumps(row)}", file=sys.stderr, flush=True))

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
-from common.spec_config import SpecConfig
+from common.spec_config import SpecConfig, add_tree_arguments
 from verify_service.config import EngineConfig
 
 DEFAULT_PUBLIC = "127.0.0.1:50051"  # loopback unless configured otherwise
@@ -50,10 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default=DEFAULT_PUBLIC, help="public gRPC address (host:port or unix:PATH)")
     p.add_argument("--internal", default=DEFAULT_INTERNAL, help="address the draft service dials (unix:PATH)")
     p.add_argument("--no-speculation", action="store_true", help="serve without a draft, one token per step")
-    p.add_argument("--tree", default="dynamic", choices=["dynamic", "static", "chain"], help="default tree")
-    p.add_argument("--tree-depth", type=int, default=6, help="default and maximum tree depth")
-    p.add_argument("--tree-top-k", type=int, default=8, help="default and maximum children per node")
-    p.add_argument("--tree-nodes", type=int, default=59, help="default and maximum nodes per tree")
+    add_tree_arguments(p, limits=True, static_file=False)
     p.add_argument("--draft-timeout-s", type=float, default=10.0)
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     p.add_argument("--max-tokens-default", type=int, default=256)
