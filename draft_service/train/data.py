@@ -93,7 +93,7 @@ def iter_batches(examples: list[Example], batch: int, seed: int, start_step: int
 
     Each epoch shuffles the examples, sorts every window of ``bucket_batches`` batches by
     length, cuts the windows into batches and shuffles the batches. A batch is padded to its
-    longest sequence, so mixing lengths would spend most of the unrolled draft's
+    longest sequence, so mixing lengths would spend about half of the unrolled draft's
     [B, T, T] attention and [B, T, V] logits on padding (chat prompts run from 30 to 500+
     tokens); ``bucket_batches=1`` turns the sorting off.
     """
