@@ -176,13 +176,14 @@ class Trainer:
         T, B = max(len(ex.ids) for ex in batch), len(batch)
         feats = torch.zeros(B, T, out.captured.shape[-1], device=eng.device)
         hidden = torch.zeros(B, T, out.hidden.shape[-1], dtype=out.hidden.dtype, device=eng.device)
-        ids = torch.zeros(B, T, dtype=torch.int64, device=eng.device)
-        mask = torch.zeros(B, T, dtype=torch.bool, device=eng.device)
+        ids = torch.zeros(B, T, dtype=torch.int64)  # built on the host, one copy each to the device
+        mask = torch.zeros(B, T, dtype=torch.bool)
         for i, ex in enumerate(batch):
             a, b = out.query_start_loc[i], out.query_start_loc[i + 1]
             feats[i, :b - a], hidden[i, :b - a] = out.captured[a:b], out.hidden[a:b]
-            ids[i, :b - a] = torch.tensor(ex.ids, device=eng.device)
+            ids[i, :b - a] = torch.tensor(ex.ids)
             mask[i, ex.answer_start - 1:b - a - 1] = True  # positions whose next token is an answer token
+        ids, mask = ids.to(eng.device), mask.to(eng.device)
         # The target's logits over the draft vocabulary only, and only where a loss reads them:
         # hidden @ lm_head[target ids of the draft vocabulary].T, never the full vocabulary.
         vocab_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
