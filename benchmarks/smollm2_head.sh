@@ -13,7 +13,10 @@
 # other answers), TRAIN_S (480), STEPS (1800), BATCH (global, 128), LR (5e-4), VOCAB (draft vocabulary,
 # 8192), INIT_HEAD (default: the shipped head), NEW_VOCAB (1: fine-tune INIT_HEAD onto a vocabulary
 # chosen from this run's answers), TARGET (default: the embedded SmolLM2), NG (GPUs to use, default:
-# all), MAX_NEW (answer tokens, 256).
+# all), MAX_NEW (answer tokens, 256), PROMPT_FILE (prompts answered besides the self-written ones, default
+# DATA/train_prompts.jsonl; empty: none), PRIOR_RUN (a folder with an earlier distil's prompts.jsonl and
+# examples.jsonl, kept ahead of this run's, so the first 16 held-out answers stay the same), EVAL_EXTRA (tree
+# configs measured besides the default tree and chains of 3 and 5, e.g. "dynamic:6:8:59").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DATA:?set DATA to the folder with the prompt files}"
@@ -50,7 +53,8 @@ distil() {
   wait_all
   cat "$WORK"/self/*.jsonl >"$WORK/self.jsonl" 2>/dev/null || true
   echo "self-written prompts: $(wc -l <"$WORK/self.jsonl")"
-  cat "$DATA/train_prompts.jsonl" "$WORK/self.jsonl" >"$WORK/all_prompts.jsonl"
+  local prompt_file=${PROMPT_FILE-$DATA/train_prompts.jsonl}
+  cat ${prompt_file:+"$prompt_file"} "$WORK/self.jsonl" >"$WORK/all_prompts.jsonl"
   python3 - "$WORK/all_prompts.jsonl" "$WORK/shards" "$P" <<'PY'
 import sys
 lines = open(sys.argv[1]).read().splitlines()
@@ -68,10 +72,16 @@ PY
   wait_all
   # Answered prefix of every shard, in shard order: the prompt file and examples stay aligned.
   mkdir -p "$WORK/run"
-  python3 - "$WORK/shards" "$P" "$WORK/run/prompts.jsonl" "$WORK/run/examples.jsonl" <<'PY'
+  python3 - "$WORK/shards" "$P" "$WORK/run/prompts.jsonl" "$WORK/run/examples.jsonl" "${PRIOR_RUN:-}" <<'PY'
 import os, sys
-d, n = sys.argv[1], int(sys.argv[2])
+d, n, prior = sys.argv[1], int(sys.argv[2]), sys.argv[5]
 with open(sys.argv[3], "w") as prompts, open(sys.argv[4], "w") as examples:
+    if prior:  # an earlier run's answers first, line for line
+        ps, ex = (open(f"{prior}/{name}.jsonl").read().splitlines() for name in ("prompts", "examples"))
+        assert len(ps) == len(ex), f"{prior}: {len(ps)} prompts but {len(ex)} examples"
+        prompts.write("".join(l + "\n" for l in ps))
+        examples.write("".join(l + "\n" for l in ex))
+        print(f"kept {len(ex)} answers of {prior}")
     total = answered = 0
     for i in range(n):
         if not os.path.exists(f"{d}/{i}.jsonl"):
@@ -104,15 +114,18 @@ evaluate() {
   local head=${HEAD:-$WORK/run/head}
   local tau="--draft $head --max-tokens 256 --batch 80 --dtype float32"
   local tau_gpus=$((NG > 1 ? NG - 1 : 1))  # the last GPU times batch 1 alone (when there are two or more)
+  local extra="" c
+  for c in ${EVAL_EXTRA:-}; do extra="$extra --config $c"; done
+  # no --config: the served default tree, then chains of 3 and 5
   CUDA_VISIBLE_DEVICES=0 $E3 eval-draft $TARGET $tau --prompts "$DATA/mt_bench.jsonl" \
-    --config dynamic:6:8:59 --config chain:3 --config chain:5 --out "$RESULTS/tau_mt_bench.json" >"$RESULTS/tau_mt_bench.log" 2>&1 &
+    --out "$RESULTS/tau_mt_bench.json" >"$RESULTS/tau_mt_bench.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=$((1 % tau_gpus)) $E3 eval-draft $TARGET $tau --prompts "$DATA/vicuna_bench.jsonl" \
-    --config dynamic:6:8:59 --config chain:3 --config chain:5 --out "$RESULTS/tau_vicuna_bench.json" >"$RESULTS/tau_vicuna_bench.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=$((2 % tau_gpus)) $E3 eval-draft $TARGET $tau --prompts "$DATA/mt_bench.jsonl" \
-    --config dynamic:7:8:59 --config dynamic:7:10:59 --out "$RESULTS/tau_mt_bench_depth7.json" >"$RESULTS/tau_mt_bench_depth7.log" 2>&1 &
+    --out "$RESULTS/tau_vicuna_bench.json" >"$RESULTS/tau_vicuna_bench.log" 2>&1 &
+  [ -z "$extra" ] || CUDA_VISIBLE_DEVICES=$((2 % tau_gpus)) $E3 eval-draft $TARGET $tau --prompts "$DATA/mt_bench.jsonl" \
+    $extra --out "$RESULTS/tau_mt_bench_extra.json" >"$RESULTS/tau_mt_bench_extra.log" 2>&1 &
   [ "$NG" -ge 2 ] || { wait_all || { tail -n 20 "$RESULTS"/*.log; return 1; }; }
   CUDA_VISIBLE_DEVICES=$((NG - 1)) $E3 eval-draft $TARGET --draft "$head" --max-tokens 256 --batch 1 --dtype bfloat16 \
-    --prompts "$DATA/mt_bench.jsonl" --limit 8 --config chain:3 --config dynamic:6:8:59 --config dynamic:7:10:59 \
+    --prompts "$DATA/mt_bench.jsonl" --limit 8 --config chain:3 --config dynamic:7:10:59 \
     --out "$RESULTS/speed_mt_bench_bf16_b1.json" >"$RESULTS/speed_mt_bench_bf16_b1.log" 2>&1 &
   wait_all || { tail -n 20 "$RESULTS"/*.log; return 1; }
   for f in "$RESULTS"/*.log; do echo "== $f"; grep -v "^\[" "$f" | tail -n 8; done
