@@ -16,7 +16,8 @@
 # all), MAX_NEW (answer tokens, 256), PROMPT_FILE (prompts answered besides the self-written ones, default
 # DATA/train_prompts.jsonl; empty: none), PRIOR_RUN (a folder with an earlier distil's prompts.jsonl and
 # examples.jsonl, kept ahead of this run's, so the first 16 held-out answers stay the same), EVAL_EXTRA (tree
-# configs measured besides the default tree and chains of 3 and 5, e.g. "dynamic:6:8:59").
+# configs measured besides the default tree and chains of 3 and 5, e.g. "dynamic:6:8:59"), DRAFT_MLP (the
+# head's MLP width, default: INIT_HEAD's; wider than INIT_HEAD's widens it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DATA:?set DATA to the folder with the prompt files}"
@@ -30,6 +31,7 @@ TARGET=${TARGET:+--target $TARGET}  # default: the embedded SmolLM2
 INIT=${INIT_HEAD-draft_service/heads/smollm2-135m-instruct}  # INIT_HEAD= (empty): a fresh head
 INIT=${INIT:+--init-head $INIT}
 [ "${NEW_VOCAB:-0}" = 1 ] && INIT="$INIT --new-vocab"
+[ -z "${DRAFT_MLP:-}" ] || INIT="$INIT --draft-intermediate-size $DRAFT_MLP"
 SEED=${SEED:-0}
 mkdir -p "$WORK" "$RESULTS"
 

@@ -262,6 +262,43 @@ def test_a_new_vocabulary_carries_the_init_heads_rows_over(tiny_with_tokenizer, 
         train_cfg(model, prompts, tmp_path, new_vocab=True)
 
 
+@pytest.mark.slow
+def test_widening_the_mlp_keeps_the_heads_output_and_round_trips(tiny_with_tokenizer, tmp_path):
+    model, prompts = tiny_with_tokenizer
+    import shutil
+
+    first = Trainer(train_cfg(model, prompts, tmp_path, steps=4), progress=False)
+    old = load_eagle(first.train(), first.engine.model_config, first.engine.model.model.embed_tokens.weight,
+                     torch.float32, "cpu", 512)  # the exported (fp16) head, as the next run reads it
+    width = old.config.intermediate_size
+    for run in ("wide", "again"):  # the same answers: no second distillation
+        (tmp_path / run).mkdir()
+        shutil.copy(tmp_path / "examples.jsonl", tmp_path / run / "examples.jsonl")
+    wide = Trainer(train_cfg(model, prompts, tmp_path / "wide", init_head=str(tmp_path / "head"),
+                             draft_intermediate=2 * width, steps=3), progress=False)
+    examples = wide.prepare()
+    net, raw = wide.build_head(examples)
+    assert raw["intermediate_size"] == net.midlayer.mlp.down_proj.weight.shape[1] == 2 * width
+    assert net.midlayer.mlp.gate_proj.weight[width:].abs().sum() > 0  # new units are live, their output is zeroed
+    ex = examples[0]
+    feats, _, ids, _ = wide.target_batch([ex], net.d2t)
+    with torch.no_grad():
+        before, after = ttt_forward(old, ids, feats, 3), ttt_forward(net, ids, feats, 3)
+    for a, b in zip(before.logits, after.logits):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)  # the same head, only wider
+    head = wide.train()  # trains and exports the wider head; the runtime loader reads its width
+    loaded = load_eagle(head, wide.engine.model_config, wide.engine.model.model.embed_tokens.weight,
+                        torch.float32, "cpu", 512)
+    assert loaded.config.intermediate_size == 2 * width
+    resumed = Trainer(train_cfg(model, prompts, tmp_path / "again", init_head=str(head)), progress=False)
+    assert resumed.build_head(examples)[1]["intermediate_size"] == 2 * width  # fine-tuning keeps the width
+    with pytest.raises(InvalidRequestError, match="narrower"):
+        Trainer(train_cfg(model, prompts, tmp_path / "narrow", init_head=str(head), draft_intermediate=width),
+                progress=False).build_head(examples)
+    with pytest.raises(InvalidRequestError, match="draft_intermediate"):
+        train_cfg(model, prompts, tmp_path, draft_intermediate=0)
+
+
 def test_the_attached_target_embedding_is_not_a_draft_weight(setup):
     engine, drafter, _, _ = setup  # the drafter was given the target's embedding Parameter
     assert "embed_weight" not in drafter.net.state_dict()

@@ -132,6 +132,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    help="with --init-head: choose the draft vocabulary from this run's answers (any --draft-vocab) "
                         "and carry the head's rows over for ids in both")
     p.add_argument("--no-autocast", action="store_true", help="run the head in float32 on CUDA (default: bfloat16 autocast)")
+    p.add_argument("--draft-intermediate-size", type=int, default=None,
+                   help="the head's MLP width (default: --init-head's, else the target's); wider than --init-head's "
+                        "widens it without changing its output at the start")
 
 
 def _add_self_prompt_args(p: argparse.ArgumentParser) -> None:
@@ -179,7 +182,8 @@ def _train(args: argparse.Namespace) -> None:
                       eval_every=args.eval_every, seed=args.seed, device=args.device, gen_batch=args.gen_batch,
                       time_limit_s=args.time_limit_s, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib,
                       warmup_steps=args.warmup_steps, max_prompt_tokens=args.max_prompt_tokens,
-                      init_head=args.init_head, new_vocab=args.new_vocab, autocast=not args.no_autocast)
+                      init_head=args.init_head, new_vocab=args.new_vocab, autocast=not args.no_autocast,
+                      draft_intermediate=args.draft_intermediate_size)
     if args.generate_only:
         examples = Trainer(cfg).prepare()
         print(f"{len(examples)} examples in {args.out}/examples.jsonl" if examples is not None

@@ -61,14 +61,15 @@ class TrainConfig:
     max_prompt_tokens: int = 512  # longer training prompts are skipped (bounds the unroll's T x T scores)
     init_head: str | None = None  # start from this head's weights and vocabulary (fine-tuning)
     new_vocab: bool = False  # with init_head: choose the vocabulary from this run's answers, carry rows over
+    draft_intermediate: int | None = None  # the head's MLP width; None: init_head's, else the target's
     warmup_steps: int | None = None  # linear warm-up, then cosine decay to lr/10; None: 5% of steps
     autocast: bool = True  # the head's forward in bfloat16 on CUDA (fp32 weights and optimizer)
 
     def __post_init__(self):
         object.__setattr__(self, "prompts", (self.prompts,) if isinstance(self.prompts, str) else tuple(self.prompts))
         for name in ("draft_vocab", "steps", "batch", "ttt_steps", "max_new_tokens", "eval_every", "gen_batch",
-                     "max_prompt_tokens"):
-            if getattr(self, name) <= 0:
+                     "max_prompt_tokens", "draft_intermediate"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise InvalidRequestError(name, f"must be > 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise InvalidRequestError("lr", f"must be > 0, got {self.lr}")
@@ -134,30 +135,40 @@ class Trainer:
         return [e for e in lines if len(e.ids) > e.answer_start]
 
     def build_head(self, examples: list[Example]) -> tuple[EagleNet, dict]:
+        cfg, embedding = self.cfg, self.engine.model.model.embed_tokens.weight.detach()
+        start = None if cfg.init_head is None else load_eagle(cfg.init_head, self.engine.model_config, embedding,
+                                                              torch.float32, self.engine.device, self.engine.max_model_len)
+        width = cfg.draft_intermediate or (start.config.intermediate_size if start is not None
+                                           else self.target_raw["intermediate_size"])
+        if start is not None and width < start.config.intermediate_size:
+            raise InvalidRequestError("draft_intermediate", f"{width} is narrower than {cfg.init_head}'s MLP "
+                                                            f"({start.config.intermediate_size}); a head can only widen")
         counts = token_counts((e.ids[e.answer_start:] for e in examples), self.engine.model_config.vocab_size)
-        d2t, t2d = select_draft_vocab(counts, self.cfg.draft_vocab, self.engine.model_config.eos_token_ids)
-        raw = draft_raw_config(self.target_raw, self.cfg.draft_vocab)
+        d2t, t2d = select_draft_vocab(counts, cfg.draft_vocab, self.engine.model_config.eos_token_ids)
+        raw = draft_raw_config(self.target_raw, cfg.draft_vocab, intermediate_size=width)
         raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.engine.model_config.default_capture_layers())}
-        torch.manual_seed(self.cfg.seed)
+        torch.manual_seed(cfg.seed)
         net = EagleNet(DraftConfig.from_hf(raw)).to(self.engine.device)
         net.d2t.copy_(d2t)
         net.t2d.copy_(t2d)
-        net.attach_embedding(self.engine.model.model.embed_tokens.weight.detach())
-        net.init_rope(self.engine.max_model_len + self.cfg.ttt_steps)  # unrolled steps sit past the rows
+        net.attach_embedding(embedding)
+        net.init_rope(self.engine.max_model_len + cfg.ttt_steps)  # unrolled steps sit past the rows
         self.group.broadcast_(list(net.parameters()))  # the same start on every process
-        if self.cfg.init_head is not None:
-            start = load_eagle(self.cfg.init_head, self.engine.model_config, net.embed_weight, torch.float32,
-                               self.engine.device, self.engine.max_model_len)
-            if self.cfg.new_vocab:
-                carried = carry_over_weights(net, start, self.engine.model.lm_head_weight())
-                log.info("new draft vocabulary: %d of %d rows carried over from %s", carried,
-                         self.cfg.draft_vocab, self.cfg.init_head)
-                return net, raw
-            if start.config.draft_vocab_size != self.cfg.draft_vocab:
-                raise InvalidRequestError("init_head", f"{self.cfg.init_head} drafts {start.config.draft_vocab_size} "
-                                                       f"tokens, not --draft-vocab {self.cfg.draft_vocab} "
-                                                       "(--new-vocab chooses a new vocabulary)")
-            net.load_state_dict(start.state_dict())  # its weights and its vocabulary maps
+        if start is None:
+            return net, raw
+        state = widen_mlp(start.state_dict(), net)
+        if start.config.intermediate_size != width:
+            log.info("MLP widened from %d to %d (the new units start with no effect on the output)",
+                     start.config.intermediate_size, width)
+        if cfg.new_vocab:
+            carried = carry_over_weights(net, state, self.engine.model.lm_head_weight())
+            log.info("new draft vocabulary: %d of %d rows carried over from %s", carried, cfg.draft_vocab, cfg.init_head)
+            return net, raw
+        if start.config.draft_vocab_size != cfg.draft_vocab:
+            raise InvalidRequestError("init_head", f"{cfg.init_head} drafts {start.config.draft_vocab_size} "
+                                                   f"tokens, not --draft-vocab {cfg.draft_vocab} "
+                                                   "(--new-vocab chooses a new vocabulary)")
+        net.load_state_dict(state)  # its weights and its vocabulary maps
         return net, raw
 
     @torch.no_grad()
@@ -283,23 +294,44 @@ class Trainer:
         return step
 
 
+MLP_IN, MLP_OUT = ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight"), "midlayer.mlp.down_proj.weight"
+
+
 @torch.no_grad()
-def carry_over_weights(net: EagleNet, start: EagleNet, target_lm_head: torch.Tensor) -> int:
-    """Mutates ``net``: every weight of ``start`` except the vocabulary, which stays ``net``'s.
-    An ``lm_head`` row follows its target id: ids in both vocabularies keep ``start``'s row;
-    ids new to the vocabulary start from the target's own output row for that id, scaled to
-    the mean norm of the carried rows (the draft's hidden is not the target's, so only the
-    direction is borrowed). Returns how many rows were carried."""
+def widen_mlp(state: dict[str, torch.Tensor], net: EagleNet) -> dict[str, torch.Tensor]:
+    """``state`` with its MLP as wide as ``net``'s, computing the same function: the first rows
+    of gate/up and columns of down_proj are ``state``'s; the extra gate/up rows keep ``net``'s
+    random initialisation and the extra down_proj columns are zero, so the new units add
+    nothing until training moves them. A state as wide as ``net`` comes back as it is."""
+    width = net.midlayer.mlp.down_proj.weight.shape[1]
+    old = state[MLP_OUT].shape[1]
+    if old == width:
+        return state
+    own = net.state_dict()
+    out = dict(state)
+    for name in MLP_IN:
+        out[name] = torch.cat((state[name], own[name][old:].to(state[name])))
+    out[MLP_OUT] = torch.cat((state[MLP_OUT], torch.zeros_like(own[MLP_OUT][:, old:]).to(state[MLP_OUT])), dim=1)
+    return out
+
+
+@torch.no_grad()
+def carry_over_weights(net: EagleNet, start: dict[str, torch.Tensor], target_lm_head: torch.Tensor) -> int:
+    """Mutates ``net``: every weight of the state ``start`` except the vocabulary, which stays
+    ``net``'s. An ``lm_head`` row follows its target id: ids in both vocabularies keep
+    ``start``'s row; ids new to the vocabulary start from the target's own output row for that
+    id, scaled to the mean norm of the carried rows (the draft's hidden is not the target's, so
+    only the direction is borrowed). Returns how many rows were carried."""
     vocab_maps = ("lm_head.weight", "d2t", "t2d")
-    net.load_state_dict({k: v for k, v in start.state_dict().items() if k not in vocab_maps}, strict=False)
+    net.load_state_dict({k: v for k, v in start.items() if k not in vocab_maps}, strict=False)
     new_ids = torch.arange(net.d2t.numel(), device=net.d2t.device) + net.d2t
-    old_ids = torch.arange(start.d2t.numel(), device=start.d2t.device) + start.d2t
+    old_ids = torch.arange(start["d2t"].numel(), device=start["d2t"].device) + start["d2t"]
     row_of = torch.full((net.t2d.numel(),), -1, dtype=torch.int64, device=new_ids.device)
     row_of[old_ids] = torch.arange(old_ids.numel(), device=new_ids.device)
     src = row_of[new_ids]  # start's row for each new draft id, -1 where the id is new
     kept = src >= 0
     w = net.lm_head.weight
-    w[kept] = start.lm_head.weight[src[kept]]
+    w[kept] = start["lm_head.weight"][src[kept]]
     if kept.any() and not kept.all():
         fresh = target_lm_head[new_ids[~kept]].float()
         w[~kept] = fresh * (w[kept].norm(dim=1).mean() / fresh.norm(dim=1).mean().clamp(min=1e-12))
