@@ -4,7 +4,8 @@ For each prompt set (first turns, chat template applied) the target-only generat
 first (the reference); then every tree configuration runs the same prompts. Greedy. Each
 row reports exact-output agreement with the reference, tokens/s, the speed ratio, tau
 (committed tokens per verify step) and acceptance per depth (accepted draft tokens at depth
-d per step). ``eagle3 eval-draft`` and ``benchmarks/spec_bench.py`` call :func:`evaluate`.
+d per step). The target-only row also reports the head's draft-vocabulary coverage: the share of
+the target's output tokens the draft vocabulary holds (a token outside it is never accepted). ``eagle3 eval-draft`` and ``benchmarks/spec_bench.py`` call :func:`evaluate`.
 
 A configuration is ``TREE:DEPTH[:TOP_K[:NODES]]``: ``dynamic:6:8:59``, ``chain:3``.
 """
@@ -19,6 +20,8 @@ import torch
 
 from common.sampling_params import SamplingParams
 from common.spec_config import SpecConfig
+from draft_service.eagle_config import DraftConfig
+from draft_service.eagle_loader import read_draft_tensors, vocab_maps
 from draft_service.train.data import load_prompts
 from verify_service.config import EngineConfig
 from verify_service.inprocess import build_generator
@@ -36,6 +39,18 @@ def parse_config(text: str, head: str) -> SpecConfig:
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def draft_vocab_mask(head: str) -> torch.Tensor:
+    """bool [target vocab]: True at the target ids the head's draft vocabulary holds."""
+    tensors = read_draft_tensors(head)
+    return vocab_maps(tensors.get("d2t"), tensors.get("t2d"), DraftConfig.from_dir(head))[1]
+
+
+def vocab_coverage(outputs: list[list[int]], mask: torch.Tensor) -> float:
+    """Share of the tokens in ``outputs`` that ``mask`` marks (1.0 when there are none)."""
+    ids = torch.tensor([t for o in outputs for t in o], dtype=torch.int64)
+    return round(float(mask[ids].float().mean()), 4) if ids.numel() else 1.0
 
 
 def run(gen, prompts: list[list[int]], params: SamplingParams, batch: int) -> tuple[list[list[int]], float, list]:
@@ -78,6 +93,7 @@ def evaluate(model_dir: str, head: str, prompt_files: list[str], configs: list[s
              report=print) -> dict:
     """Every configuration on every prompt file; ``report`` gets each row as it is measured."""
     specs = [(text, parse_config(text, head)) for text in configs]  # bad configs fail before loading
+    mask = draft_vocab_mask(specs[0][1].draft_path) if specs else None
     cfg = EngineConfig(model_dir, device=device, dtype=dtype, max_model_len=4096, max_num_seqs=batch)
     params = SamplingParams(max_tokens=max_tokens)
     sets = {}
@@ -87,6 +103,8 @@ def evaluate(model_dir: str, head: str, prompt_files: list[str], configs: list[s
         run(base, prompts[:2], params, batch)  # warm-up
         reference, ref_secs, _ = run(base, prompts, params, batch)
         rows = [summarize("target-only", reference, ref_secs, None, reference, ref_secs)]
+        if mask is not None:
+            rows[0]["draft_vocab_coverage"] = vocab_coverage(reference, mask)
         report(Path(path).stem, rows[0])
         engine_dtype = str(base.engine.dtype)
         del base
@@ -113,4 +131,8 @@ def format_table(report: dict) -> str:
             lines.append(f"| {name} | {r['config']} | {r.get('tau', 1.0):.2f} | {depth or '-'} | "
                          f"{r['identical_outputs']}/{r['prompts']} | {r['tokens_per_s']} | "
                          f"{r.get('speedup_vs_target', 1.0):.2f}x |")
+    for name, rows in report["results"].items():
+        if "draft_vocab_coverage" in rows[0]:
+            lines.append(f"\n{name}: the draft vocabulary holds {rows[0]['draft_vocab_coverage']:.2%} "
+                         "of the target-only output tokens")
     return "\n".join(lines)

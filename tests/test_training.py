@@ -177,7 +177,18 @@ def test_shipped_head_speculates_exactly_and_accepts_tokens(tmp_path):
     assert chain["identical_outputs"] == 2  # greedy speculative output == target-only output (fp32)
     assert chain["tau"] > 1.8, chain  # a random head gives ~1.0; the shipped one 2.12 (CPU, fp32)
     assert len(chain["acceptance_per_depth"]) == 3
+    assert 0.9 < base["draft_vocab_coverage"] <= 1.0, base  # the shipped vocabulary holds nearly every token
     assert "| p | chain:3 |" in format_table(report)
+    assert "p: the draft vocabulary holds" in format_table(report)
+
+
+def test_vocab_coverage_counts_output_tokens_inside_the_draft_vocabulary():
+    from draft_service.evaluate import vocab_coverage
+
+    mask = torch.zeros(10, dtype=torch.bool)
+    mask[[1, 2, 3]] = True
+    assert vocab_coverage([[1, 2, 9], [3, 0]], mask) == 0.6  # 3 of 5 tokens
+    assert vocab_coverage([[]], mask) == 1.0
 
 
 def test_batches_are_deterministic_in_seed_and_step_across_epochs():
