@@ -315,3 +315,46 @@ def test_the_attached_target_embedding_is_not_a_draft_weight(setup):
     assert "embed_weight" not in drafter.net.state_dict()
     assert all(p.data_ptr() != engine.model.model.embed_tokens.weight.data_ptr() for p in drafter.net.parameters())
     assert drafter.net.embed_weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()  # shared, no copy
+
+
+def test_head_misses_lines_positions_up_with_the_answers(tiny_with_tokenizer, tmp_path):
+    from benchmarks.head_misses import analyze, format_report
+    from common.sampling_params import SamplingParams
+    from draft_service.eagle_init import write_random_head
+    from draft_service.evaluate import draft_vocab_mask
+    from draft_service.train.data import load_prompts
+    from verify_service.config import EngineConfig
+    from verify_service.inprocess import build_generator
+
+    model, prompts = tiny_with_tokenizer
+    head = write_random_head(tmp_path / "head", json.loads((model / "config.json").read_text()), 40000, seed=4)
+    rep = analyze(str(model), str(head), str(prompts), max_tokens=12, limit=6, batch=4, device="cpu")
+    # independently: the target's greedy answers, and how many of their tokens the draft vocabulary lacks
+    gen = build_generator(EngineConfig(str(model), device="cpu", dtype="float32"))
+    asked = [gen.engine.encode(messages=[{"role": "user", "content": q}]) for q in load_prompts(prompts, 6)]
+    answers = [r.token_ids for r in gen.generate(asked, SamplingParams(max_tokens=12))]
+    tokens = torch.tensor([t for a in answers for t in a])
+    assert rep["answers"] == 6 and rep["positions"] == tokens.numel()  # one position per answer token
+    assert rep["outside_vocab"] == round(float((~draft_vocab_mask(str(head))[tokens]).float().mean()), 4) > 0
+    assert sum(g["positions"] for g in rep["groups"]) == rep["positions"]
+    for g in rep["groups"]:  # a draft token is always inside its vocabulary: no agreement outside it
+        assert g["positions"] == 0 or g["agreement"] <= 1 - g["outside_vocab"] + 1e-9, g
+    ranks = rep["miss_rank_2"] + rep["miss_rank_3_10"] + rep["miss_rank_over_10"]
+    assert rep["misses_inside_vocab"] > 0 and abs(ranks - 1) < 1e-3
+    assert "| target's top-1 probability |" in format_report(rep)
+
+
+def test_head_misses_groups_positions_by_the_targets_confidence():
+    from benchmarks.head_misses import summarize
+
+    p_top = torch.tensor([0.1, 0.2, 0.4, 0.6, 0.95, 1.0])
+    hit = torch.tensor([False, True, False, True, True, False])
+    inside = torch.tensor([False, True, True, True, True, True])
+    rank = torch.tensor([1, 1, 2, 1, 1, 12])  # misses inside the vocabulary: ranks 2 and 12
+    rep = summarize(p_top, hit, inside, rank, "h", "p.jsonl", 2)
+    assert [g["positions"] for g in rep["groups"]] == [2, 1, 1, 0, 2]  # 1.0 falls in the last group
+    assert rep["groups"][0] == {"target_top1": "0.0-0.3", "positions": 2, "share": 0.3333, "agreement": 0.5,
+                                "outside_vocab": 0.5}
+    assert rep["groups"][3]["agreement"] is None and rep["groups"][4]["agreement"] == 0.5
+    assert rep["agreement"] == 0.5 and rep["outside_vocab"] == 0.1667 and rep["misses_inside_vocab"] == 2
+    assert (rep["miss_rank_2"], rep["miss_rank_3_10"], rep["miss_rank_over_10"]) == (0.5, 0.0, 0.5)
