@@ -45,10 +45,10 @@ def analyze(model_dir: str, head: str, prompts: str, max_tokens: int = 256, limi
             batch: int = 8, device: str = "auto", dtype: str = "float32") -> dict:
     """Per-position agreement of the head's first draft token with the target's greedy token."""
     name, head = head, SpecConfig(head, tree="chain", depth=1).draft_path  # "default" -> the shipped head
-    cfg = TrainConfig(model_dir, prompts, tempfile.mkdtemp(prefix="eagle3-misses-"), batch=batch, gen_batch=batch,
-                      max_new_tokens=max_tokens, num_prompts=limit, device=device, dtype=dtype,
-                      kv_cache_gib=4.0 if device != "cpu" else None)
-    trainer = Trainer(cfg, progress=False)
+    with tempfile.TemporaryDirectory(prefix="eagle3-misses-") as scratch:  # the trainer's run folder, unused
+        cfg = TrainConfig(model_dir, prompts, scratch, batch=batch, gen_batch=batch, max_new_tokens=max_tokens,
+                          num_prompts=limit, device=device, dtype=dtype)
+        trainer = Trainer(cfg, progress=False)
     engine = trainer.engine
     net = load_eagle(head, engine.model_config, engine.model.model.embed_tokens.weight, torch.float32,
                      engine.device, engine.max_model_len + 1)
