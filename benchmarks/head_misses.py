@@ -32,6 +32,7 @@ from common.default_model import ensure_default_model  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from common.spec_config import SpecConfig  # noqa: E402
 from draft_service.eagle_loader import load_eagle  # noqa: E402
+from draft_service.evaluate import run  # noqa: E402
 from draft_service.train.data import Example, load_prompts  # noqa: E402
 from draft_service.train.trainer import Trainer, TrainConfig  # noqa: E402
 from draft_service.train.ttt import ttt_forward  # noqa: E402
@@ -52,14 +53,10 @@ def analyze(model_dir: str, head: str, prompts: str, max_tokens: int = 256, limi
     engine = trainer.engine
     net = load_eagle(head, engine.model_config, engine.model.model.embed_tokens.weight, torch.float32,
                      engine.device, engine.max_model_len + 1)
-    gen = Generator(engine)
     encoded = [engine.encode(messages=[{"role": "user", "content": q}]) for q in load_prompts(prompts, limit)]
     encoded = [ids for ids in encoded if len(ids) <= cfg.max_prompt_tokens]
-    examples = []
-    for i in range(0, len(encoded), batch):
-        chunk = encoded[i:i + batch]
-        results = gen.generate(chunk, [SamplingParams(max_tokens=max_tokens)] * len(chunk))
-        examples += [Example(ids + r.token_ids, len(ids)) for ids, r in zip(chunk, results)]
+    answers, _, _ = run(Generator(engine), encoded, SamplingParams(max_tokens=max_tokens), batch)  # greedy
+    examples = [Example(ids + answer, len(ids)) for ids, answer in zip(encoded, answers)]
     V = engine.model_config.vocab_size
     identity = torch.zeros(V, dtype=torch.int64, device=engine.device)  # the target's logits over every token
     draft_id = torch.full((V,), -1, dtype=torch.int64, device=engine.device)
