@@ -23,10 +23,16 @@ ENV PYTHONUNBUFFERED=1 \
 # Only what the package needs (keeps .venv, tests and caches of the build context out).
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY kernels ./kernels
 COPY common ./common
+COPY runtime ./runtime
+COPY hub ./hub
+COPY link ./link
+COPY client ./client
 COPY verify_service ./verify_service
 COPY draft_service ./draft_service
-COPY kernels ./kernels
+COPY tools ./tools
+COPY cli ./cli
 COPY protos ./protos
 # A regular (not editable) install, plus cupy-cuda12x for the CUDA IPC buffers.
 RUN pip install ".[cuda12]" && rm -rf /src

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.config import ModelConfig  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
-from verify_service.engine import TargetEngine  # noqa: E402
-from verify_service.generator import Generator  # noqa: E402
+from verify_service.target import Target  # noqa: E402
+from verify_service.engine import Engine  # noqa: E402
 from verify_service.loader import build_model, random_tensors  # noqa: E402
 
 GEOMETRIES = {
@@ -60,7 +60,7 @@ def copy_bandwidth_gbs(device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / statistics.median(times[5:]) / 1e9
 
 
-def make_engine(geometry: str, batch: int, context: int, steps: int, device) -> TargetEngine:
+def make_engine(geometry: str, batch: int, context: int, steps: int, device) -> Target:
     max_len = context + steps + 16
     cfg = EngineConfig(geometry if geometry not in GEOMETRIES else "<random>", device=str(device),
                        dtype="bfloat16", max_model_len=max_len, max_num_seqs=batch,
@@ -70,15 +70,15 @@ def make_engine(geometry: str, batch: int, context: int, steps: int, device) -> 
         tensors = random_tensors(mcfg, seed=0, device=device, dtype=torch.bfloat16)
         model = build_model(mcfg, tensors.items(), torch.bfloat16, device, max_len)
         del tensors
-        return TargetEngine(cfg, model, tokenizer=None)
-    return TargetEngine.from_config(cfg)
+        return Target(cfg, model, tokenizer=None)
+    return Target.from_config(cfg)
 
 
-def step_bytes(engine: TargetEngine, batch: int, context: int) -> int:
+def step_bytes(target: Target, batch: int, context: int) -> int:
     """Bytes one decode step must read: every weight except the embedding table (one row
     each), the LM head (the embedding itself when tied), and the KV of every sequence."""
-    m, cfg = engine.model, engine.model_config
-    item = engine.dtype.itemsize
+    m, cfg = target.model, target.model_config
+    item = target.dtype.itemsize
     weights = sum(p.numel() for n, p in m.named_parameters() if "embed_tokens" not in n) * item
     if cfg.tie_word_embeddings:
         weights += m.model.embed_tokens.weight.numel() * item
@@ -89,30 +89,30 @@ def step_bytes(engine: TargetEngine, batch: int, context: int) -> int:
 def run_case(case: str, steps: int, bandwidth: float, device) -> dict:
     geometry, batch, context = case.rsplit(":", 2)
     batch, context = int(batch), int(context)
-    engine = make_engine(geometry, batch, context, steps, device)
-    gen = Generator(engine)
+    target = make_engine(geometry, batch, context, steps, device)
+    engine = Engine(target)
     g = torch.Generator().manual_seed(1)
     for _ in range(batch):
-        prompt = torch.randint(0, engine.model_config.vocab_size, (context,), generator=g).tolist()
-        gen.add_request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+        prompt = torch.randint(0, target.model_config.vocab_size, (context,), generator=g).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
     t0 = time.perf_counter()
-    while any(s.prefilling or not s.output_ids for s in gen.scheduler.running) or gen.scheduler.waiting:
-        gen.step()
+    while any(s.prefilling or not s.output_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        gen.step()  # ends in the step's device-to-host copy of the sampled ids
+        engine.step()  # ends in the step's device-to-host copy of the sampled ids
         times.append(time.perf_counter() - t)
     ms = statistics.median(times[3:]) * 1e3
-    floor_ms = step_bytes(engine, batch, context) / (bandwidth * 1e9) * 1e3
+    floor_ms = step_bytes(target, batch, context) / (bandwidth * 1e9) * 1e3
     result = {"case": case, "batch": batch, "context": context, "ms_per_step": round(ms, 3),
               "p90_ms": round(sorted(times[3:])[int(0.9 * (len(times) - 3))] * 1e3, 3),
               "floor_ms": round(floor_ms, 3), "floor_ratio": round(ms / floor_ms, 2),
               "tokens_per_s": round(batch / ms * 1e3, 1), "prefill_s": round(prefill_s, 2),
-              "step_bytes": step_bytes(engine, batch, context)}
-    del gen, engine
+              "step_bytes": step_bytes(target, batch, context)}
+    del engine, target
     torch.cuda.empty_cache()
     return result
 

@@ -28,15 +28,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.default_model import ensure_default_model  # noqa: E402
+from hub.default_model import ensure_default_model  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
-from common.spec_config import SpecConfig  # noqa: E402
+from draft_service.spec_config import SpecConfig  # noqa: E402
 from draft_service.eagle_loader import load_eagle  # noqa: E402
-from draft_service.evaluate import run  # noqa: E402
-from draft_service.train.data import Example, load_prompts  # noqa: E402
-from draft_service.train.trainer import Trainer, TrainConfig  # noqa: E402
-from draft_service.train.ttt import ttt_forward  # noqa: E402
-from verify_service.generator import Generator  # noqa: E402
+from tools.evaluate import run  # noqa: E402
+from tools.train.data import Example, load_prompts  # noqa: E402
+from tools.train.trainer import Trainer, TrainConfig  # noqa: E402
+from tools.train.ttt import ttt_forward  # noqa: E402
+from verify_service.engine import Engine  # noqa: E402
 
 EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
 
@@ -50,18 +50,18 @@ def analyze(model_dir: str, head: str, prompts: str, max_tokens: int = 256, limi
         cfg = TrainConfig(model_dir, prompts, scratch, batch=batch, gen_batch=batch, max_new_tokens=max_tokens,
                           num_prompts=limit, device=device, dtype=dtype)
         trainer = Trainer(cfg, progress=False)
-    engine = trainer.engine
-    net = load_eagle(head, engine.model_config, engine.model.model.embed_tokens.weight, torch.float32,
-                     engine.device, engine.max_model_len + 1)
-    encoded = [engine.encode(messages=[{"role": "user", "content": q}]) for q in load_prompts(prompts, limit)]
+    target = trainer.target
+    net = load_eagle(head, target.model_config, target.model.model.embed_tokens.weight, torch.float32,
+                     target.device, target.max_model_len + 1)
+    encoded = [target.encode(messages=[{"role": "user", "content": q}]) for q in load_prompts(prompts, limit)]
     encoded = [ids for ids in encoded if len(ids) <= cfg.max_prompt_tokens]
-    answers, _, _ = run(Generator(engine), encoded, SamplingParams(max_tokens=max_tokens), batch)  # greedy
+    answers, _, _ = run(Engine(target), encoded, SamplingParams(max_tokens=max_tokens), batch)  # greedy
     examples = [Example(ids + answer, len(ids)) for ids, answer in zip(encoded, answers)]
-    V = engine.model_config.vocab_size
-    identity = torch.zeros(V, dtype=torch.int64, device=engine.device)  # the target's logits over every token
-    draft_id = torch.full((V,), -1, dtype=torch.int64, device=engine.device)
-    draft_id[torch.arange(net.d2t.numel(), device=engine.device) + net.d2t] = torch.arange(net.d2t.numel(),
-                                                                                          device=engine.device)
+    V = target.model_config.vocab_size
+    identity = torch.zeros(V, dtype=torch.int64, device=target.device)  # the target's logits over every token
+    draft_id = torch.full((V,), -1, dtype=torch.int64, device=target.device)
+    draft_id[torch.arange(net.d2t.numel(), device=target.device) + net.d2t] = torch.arange(net.d2t.numel(),
+                                                                                          device=target.device)
     p_top, hit, inside, rank = [], [], [], []
     for i in range(0, len(examples), batch):
         feats, logits, ids, mask = trainer.target_batch(examples[i:i + batch], identity)

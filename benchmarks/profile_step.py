@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode_baseline import make_engine  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
-from verify_service.generator import Generator  # noqa: E402
+from verify_service.engine import Engine  # noqa: E402
 
 
 def main() -> None:
@@ -26,15 +26,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
-    engine = make_engine(args.model, args.batch, args.context, 64, torch.device("cuda"))
-    gen = Generator(engine)
+    target = make_engine(args.model, args.batch, args.context, 64, torch.device("cuda"))
+    engine = Engine(target)
     for _ in range(args.batch):
-        gen.add_request(list(range(1, args.context + 1)), SamplingParams(max_tokens=64, ignore_eos=True))
+        engine.add_request(list(range(1, args.context + 1)), SamplingParams(max_tokens=64, ignore_eos=True))
     for _ in range(5):
-        gen.step()
+        engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            gen.step()
+            engine.step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
 

@@ -20,13 +20,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.spec_bench import load_prompts  # noqa: E402
-from common.client import Eagle3Client  # noqa: E402
-from common.default_model import ensure_default_model  # noqa: E402
+from client.eagle3_client import Eagle3Client  # noqa: E402
+from hub.default_model import ensure_default_model  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from draft_service.eagle_init import write_random_head  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
-from verify_service.inprocess import build_generator  # noqa: E402
-from verify_service.up import spawn, wait_healthy  # noqa: E402
+from tools.inprocess import build_engine  # noqa: E402
+from cli.up import spawn, wait_healthy  # noqa: E402
 
 
 def main() -> None:
@@ -50,9 +50,9 @@ def main() -> None:
     texts = load_prompts(args.prompts, args.limit)
 
     # Reference: the in-process target-only engine, same device and dtype.
-    ref_gen = build_generator(EngineConfig(model, device=args.device, dtype=args.dtype, max_model_len=4096,
+    ref_gen = build_engine(EngineConfig(model, device=args.device, dtype=args.dtype, max_model_len=4096,
                                            max_num_seqs=1))
-    prompts = [ref_gen.engine.encode(messages=[{"role": "user", "content": t}]) for t in texts]
+    prompts = [ref_gen.target.encode(messages=[{"role": "user", "content": t}]) for t in texts]
     params = SamplingParams(max_tokens=args.max_tokens)
     reference = [ref_gen.generate([p], params)[0].token_ids for p in prompts]
     del ref_gen

@@ -26,7 +26,7 @@ RESULTS=${RESULTS:-$WORK/results}
 NG=${NG:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 PP=${PROCS_PER_GPU:-8}
 P=$((NG * PP))
-E3="python3 -m verify_service.cli"
+E3="python3 -m cli.main"
 TARGET=${TARGET:+--target $TARGET}  # default: the embedded SmolLM2
 INIT=${INIT_HEAD-draft_service/heads/smollm2-135m-instruct}  # INIT_HEAD= (empty): a fresh head
 INIT=${INIT:+--init-head $INIT}
@@ -100,7 +100,7 @@ PY
 
 train() {
   local log="$RESULTS/train.log"
-  if ! torchrun --standalone --nproc-per-node "$NG" -m verify_service.cli train-draft $TARGET \
+  if ! torchrun --standalone --nproc-per-node "$NG" -m cli.main train-draft $TARGET \
       --prompts "$WORK/run/prompts.jsonl" --out "$WORK/run" $INIT \
       --draft-vocab "${VOCAB:-8192}" --ttt-steps 7 --steps "${STEPS:-1800}" --batch "${BATCH:-128}" --lr "${LR:-5e-4}" \
       --max-new-tokens "${MAX_NEW:-256}" --eval-every 200 --kv-cache-gib 16 --time-limit-s "${TRAIN_S:-480}" \

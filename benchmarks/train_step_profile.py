@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode_baseline import GEOMETRIES  # noqa: E402
 from common.config import ModelConfig  # noqa: E402
-from draft_service.train.data import Example  # noqa: E402
-from draft_service.train.trainer import Trainer, TrainConfig  # noqa: E402
-from draft_service.train.ttt import ttt_loss  # noqa: E402
+from tools.train.data import Example  # noqa: E402
+from tools.train.trainer import Trainer, TrainConfig  # noqa: E402
+from tools.train.ttt import ttt_loss  # noqa: E402
 from verify_service.loader import random_tensors  # noqa: E402
 
 
@@ -105,7 +105,7 @@ def main() -> None:
                       ttt_steps=args.ttt_steps, max_new_tokens=args.answer_len, device=args.device,
                       max_prompt_tokens=args.prompt_len * 3 // 2 + 1, autocast=not args.no_autocast)
     trainer = Trainer(cfg, progress=False)
-    vocab = trainer.engine.model_config.vocab_size
+    vocab = trainer.target.model_config.vocab_size
     examples = random_examples(args.batch * (args.steps + 3), vocab, args.prompt_len, args.answer_len)
     net, _ = trainer.build_head(examples)
     params = [p for p in net.parameters() if p.requires_grad]
@@ -117,7 +117,7 @@ def main() -> None:
     split = [phases(trainer, net, opt, params, b) for b in batches[2:2 + args.steps]]
     whole = [timed(lambda b=b: trainer.step(net, opt, params, 0, b))[1] for b in batches[2:2 + args.steps]]
     tokens = statistics.mean(sum(len(e.ids) for e in b) for b in batches)
-    print(f"device {trainer.engine.device}, batch {args.batch}, ~{tokens:.0f} tokens a batch, "
+    print(f"device {trainer.target.device}, batch {args.batch}, ~{tokens:.0f} tokens a batch, "
           f"{args.ttt_steps} unrolled steps, autocast {cfg.autocast}")
     for name in split[0]:
         print(f"  {name:24s} {1e3 * statistics.median(s[name] for s in split):8.1f} ms")

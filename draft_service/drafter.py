@@ -21,13 +21,14 @@ import logging
 import numpy as np
 import torch
 
-from common.block_manager import BlockManager, blocks_for
+from runtime.block_manager import BlockManager, blocks_for
 from common.config import ModelConfig
-from common.draft_protocol import DraftFeed, ProposeRequest
-from common.kv_cache import PagedKVCache
-from common.spec_config import SpecConfig, TreeSettings
-from common.step_layout import SeqChunk, layout_step
-from common.tree import CandidateTree
+from link.protocol import DraftFeed, ProposeRequest
+from runtime.kv_cache import PagedKVCache
+from common.tree_settings import TreeSettings
+from draft_service.spec_config import SpecConfig
+from runtime.step_layout import SeqChunk, layout_step
+from runtime.tree import CandidateTree
 from draft_service.eagle_loader import load_eagle
 from draft_service.eagle_net import EagleNet
 from draft_service.static_tree import StaticTreeSpec
@@ -45,8 +46,7 @@ class EagleDrafter:
         cfg = net.config
         weight = net.norm.weight
         self.device, self.dtype = weight.device, weight.dtype
-        tree_rows = spec.top_k * spec.depth + spec.node_budget  # speculative rows during a proposal
-        num_blocks = max_num_seqs * blocks_for(max_model_len + tree_rows, block_size)
+        num_blocks = max_num_seqs * blocks_for(max_model_len + spec.settings.draft_tree_rows, block_size)
         self.kv = PagedKVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, block_size)
         self.static = StaticTreeSpec.from_file(spec.static_tree_file) if spec.tree == "static" else None
@@ -59,7 +59,7 @@ class EagleDrafter:
                         max_num_seqs: int, max_model_len: int) -> "EagleDrafter":
         """Load ``spec.draft_path`` against the target; runs on the embedding's device and dtype."""
         net = load_eagle(spec.draft_path, target, target_embedding, target_embedding.dtype,
-                         target_embedding.device, max_model_len + spec.depth + 1)
+                         target_embedding.device, max_model_len + spec.settings.draft_positions)
         return cls(net, spec, net.config.capture_layers(target), select_kernels(target_embedding.device),
                    max_num_seqs, max_model_len)
 
@@ -117,7 +117,7 @@ class EagleDrafter:
         """One batched tree build per distinct tree shape among the requests."""
         groups: dict[TreeSettings, list[ProposeRequest]] = {}
         for r in requests:
-            groups.setdefault(r.settings or self.spec.defaults(), []).append(r)
+            groups.setdefault(r.settings or self.spec.settings, []).append(r)
         trees = {}
         for settings, group in groups.items():
             trees.update(self._propose_group(group, settings))

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from common.checkpoint import INDEX_FILE, SINGLE_FILE, iter_tensors
+from hub.checkpoint import INDEX_FILE, SINGLE_FILE, iter_tensors
 from common.config import ModelConfig
 from common.errors import CheckpointError, ModelNotFoundError
 from draft_service.eagle_config import DraftConfig

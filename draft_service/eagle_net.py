@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.kv_cache import PagedKVCache
+from runtime.kv_cache import PagedKVCache
 from draft_service.eagle_config import DraftConfig
 from kernels import KernelSet
 from kernels.metadata import AttentionMetadata
@@ -84,7 +84,7 @@ class EagleNet(nn.Module):
     def attach_embedding(self, weight: torch.Tensor) -> None:
         """Use the target's token embedding [vocab, H] (shared storage, no copy)."""
         cfg = self.config
-        assert tuple(weight.shape) == (cfg.vocab_size, cfg.hidden_size), \
+        assert tuple(weight.shape) == (cfg.vocab_size, cfg.hidden_size),\
             f"target embedding {tuple(weight.shape)} != ({cfg.vocab_size}, {cfg.hidden_size})"
         self.embed_weight = weight.detach()  # a Parameter would register here and join the draft's weights
 

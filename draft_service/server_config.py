@@ -6,7 +6,8 @@ import argparse
 from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
-from common.spec_config import SpecConfig, add_tree_arguments
+from common.tree_settings import add_tree_arguments
+from draft_service.spec_config import SpecConfig
 
 DEFAULT_VERIFY = "unix:/tmp/eagle3/draft.sock"
 DEFAULT_HEALTH = "127.0.0.1:50052"

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from common.tree import CandidateTree
+from runtime.tree import CandidateTree
 from draft_service.static_tree import StaticTreeSpec, StaticLevel
 from kernels.tree import draft_topk_ref
 

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.draft_protocol import DraftFeed, ProposeRequest
+from link.protocol import DraftFeed, ProposeRequest
 from common.sampling_params import SamplingParams
-from common.tree import CandidateTree
-from verify_service.generator import Generator
+from runtime.tree import CandidateTree
+from verify_service.engine import Engine
 
 
 class OracleDrafter:
-    def __init__(self, oracle_engine, depth: int, siblings: int = 0, wrong: bool = False):
-        self.oracle = Generator(oracle_engine)
-        self.capture_layers = oracle_engine.model_config.default_capture_layers()
+    def __init__(self, oracle_target, depth: int, siblings: int = 0, wrong: bool = False):
+        self.oracle = Engine(oracle_target)
+        self.capture_layers = oracle_target.model_config.default_capture_layers()
         self.depth, self.siblings, self.wrong = depth, siblings, wrong
-        self.generator: Generator | None = None  # set by the test after building the generator
+        self.engine: Engine | None = None  # set by the test after building the generator
         self.fed: dict[int, int] = {}  # seq_id -> rows fed (checks the feed protocol)
         self.released: set[int] = set()
 
@@ -40,11 +40,11 @@ class OracleDrafter:
         raise AssertionError(f"the oracle's tree for {seq_id} was refused: {reason}")
 
     def _tree(self, req: ProposeRequest) -> CandidateTree:
-        seq = self.generator.sequences[req.seq_id]
+        seq = self.engine.sequences[req.seq_id]
         history = seq.prompt_ids + seq.output_ids
         assert self.fed[req.seq_id] == len(history) - 1, "every committed row must be fed before proposing"
         cont = self.oracle.generate([history], SamplingParams(max_tokens=req.max_depth, ignore_eos=True))[0].token_ids
-        vocab = self.oracle.engine.model_config.vocab_size
+        vocab = self.oracle.target.model_config.vocab_size
         if self.wrong:
             cont = [(t + 1) % vocab for t in cont]
         return _chain_with_siblings(cont, self.siblings, vocab)

@@ -13,10 +13,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.tree import CandidateTree  # noqa: E402
+from runtime.tree import CandidateTree  # noqa: E402
 from draft_service import server, server_config  # noqa: E402
 from draft_service.drafter import EagleDrafter  # noqa: E402
-from verify_service.cli import build_parser  # noqa: E402
+from cli.main import build_parser  # noqa: E402
 
 
 def corrupt(tree: CandidateTree, mode: str, vocab: int) -> CandidateTree:

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.client import Eagle3Client
+from client.eagle3_client import Eagle3Client
 from tiny_models import TEST_DEVICE, TEST_DTYPE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +19,7 @@ class ServiceProcess:
         self.log_path = log_path
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._log = open(log_path, "w")
-        program = program or [sys.executable, "-m", "verify_service.cli"]
+        program = program or [sys.executable, "-m", "cli.main"]
         self.proc = subprocess.Popen([*program, *args], cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def log(self) -> str:

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.tree import CandidateTree
+from runtime.tree import CandidateTree
 from kernels.acceptance import greedy_accept_ref, sampling_accept_ref
 from kernels.kv_compaction import compact_kv_ref, compaction_slots_ref
 

@@ -15,9 +15,9 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from common.client import ClientError, Completion, Eagle3Client, StreamEvent, Usage
+from client.eagle3_client import ClientError, Completion, Eagle3Client, StreamEvent, Usage
 from protos.eagle3.v1 import generation_pb2, generation_pb2_grpc, speculation_pb2
-from verify_service import cli
+from cli import main as cli
 
 DELTAS = [([15496], "Hello"), ([11], ","), ([995, 0], " world")]
 

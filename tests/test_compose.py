@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from verify_service.cli import build_parser
+from cli.main import build_parser
 
 # PyYAML comes with tokenizers -> huggingface_hub; skip loudly rather than fail if that changes.
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (normally pulled in by tokenizers)")

@@ -14,10 +14,10 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 
-from common import default_model as dm
+from hub import default_model as dm
 from common.errors import ConversionError
-from common.gguf import GGUFReader
-from common.llama_gguf import convert_llama_gguf, hf_tensor_name, unpermute_rope_rows
+from hub.gguf import GGUFReader
+from hub.llama_gguf import convert_llama_gguf, hf_tensor_name, unpermute_rope_rows
 from gguf_writer import ARRAY, FLOAT32, INT32, UINT32, Typed, write_gguf
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from common.config import ModelConfig
 from common.errors import CheckpointError, ModelNotFoundError
-from common.kv_cache import PagedKVCache
-from common.step_layout import SeqChunk, layout_step
+from runtime.kv_cache import PagedKVCache
+from runtime.step_layout import SeqChunk, layout_step
 from draft_service.eagle_config import DraftConfig
 from draft_service.eagle_loader import load_eagle
 from kernels import select_kernels

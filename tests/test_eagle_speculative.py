@@ -6,11 +6,11 @@ import json
 import pytest
 
 from common.sampling_params import SamplingParams
-from common.spec_config import SpecConfig
+from draft_service.spec_config import SpecConfig
 from draft_service.drafter import EagleDrafter
 from tiny_eagle import make_eagle_dir
-from tiny_models import engine_for, make_model_dir, tiny_config
-from verify_service.generator import Generator
+from tiny_models import target_for, make_model_dir, tiny_config
+from verify_service.engine import Engine
 
 PROMPTS = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2]]
 
@@ -18,25 +18,25 @@ PROMPTS = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle")
-    target = make_model_dir(root / "target", "llama3", seed=5, std=0.3)
+    target_dir = make_model_dir(root / "target", "llama3", seed=5, std=0.3)
     draft = make_eagle_dir(root / "draft", tiny_config("llama3"), draft_vocab=64, seed=1)
     static = root / "tree.json"
     static.write_text(json.dumps({"paths": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]]}))
-    return target, draft, static
+    return target_dir, draft, static
 
 
-def eagle_generator(dirs, tree, **engine_kw):
-    target, draft, static = dirs
+def eagle_engine(dirs, tree, **engine_kw):
+    target_dir, draft, static = dirs
     spec = SpecConfig(str(draft), tree=tree, depth=4, top_k=3, max_nodes=10,
                       static_tree_file=str(static) if tree == "static" else None)
-    engine = engine_for(target, **engine_kw)
-    drafter = EagleDrafter.from_checkpoint(spec, engine.model_config, engine.model.model.embed_tokens.weight,
-                                           engine.cfg.max_num_seqs, engine.max_model_len)
-    return Generator(engine, drafter, spec)
+    target = target_for(target_dir, **engine_kw)
+    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                           target.cfg.max_num_seqs, target.max_model_len)
+    return Engine(target, drafter, spec.settings)
 
 
-def target_only(target, prompts, params):
-    return [r.token_ids for r in Generator(engine_for(target)).generate(prompts, params)]
+def target_only(target_dir, prompts, params):
+    return [r.token_ids for r in Engine(target_for(target_dir)).generate(prompts, params)]
 
 
 @pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
@@ -44,24 +44,24 @@ def test_greedy_output_equals_target_only_for_every_tree(dirs, tree):
     free_run = target_only(dirs[0], [PROMPTS[1]], SamplingParams(max_tokens=30, ignore_eos=True))[0]
     stop = free_run[9]  # lands mid-tree for the second prompt
     params = [SamplingParams(max_tokens=n, stop_token_ids=(stop,)) for n in (9, 30, 14, 2, 25)]
-    gen = eagle_generator(dirs, tree, max_batch_tokens=32)
-    results = gen.generate(PROMPTS, params)
+    engine = eagle_engine(dirs, tree, max_batch_tokens=32)
+    results = engine.generate(PROMPTS, params)
     assert [r.token_ids for r in results] == target_only(dirs[0], PROMPTS, params)
     assert results[1].finish_reason == "stop"
-    assert all(r.spec.steps > 0 for r in results if len(r.token_ids) > 2)
-    assert gen.engine.blocks.num_used_blocks == 0 and gen.drafter.blocks.num_used_blocks == 0
+    assert all(r.speculation.steps > 0 for r in results if len(r.token_ids) > 2)
+    assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
 
 
 def test_draft_cache_holds_exactly_the_committed_rows(dirs):
-    gen = eagle_generator(dirs, "dynamic")
-    seq_id = gen.add_request(PROMPTS[3], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine = eagle_engine(dirs, "dynamic")
+    seq_id = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=20, ignore_eos=True))
     for _ in range(4):
-        gen.step()
-        seq = gen.sequences[seq_id]
-        rows = gen.drafter.rows[seq_id]
+        engine.step()
+        seq = engine.sequences[seq_id]
+        rows = engine.drafter.rows[seq_id]
         assert rows == seq.num_tokens - 1  # every committed position's feature, and nothing else
-        bs = gen.drafter.kv.block_size
-        assert len(gen.drafter.blocks.block_table(seq_id)) == -(-rows // bs)
+        bs = engine.drafter.kv.block_size
+        assert len(engine.drafter.blocks.block_table(seq_id)) == -(-rows // bs)
 
 
 def test_spec_config_is_validated_up_front(dirs, tmp_path):
@@ -83,15 +83,15 @@ def test_tree_scores_equal_sequential_draft_runs(dirs, tree):
     """Every node's cumulative draft log-prob equals walking its path one row at a time
     through a plain causal cache: tree masks, positions and parent hidden states line up."""
     import torch
-    from common.draft_protocol import DraftFeed, ProposeRequest
-    from common.step_layout import SeqChunk
+    from link.protocol import DraftFeed, ProposeRequest
+    from runtime.step_layout import SeqChunk
 
-    gen = eagle_generator(dirs, tree)
-    engine, drafter = gen.engine, gen.drafter
+    engine = eagle_engine(dirs, tree)
+    target, drafter = engine.target, engine.drafter
     history = PROMPTS[1]
     n = len(history)
-    engine.blocks.ensure_capacity(0, n)
-    feats = engine.runner.step([SeqChunk(history, 0, engine.blocks.block_table(0))]).captured
+    target.blocks.ensure_capacity(0, n)
+    feats = target.runner.step([SeqChunk(history, 0, target.blocks.block_table(0))]).captured
     feed = DraftFeed(0, 0, feats[:-1], torch.tensor(history[1:]).numpy())
     cand = drafter.step([feed], [ProposeRequest(0, 4)])[0]
     assert cand.num_nodes > 3
@@ -102,7 +102,7 @@ def test_tree_scores_equal_sequential_draft_runs(dirs, tree):
         while j >= 0:
             path.insert(0, int(cand.tokens[j]))
             j = int(cand.parents[j])
-        ref = eagle_generator(dirs, tree).drafter
+        ref = eagle_engine(dirs, tree).drafter
         ref.step([feed], [])
         h, logp, total, m = ref.last_out[0], ref.last_logp[0], 0.0, n - 1
         for depth, tok in enumerate(path):

@@ -7,38 +7,38 @@ import pytest
 from common.errors import (CheckpointError, InvalidRequestError, ModelNotFoundError,
                            UnsupportedModelError)
 from common.sampling_params import SamplingParams
-from tiny_models import engine_for, make_model_dir
+from tiny_models import target_for, make_model_dir
 from verify_service.config import EngineConfig
-from verify_service.generator import Generator
+from verify_service.engine import Engine
 
 
 @pytest.fixture(scope="module")
-def gen(tmp_path_factory):
+def engine(tmp_path_factory):
     model_dir = make_model_dir(tmp_path_factory.mktemp("e") / "m", "llama3")
-    return Generator(engine_for(model_dir, max_model_len=64))
+    return Engine(target_for(model_dir, max_model_len=64))
 
 
-def test_empty_prompt(gen):
+def test_empty_prompt(engine):
     with pytest.raises(InvalidRequestError, match="prompt: the prompt is empty"):
-        gen.add_request([], SamplingParams())
+        engine.add_request([], SamplingParams())
 
 
-def test_prompt_longer_than_the_context(gen):
+def test_prompt_longer_than_the_context(engine):
     with pytest.raises(InvalidRequestError, match="64 tokens; the context holds 64") as err:
-        gen.add_request([5] * 64, SamplingParams())
+        engine.add_request([5] * 64, SamplingParams())
     assert err.value.field == "prompt"
 
 
-def test_token_id_out_of_range(gen):
+def test_token_id_out_of_range(engine):
     with pytest.raises(InvalidRequestError, match=r"token id 97 is outside the vocabulary \[0, 97\)"):
-        gen.add_request([5, 97], SamplingParams())
+        engine.add_request([5, 97], SamplingParams())
     with pytest.raises(InvalidRequestError, match="token id -1"):
-        gen.add_request([-1], SamplingParams())
+        engine.add_request([-1], SamplingParams())
 
 
-def test_stop_token_id_out_of_range(gen):
+def test_stop_token_id_out_of_range(engine):
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
-        gen.add_request([5], SamplingParams(stop_token_ids=(1000,)))
+        engine.add_request([5], SamplingParams(stop_token_ids=(1000,)))
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -53,17 +53,17 @@ def test_sampling_parameters_out_of_range(kwargs, field):
     assert err.value.field == field and "must" in str(err.value)
 
 
-def test_max_tokens_is_clipped_to_the_context(gen):
-    result = gen.generate([[5] * 60], SamplingParams(max_tokens=50, ignore_eos=True))[0]
+def test_max_tokens_is_clipped_to_the_context(engine):
+    result = engine.generate([[5] * 60], SamplingParams(max_tokens=50, ignore_eos=True))[0]
     assert len(result.token_ids) == 4 and result.finish_reason == "length"
 
 
 def test_unknown_model_directory(tmp_path):
     with pytest.raises(ModelNotFoundError, match="does not exist"):
-        engine_for(tmp_path / "nope")
+        target_for(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelNotFoundError, match="no config.json"):
-        engine_for(tmp_path / "empty")
+        target_for(tmp_path / "empty")
 
 
 def test_truncated_safetensors(tmp_path):
@@ -71,7 +71,7 @@ def test_truncated_safetensors(tmp_path):
     f = model_dir / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(CheckpointError, match="corrupted or truncated"):
-        engine_for(model_dir)
+        target_for(model_dir)
 
 
 def test_corrupted_safetensors_header(tmp_path):
@@ -81,19 +81,19 @@ def test_corrupted_safetensors_header(tmp_path):
     data[8:24] = b"\xff" * 16  # inside the JSON header
     f.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="corrupted or truncated"):
-        engine_for(model_dir)
+        target_for(model_dir)
 
 
 def test_missing_shard_and_wrong_shapes(tmp_path):
     sharded = make_model_dir(tmp_path / "s", "llama3", shards=2)
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ModelNotFoundError, match="missing shards"):
-        engine_for(sharded)
+        target_for(sharded)
     wrong = make_model_dir(tmp_path / "w", "llama3")
     raw = json.loads((wrong / "config.json").read_text())
     (wrong / "config.json").write_text(json.dumps({**raw, "intermediate_size": 128}))
     with pytest.raises(CheckpointError, match="has shape"):
-        engine_for(wrong)
+        target_for(wrong)
 
 
 def test_unsupported_architecture_and_rope(tmp_path):
@@ -101,10 +101,10 @@ def test_unsupported_architecture_and_rope(tmp_path):
     raw = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**raw, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
-        engine_for(model_dir)
+        target_for(model_dir)
     (model_dir / "config.json").write_text(json.dumps({**raw, "rope_scaling": {"rope_type": "yarn", "factor": 4}}))
     with pytest.raises(UnsupportedModelError, match="yarn"):
-        engine_for(model_dir)
+        target_for(model_dir)
 
 
 def test_bad_engine_config():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from common.errors import CheckpointError
-from common.gguf import GGUFReader
+from hub.gguf import GGUFReader
 from gguf_writer import (ARRAY, FLOAT64, INT8, INT16, INT64, UINT8, UINT16, UINT32, UINT64,
                          Typed, write_gguf)
 

@@ -6,28 +6,28 @@ import torch
 
 from kernels.attention import paged_attention_ref
 from kernels.metadata import AttentionMetadata
-from tiny_models import engine_for, make_model_dir, tolerance
+from tiny_models import target_for, make_model_dir, tolerance
 from verify_service.model_runner import SeqChunk
 
 pytestmark = pytest.mark.gpu
 
 
-def logits_of(engine, ids):
-    engine.blocks.ensure_capacity(0, len(ids))
-    return engine.runner.step([SeqChunk(ids, 0, engine.blocks.block_table(0), tuple(range(len(ids))))]).logits
+def logits_of(target, ids):
+    target.blocks.ensure_capacity(0, len(ids))
+    return target.runner.step([SeqChunk(ids, 0, target.blocks.block_table(0), tuple(range(len(ids))))]).logits
 
 
 def test_auto_settings_choose_cuda_and_bfloat16(tmp_path):
-    engine = engine_for(make_model_dir(tmp_path / "m", "qwen3"), device="auto", dtype="auto")
-    assert engine.device.type == "cuda" and engine.dtype == torch.bfloat16
-    assert engine.kv_cache.data.is_cuda and engine.kv_cache.data.dtype == torch.bfloat16
+    target = target_for(make_model_dir(tmp_path / "m", "qwen3"), device="auto", dtype="auto")
+    assert target.device.type == "cuda" and target.dtype == torch.bfloat16
+    assert target.kv_cache.data.is_cuda and target.kv_cache.data.dtype == torch.bfloat16
 
 
 def test_bf16_cuda_logits_track_fp32_cpu(tmp_path):
     model_dir = make_model_dir(tmp_path / "m", "llama3", std=0.05)
     ids = list(range(3, 50))
-    cpu = logits_of(engine_for(model_dir, device="cpu", dtype="float32"), ids)
-    gpu = logits_of(engine_for(model_dir, device="cuda", dtype="bfloat16"), ids)
+    cpu = logits_of(target_for(model_dir, device="cpu", dtype="float32"), ids)
+    gpu = logits_of(target_for(model_dir, device="cuda", dtype="bfloat16"), ids)
     torch.testing.assert_close(gpu.cpu(), cpu, **tolerance("bfloat16"))
 
 

@@ -5,9 +5,9 @@ import torch
 
 from common.errors import CapacityError
 from common.sampling_params import SamplingParams
-from tiny_models import engine_for, make_model_dir, tolerance
-from common.block_manager import BlockManager
-from verify_service.generator import Generator
+from tiny_models import target_for, make_model_dir, tolerance
+from runtime.block_manager import BlockManager
+from verify_service.engine import Engine
 from verify_service.model_runner import SeqChunk
 
 
@@ -16,32 +16,32 @@ def model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("kv") / "m", "llama3", seed=1)
 
 
-def run_in_chunks(engine, ids, sizes, seq_id=0):
+def run_in_chunks(target, ids, sizes, seq_id=0):
     """Prefill ``ids`` in chunks of the given sizes; returns the logits of every token."""
     rows, start = [], 0
     for n in sizes:
-        engine.blocks.ensure_capacity(seq_id, start + n)
-        chunk = SeqChunk(ids[start:start + n], start, engine.blocks.block_table(seq_id),
+        target.blocks.ensure_capacity(seq_id, start + n)
+        chunk = SeqChunk(ids[start:start + n], start, target.blocks.block_table(seq_id),
                          logits_rows=tuple(range(n)))
-        rows.append(engine.runner.step([chunk]).logits)
+        rows.append(target.runner.step([chunk]).logits)
         start += n
     return torch.cat(rows)
 
 
 def test_chunked_whole_and_token_by_token_prefill_agree(model_dir):
     ids = [(7 * i + 3) % 90 for i in range(45)]  # 45 tokens over 3 blocks of 16
-    whole = run_in_chunks(engine_for(model_dir), ids, [45])
-    chunked = run_in_chunks(engine_for(model_dir), ids, [7, 16, 1, 21])
-    one_by_one = run_in_chunks(engine_for(model_dir), ids, [1] * 45)
+    whole = run_in_chunks(target_for(model_dir), ids, [45])
+    chunked = run_in_chunks(target_for(model_dir), ids, [7, 16, 1, 21])
+    one_by_one = run_in_chunks(target_for(model_dir), ids, [1] * 45)
     torch.testing.assert_close(chunked, whole, **tolerance())
     torch.testing.assert_close(one_by_one, whole, **tolerance())
 
 
 def test_mixed_length_batch_equals_each_sequence_alone(model_dir):
     prompts = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80))]
-    engine = engine_for(model_dir)
-    alone = [run_in_chunks(engine, p, [len(p)], seq_id=100 + i)[-1] for i, p in enumerate(prompts)]
-    batch_engine = engine_for(model_dir)
+    target = target_for(model_dir)
+    alone = [run_in_chunks(target, p, [len(p)], seq_id=100 + i)[-1] for i, p in enumerate(prompts)]
+    batch_engine = target_for(model_dir)
     chunks = []
     for i, p in enumerate(prompts):
         batch_engine.blocks.ensure_capacity(i, len(p))
@@ -53,13 +53,13 @@ def test_mixed_length_batch_equals_each_sequence_alone(model_dir):
 def test_generator_batch_matches_single_runs_and_frees_every_block(model_dir):
     prompts = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2]]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 4, 12, 1, 20)]
-    engine = engine_for(model_dir, max_batch_tokens=24)  # forces chunked prefill beside decodes
-    gen = Generator(engine)
-    batched = gen.generate(prompts, params)
-    single = [Generator(engine_for(model_dir)).generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    target = target_for(model_dir, max_batch_tokens=24)  # forces chunked prefill beside decodes
+    engine = Engine(target)
+    batched = engine.generate(prompts, params)
+    single = [Engine(target_for(model_dir)).generate([p], sp)[0] for p, sp in zip(prompts, params)]
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
     assert [len(r.token_ids) for r in batched] == [9, 4, 12, 1, 20]
-    assert engine.blocks.num_used_blocks == 0
+    assert target.blocks.num_used_blocks == 0
 
 
 def test_block_manager_allocates_frees_and_truncates():
@@ -85,22 +85,22 @@ def test_block_manager_exhaustion_is_typed_and_allocates_nothing():
 
 
 def test_request_larger_than_the_whole_cache_is_refused(model_dir):
-    engine = engine_for(model_dir, num_kv_blocks=8)  # 8 blocks of 16 tokens
-    gen = Generator(engine)
+    target = target_for(model_dir, num_kv_blocks=8)  # 8 blocks of 16 tokens
+    engine = Engine(target)
     with pytest.raises(CapacityError, match="KV blocks"):
-        gen.add_request(list(range(1, 60)), SamplingParams(max_tokens=150))
+        engine.add_request(list(range(1, 60)), SamplingParams(max_tokens=150))
 
 
 def test_requests_beyond_capacity_wait_instead_of_failing(model_dir):
-    engine = engine_for(model_dir, num_kv_blocks=8)  # 8 blocks of 16 tokens
-    gen = Generator(engine)
+    target = target_for(model_dir, num_kv_blocks=8)  # 8 blocks of 16 tokens
+    engine = Engine(target)
     prompts = [list(range(3, 73)) for _ in range(3)]  # 5 blocks each: one fits at a time
-    results = gen.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    results = engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     assert all(len(r.token_ids) == 4 for r in results)
-    assert engine.blocks.num_used_blocks == 0
+    assert target.blocks.num_used_blocks == 0
 
 
 def test_kv_cache_size_follows_the_memory_budget(model_dir):
-    engine = engine_for(model_dir, kv_cache_gib=1.25e-4, dtype="float32")
-    assert engine.kv_cache.bytes_per_block(engine.model_config, 16, engine.dtype) == 16384
-    assert engine.blocks.num_blocks == 8  # 1.25e-4 GiB / 16 KiB per block
+    target = target_for(model_dir, kv_cache_gib=1.25e-4, dtype="float32")
+    assert target.kv_cache.bytes_per_block(target.model_config, 16, target.dtype) == 16384
+    assert target.blocks.num_blocks == 8  # 1.25e-4 GiB / 16 KiB per block

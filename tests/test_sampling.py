@@ -7,8 +7,8 @@ import torch
 
 from common.sampling_params import SamplingParams
 from kernels.sampling import logits_to_probs_ref, mix_seed, sample_ref
-from tiny_models import engine_for, make_model_dir
-from verify_service.generator import Generator
+from tiny_models import target_for, make_model_dir
+from verify_service.engine import Engine
 from verify_service.model_runner import SeqChunk
 
 
@@ -63,24 +63,24 @@ def model_dir(tmp_path_factory):
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(model_dir):
     sp = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
-    alone = Generator(engine_for(model_dir)).generate([[3, 4, 5]], sp)[0].token_ids
-    again = Generator(engine_for(model_dir)).generate([[3, 4, 5]], sp)[0].token_ids
+    alone = Engine(target_for(model_dir)).generate([[3, 4, 5]], sp)[0].token_ids
+    again = Engine(target_for(model_dir)).generate([[3, 4, 5]], sp)[0].token_ids
     others = [SamplingParams(max_tokens=5, temperature=0.7, seed=9), SamplingParams(max_tokens=30)]
-    batch = Generator(engine_for(model_dir)).generate([[3, 4, 5], [9, 9], [1, 2, 3, 4]], [sp, *others])
+    batch = Engine(target_for(model_dir)).generate([[3, 4, 5], [9, 9], [1, 2, 3, 4]], [sp, *others])
     assert alone == again == batch[0].token_ids
     other_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=4321, ignore_eos=True)
-    assert Generator(engine_for(model_dir)).generate([[3, 4, 5]], other_seed)[0].token_ids != alone
+    assert Engine(target_for(model_dir)).generate([[3, 4, 5]], other_seed)[0].token_ids != alone
 
 
 def test_sampled_first_token_follows_the_model_distribution(model_dir):
     """Empirical first-token frequencies over many seeds match softmax(logits / T)."""
-    engine = engine_for(model_dir, max_num_seqs=64)
-    gen = Generator(engine)
+    target = target_for(model_dir, max_num_seqs=64)
+    gen = Engine(target)
     prompt = [7, 8, 9]
     greedy = gen.generate([prompt], SamplingParams(max_tokens=1))
-    engine.blocks.ensure_capacity(999, 3)
-    row = engine.runner.step([SeqChunk(prompt, 0, engine.blocks.block_table(999), (2,))]).logits[0].cpu()
-    engine.blocks.free(999)
+    target.blocks.ensure_capacity(999, 3)
+    row = target.runner.step([SeqChunk(prompt, 0, target.blocks.block_table(999), (2,))]).logits[0].cpu()
+    target.blocks.free(999)
     p = torch.softmax(row / 2.0, dim=-1).double()
     n = 1500
     params = [SamplingParams(max_tokens=1, temperature=2.0, seed=s) for s in range(n)]

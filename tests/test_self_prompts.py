@@ -6,10 +6,10 @@ from dataclasses import dataclass
 import pytest
 
 from common.errors import InvalidRequestError
-from draft_service.train.data import load_prompts
-from draft_service.train.self_prompts import generate_self_prompts, user_turn_prefix
+from tools.train.data import load_prompts
+from tools.train.self_prompts import generate_self_prompts, user_turn_prefix
 from tiny_chat import tiny_chat_target
-from tiny_models import engine_for
+from tiny_models import target_for
 from verify_service.sequence import FinishReason
 
 SMOL_PREFIX = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -17,15 +17,15 @@ SMOL_PREFIX = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM,
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def target(tmp_path_factory):
     model, _ = tiny_chat_target(tmp_path_factory.mktemp("sp"))
-    return engine_for(model, dtype="float32", device="cpu")
+    return target_for(model, dtype="float32", device="cpu")
 
 
-def test_user_turn_prefix_is_the_template_up_to_the_user_message(engine):
-    prefix = user_turn_prefix(engine)
-    assert engine.tokenizer.decode(prefix, skip_special_tokens=False) == SMOL_PREFIX
-    chat = engine.encode(messages=[{"role": "user", "content": "Name a fruit."}])
+def test_user_turn_prefix_is_the_template_up_to_the_user_message(target):
+    prefix = user_turn_prefix(target)
+    assert target.tokenizer.decode(prefix, skip_special_tokens=False) == SMOL_PREFIX
+    chat = target.encode(messages=[{"role": "user", "content": "Name a fruit."}])
     assert chat[:len(prefix)] == prefix  # what an answered prompt starts with
 
 
@@ -38,8 +38,8 @@ class Result:
 class ScriptedGenerator:
     """Answers attempt k (its sampling seed) from a script; records what it was asked."""
 
-    def __init__(self, engine, script):
-        self.engine, self.script, self.seeds = engine, script, []
+    def __init__(self, target, script):
+        self.target, self.script, self.seeds = target, script, []
 
     def generate(self, prompts, params):
         assert all(p == prompts[0] for p in prompts)
@@ -57,37 +57,37 @@ def script(seed):
     return f" Question {seed}? ", FinishReason.STOP
 
 
-def test_kept_prompts_closed_distinct_non_empty_and_resumable(engine, tmp_path):
+def test_kept_prompts_closed_distinct_non_empty_and_resumable(target, tmp_path):
     out = tmp_path / "self.jsonl"
-    gen = ScriptedGenerator(engine, script)
-    got = generate_self_prompts(gen, out, count=4, batch=3, seed=100, progress=False)
+    engine = ScriptedGenerator(target, script)
+    got = generate_self_prompts(engine, out, count=4, batch=3, seed=100, progress=False)
     assert got == ["Question 100?", "A repeated question?", "Question 104?", "Question 105?"]
-    assert gen.seeds == list(range(100, 106))  # batches of 3 until 4 were kept
+    assert engine.seeds == list(range(100, 106))  # batches of 3 until 4 were kept
     assert load_prompts(out) == got  # a prompt file train-draft reads
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["attempt"] for line in lines] == [0, 3, 4, 5]
-    more = ScriptedGenerator(engine, script)
-    assert generate_self_prompts(more, out, count=6, batch=3, seed=100, progress=False)[4:] == \
+    more = ScriptedGenerator(target, script)
+    assert generate_self_prompts(more, out, count=6, batch=3, seed=100, progress=False)[4:] ==\
         ["Question 109?", "Question 110?"]
     assert more.seeds[0] == 106  # resumed after the last kept attempt: no sample repeats a kept one
 
 
-def test_a_target_that_never_closes_a_turn_stops(engine, tmp_path, caplog):
-    gen = ScriptedGenerator(engine, lambda seed: ("endless", FinishReason.LENGTH))
-    assert generate_self_prompts(gen, tmp_path / "s.jsonl", count=2, batch=8, progress=False) == []
-    assert len(gen.seeds) == 20 and "seldom closes a user turn" in caplog.text
+def test_a_target_that_never_closes_a_turn_stops(target, tmp_path, caplog):
+    engine = ScriptedGenerator(target, lambda seed: ("endless", FinishReason.LENGTH))
+    assert generate_self_prompts(engine, tmp_path / "s.jsonl", count=2, batch=8, progress=False) == []
+    assert len(engine.seeds) == 20 and "seldom closes a user turn" in caplog.text
     with pytest.raises(InvalidRequestError, match="count"):
-        generate_self_prompts(gen, tmp_path / "s.jsonl", count=0, progress=False)
+        generate_self_prompts(engine, tmp_path / "s.jsonl", count=0, progress=False)
 
 
 @pytest.mark.slow
 def test_smollm2_writes_chat_prompts(tmp_path):
-    from common.default_model import ensure_default_model
-    from verify_service.generator import Generator
+    from hub.default_model import ensure_default_model
+    from verify_service.engine import Engine
 
-    smol = engine_for(ensure_default_model(progress=False), dtype="float32", device="cpu", kv_cache_gib=0.1,
+    smol = target_for(ensure_default_model(progress=False), dtype="float32", device="cpu", kv_cache_gib=0.1,
                       max_model_len=256)
-    got = generate_self_prompts(Generator(smol), tmp_path / "p.jsonl", count=3, max_tokens=64, batch=4,
+    got = generate_self_prompts(Engine(smol), tmp_path / "p.jsonl", count=3, max_tokens=64, batch=4,
                                 progress=False)
     assert len(got) == 3 and len(set(got)) == 3
     assert all(len(q.split()) >= 3 and "<|im" not in q for q in got), got

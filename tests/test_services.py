@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from common.client import ClientError
+from client.eagle3_client import ClientError
 from common.sampling_params import SamplingParams
 from services import Stack
 from tiny_eagle import make_eagle_dir
-from tiny_models import engine_for, make_model_dir, tiny_config
-from verify_service.generator import Generator
+from tiny_models import target_for, make_model_dir, tiny_config
+from verify_service.engine import Engine
 
 PROMPTS = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2], [3] * 30, [9, 8, 7, 6], [40]]
 
@@ -36,8 +36,8 @@ def stack(dirs, tmp_path_factory):
 
 
 def expected(target, prompts, max_tokens):
-    gen = Generator(engine_for(target))
-    return [r.token_ids for r in gen.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True)
+    engine = Engine(target_for(target))
+    return [r.token_ids for r in engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True)
                                                         for n in max_tokens])]
 
 
@@ -80,7 +80,7 @@ def test_cancel_mid_stream_frees_the_kv(stack):
         if m["cancelled_requests"] == before + 1 and m["kv_blocks_used"] == 0:
             break
         time.sleep(0.1)
-    assert m["cancelled_requests"] == before + 1 and m["kv_blocks_used"] == 0 and m["running_requests"] == 0, \
+    assert m["cancelled_requests"] == before + 1 and m["kv_blocks_used"] == 0 and m["running_requests"] == 0,\
         (m, stack.verify.log()[-3000:])
 
 

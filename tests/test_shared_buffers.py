@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from common.errors import SharedBufferError
-from common.shared_buffers import CUDA_IPC, SHM, BufferExporter, BufferImporter, host_identity
+from link.shared_buffers import CUDA_IPC, SHM, BufferExporter, BufferImporter, host_identity
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,7 +89,7 @@ def test_shm_round_trip_through_a_spawned_process():
 CHILD_THAT_EXITS_WITHOUT_CLOSE = """
 import pickle, sys
 import torch
-from common.shared_buffers import BufferImporter
+from link.shared_buffers import BufferImporter
 BufferImporter(torch.device("cpu")).open(pickle.load(sys.stdin.buffer)).fill_(7)
 """
 

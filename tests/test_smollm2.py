@@ -2,15 +2,15 @@
 
 import pytest
 
-from common.default_model import ensure_default_model
+from hub.default_model import ensure_default_model
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
-from common.tokenizer import Tokenizer
+from hub.tokenizer import Tokenizer
 from tiny_models import TEST_DEVICE, TEST_DTYPE
-from verify_service.cli import main
+from cli.main import main
 from verify_service.config import EngineConfig
-from verify_service.engine import TargetEngine
-from verify_service.generator import Generator
+from verify_service.target import Target
+from verify_service.engine import Engine
 
 pytestmark = pytest.mark.slow
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -22,10 +22,10 @@ def model_dir():
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
+def target(model_dir):
     cfg = EngineConfig(str(model_dir), device=TEST_DEVICE, dtype=TEST_DTYPE, max_model_len=2048,
                        max_num_seqs=8, kv_cache_gib=0.5)
-    return TargetEngine.from_config(cfg)
+    return Target.from_config(cfg)
 
 
 def test_chat_template_renders_the_documented_format(model_dir):
@@ -49,23 +49,23 @@ def test_tokenizer_round_trip_and_special_tokens(model_dir):
     assert tok.vocab_size == 49152
 
 
-def test_greedy_answer_names_paris(engine):
-    ids = engine.encode(messages=FRANCE)
-    result = Generator(engine).generate([ids], SamplingParams(max_tokens=32))[0]
+def test_greedy_answer_names_paris(target):
+    ids = target.encode(messages=FRANCE)
+    result = Engine(target).generate([ids], SamplingParams(max_tokens=32))[0]
     assert "Paris" in result.text
     assert result.finish_reason == "stop" and result.token_ids[-1] == 2  # ends at <|im_end|>
 
 
-def test_streamed_text_equals_the_decoded_tokens(engine):
-    ids = engine.encode(messages=[{"role": "user", "content": "Write a haiku about the sea, with an emoji."}])
-    events = list(Generator(engine).stream(ids, SamplingParams(max_tokens=40, temperature=0.8, seed=3)))
+def test_streamed_text_equals_the_decoded_tokens(target):
+    ids = target.encode(messages=[{"role": "user", "content": "Write a haiku about the sea, with an emoji."}])
+    events = list(Engine(target).stream(ids, SamplingParams(max_tokens=40, temperature=0.8, seed=3)))
     tokens = [t for e in events for t in e.token_ids]
-    assert "".join(e.text for e in events) == engine.tokenizer.decode(tokens)
+    assert "".join(e.text for e in events) == target.tokenizer.decode(tokens)
 
 
-def test_stop_string_truncates_text_and_finishes(engine):
-    ids = engine.encode(messages=FRANCE)
-    result = Generator(engine).generate([ids], SamplingParams(max_tokens=32, stop=("Paris",)))[0]
+def test_stop_string_truncates_text_and_finishes(target):
+    ids = target.encode(messages=FRANCE)
+    result = Engine(target).generate([ids], SamplingParams(max_tokens=32, stop=("Paris",)))[0]
     assert result.finish_reason == "stop" and "Paris" not in result.text
     assert result.text.endswith("is ")  # "The capital of France is " then the stop string
 

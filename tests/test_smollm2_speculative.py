@@ -5,14 +5,14 @@ import json
 
 import pytest
 
-from common.default_model import ensure_default_model
+from hub.default_model import ensure_default_model
 from common.sampling_params import SamplingParams
-from common.spec_config import SpecConfig
+from draft_service.spec_config import SpecConfig
 from tiny_eagle import make_eagle_dir
 from tiny_models import TEST_DEVICE, TEST_DTYPE
-from verify_service.cli import main
+from cli.main import main
 from verify_service.config import EngineConfig
-from verify_service.inprocess import build_generator
+from tools.inprocess import build_engine
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Write a short poem about rain.",
@@ -35,14 +35,14 @@ def engine_cfg(model_dir):
 @pytest.mark.parametrize("tree, depth", [("chain", 3), ("dynamic", 5)])
 def test_random_head_greedy_equals_target_only(dirs, tree, depth):
     model_dir, head = dirs
-    base = build_generator(engine_cfg(model_dir))
-    prompts = [base.engine.encode(messages=[{"role": "user", "content": q}]) for q in QUESTIONS]
+    base = build_engine(engine_cfg(model_dir))
+    prompts = [base.target.encode(messages=[{"role": "user", "content": q}]) for q in QUESTIONS]
     params = SamplingParams(max_tokens=40)
     expected = [r.token_ids for r in base.generate(prompts, params)]
     spec = SpecConfig(str(head), tree=tree, depth=depth, top_k=4, max_nodes=20)
-    results = build_generator(engine_cfg(model_dir), spec).generate(prompts, params)
+    results = build_engine(engine_cfg(model_dir), spec).generate(prompts, params)
     assert [r.token_ids for r in results] == expected
-    assert all(r.spec.steps > 0 and r.spec.draft_tokens > 0 for r in results)
+    assert all(r.speculation.steps > 0 and r.speculation.draft_tokens > 0 for r in results)
 
 
 def test_cli_with_a_draft_prints_speculation_metrics(dirs, capsys):
@@ -61,10 +61,10 @@ def test_cli_rejects_a_bad_tree_setting_before_loading(dirs, capsys):
 def test_stop_string_with_speculation(dirs):
     """A stop string ends a speculative generation exactly where it ends target-only generation."""
     model_dir, head = dirs
-    base = build_generator(engine_cfg(model_dir))
-    ids = base.engine.encode(messages=[{"role": "user", "content": QUESTIONS[0]}])
+    base = build_engine(engine_cfg(model_dir))
+    ids = base.target.encode(messages=[{"role": "user", "content": QUESTIONS[0]}])
     params = SamplingParams(max_tokens=40, stop=("Paris",))
     want = base.generate([ids], params)[0]
-    got = build_generator(engine_cfg(model_dir), SpecConfig(str(head), tree="chain", depth=4)).generate([ids], params)[0]
+    got = build_engine(engine_cfg(model_dir), SpecConfig(str(head), tree="chain", depth=4)).generate([ids], params)[0]
     assert got.text == want.text and got.token_ids == want.token_ids and got.finish_reason == "stop"
     assert "Paris" not in got.text

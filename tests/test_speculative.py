@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
-from common.spec_config import SpecConfig
+from common.tree_settings import TreeSettings
 from drafters import OracleDrafter
-from tiny_models import engine_for, make_model_dir
-from verify_service.generator import Generator
+from tiny_models import target_for, make_model_dir
+from verify_service.engine import Engine
 from verify_service.model_runner import SeqChunk
 
 PROMPTS = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2]]
@@ -20,26 +20,25 @@ def model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("spec") / "m", "llama3", seed=2, std=0.3)
 
 
-def spec_generator(model_dir, tmp_path, depth=3, siblings=0, wrong=False, **engine_kw):
-    drafter = OracleDrafter(engine_for(model_dir), depth, siblings, wrong)
-    spec = SpecConfig(str(tmp_path), tree="chain" if siblings == 0 else "dynamic", depth=depth,
-                      max_nodes=max(1, depth * (siblings + 1)))
-    gen = Generator(engine_for(model_dir, **engine_kw), drafter, spec)
-    drafter.generator = gen
-    return gen, drafter
+def spec_engine(model_dir, tmp_path, depth=3, siblings=0, wrong=False, **engine_kw):
+    drafter = OracleDrafter(target_for(model_dir), depth, siblings, wrong)
+    limits = TreeSettings("chain" if siblings == 0 else "dynamic", depth=depth, max_nodes=max(1, depth * (siblings + 1)))
+    engine = Engine(target_for(model_dir, **engine_kw), drafter, limits)
+    drafter.engine = engine
+    return engine, drafter
 
 
 def target_only(model_dir, prompts, params):
-    return [r.token_ids for r in Generator(engine_for(model_dir)).generate(prompts, params)]
+    return [r.token_ids for r in Engine(target_for(model_dir)).generate(prompts, params)]
 
 
 @pytest.mark.parametrize("siblings", [0, 2])
 def test_oracle_draft_accepts_every_node(model_dir, tmp_path, siblings):
     params = SamplingParams(max_tokens=13, ignore_eos=True)  # 13 = 1 + 3 steps of 4
-    gen, drafter = spec_generator(model_dir, tmp_path, depth=3, siblings=siblings)
-    result = gen.generate([PROMPTS[1]], params)[0]
+    engine, drafter = spec_engine(model_dir, tmp_path, depth=3, siblings=siblings)
+    result = engine.generate([PROMPTS[1]], params)[0]
     assert result.token_ids == target_only(model_dir, [PROMPTS[1]], params)[0]
-    spec = result.spec
+    spec = result.speculation
     assert spec.steps == 3 and spec.tau == 4.0  # depth + 1 tokens every step
     assert spec.accepted_per_depth == [3, 3, 3]
     assert spec.draft_tokens == 3 * 3 * (siblings + 1) and spec.rewound_tokens == 3 * 3 * siblings
@@ -48,11 +47,11 @@ def test_oracle_draft_accepts_every_node(model_dir, tmp_path, siblings):
 
 def test_always_wrong_draft_still_gives_the_target_output(model_dir, tmp_path):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    gen, _ = spec_generator(model_dir, tmp_path, depth=4, wrong=True)
-    result = gen.generate([PROMPTS[0]], params)[0]
+    engine, _ = spec_engine(model_dir, tmp_path, depth=4, wrong=True)
+    result = engine.generate([PROMPTS[0]], params)[0]
     assert result.token_ids == target_only(model_dir, [PROMPTS[0]], params)[0]
-    assert result.spec.tau == 1.0 and result.spec.accepted_tokens == 0
-    assert result.spec.rewound_tokens == result.spec.draft_tokens > 0
+    assert result.speculation.tau == 1.0 and result.speculation.accepted_tokens == 0
+    assert result.speculation.rewound_tokens == result.speculation.draft_tokens > 0
 
 
 @pytest.mark.parametrize("wrong", [False, True])
@@ -60,36 +59,36 @@ def test_mixed_batch_with_eos_and_max_tokens_mid_tree(model_dir, tmp_path, wrong
     free_run = target_only(model_dir, [PROMPTS[1]], SamplingParams(max_tokens=30, ignore_eos=True))[0]
     stop = free_run[6]  # a token the target really emits: a stop lands inside a verified tree
     params = [SamplingParams(max_tokens=n, stop_token_ids=(stop,)) for n in (9, 30, 14, 2, 25)]
-    gen, _ = spec_generator(model_dir, tmp_path, depth=4, siblings=1, wrong=wrong, max_batch_tokens=24)
-    results = gen.generate(PROMPTS, params)
+    engine, _ = spec_engine(model_dir, tmp_path, depth=4, siblings=1, wrong=wrong, max_batch_tokens=24)
+    results = engine.generate(PROMPTS, params)
     expected = target_only(model_dir, PROMPTS, params)
     assert [r.token_ids for r in results] == expected
     assert results[1].finish_reason == "stop" and results[1].token_ids[-1] == stop
     assert results[3].finish_reason == "length" and len(results[3].token_ids) == 2
-    assert gen.engine.blocks.num_used_blocks == 0
+    assert engine.target.blocks.num_used_blocks == 0
 
 
 def test_kv_cache_after_speculation_equals_target_only_kv(model_dir, tmp_path):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    gen, _ = spec_generator(model_dir, tmp_path, depth=3, siblings=2)
-    seq_id = gen.add_request(PROMPTS[3], params)
+    engine, _ = spec_engine(model_dir, tmp_path, depth=3, siblings=2)
+    seq_id = engine.add_request(PROMPTS[3], params)
     for _ in range(3):  # prefill + first token, then two verification steps
-        gen.step()
-    seq = gen.sequences[seq_id]
-    assert seq.spec.steps == 2
+        engine.step()
+    seq = engine.sequences[seq_id]
+    assert seq.speculation.steps == 2
     tokens = seq.prompt_ids + seq.output_ids[:-1]  # every cached position
     assert seq.num_cached == len(tokens)
-    ref = engine_for(model_dir)
+    ref = target_for(model_dir)
     ref.blocks.ensure_capacity(0, len(tokens))
     ref.runner.step([SeqChunk(tokens, 0, ref.blocks.block_table(0))])
 
-    def cached(engine, sid):
-        bs = engine.kv_cache.block_size
-        slots = [engine.blocks.block_table(sid)[i // bs] * bs + i % bs for i in range(len(tokens))]
-        flat = engine.kv_cache.data.flatten(2, 3)  # [L, 2, slots, kvh, d]
+    def cached(target, sid):
+        bs = target.kv_cache.block_size
+        slots = [target.blocks.block_table(sid)[i // bs] * bs + i % bs for i in range(len(tokens))]
+        flat = target.kv_cache.data.flatten(2, 3)  # [L, 2, slots, kvh, d]
         return flat[:, :, torch.tensor(slots)]
 
-    torch.testing.assert_close(cached(gen.engine, seq_id), cached(ref, 0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cached(engine.target, seq_id), cached(ref, 0), atol=1e-5, rtol=1e-5)
 
 
 def test_speculative_sampling_matches_the_target_distribution(model_dir, tmp_path):
@@ -101,10 +100,10 @@ def test_speculative_sampling_matches_the_target_distribution(model_dir, tmp_pat
     """
     prompt, n = [3, 4, 5], 1500
     params = [SamplingParams(max_tokens=2, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
-    gen, _ = spec_generator(model_dir, tmp_path, depth=2, max_num_seqs=64)
-    pairs = np.array([r.token_ids for r in gen.generate([prompt] * n, params)])
+    engine, _ = spec_engine(model_dir, tmp_path, depth=2, max_num_seqs=64)
+    pairs = np.array([r.token_ids for r in engine.generate([prompt] * n, params)])
     top = int(np.bincount(pairs[:, 0]).argmax())
-    probe = engine_for(model_dir)
+    probe = target_for(model_dir)
     probe.blocks.ensure_capacity(0, 4)
     logits = probe.runner.step([SeqChunk(prompt + [top], 0, probe.blocks.block_table(0), (3,))]).logits[0].cpu()
     second = torch.from_numpy(pairs[pairs[:, 0] == top, 1])
@@ -121,21 +120,21 @@ def test_stop_string_completed_inside_an_accepted_path(tmp_path):
     tokens are cut exactly where target-only decoding cuts them."""
     import shutil
 
-    from common.default_model import ensure_default_model
+    from hub.default_model import ensure_default_model
     smol = ensure_default_model(progress=False)
     model = make_model_dir(tmp_path / "m", "smollm2", seed=3, std=0.8, vocab_size=49152, eos_token_id=2)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smol / f, model / f)
     prompt = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
-    free = Generator(engine_for(model)).generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
-    engine = engine_for(model)
+    free = Engine(target_for(model)).generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    target = target_for(model)
     # Completed by the 10th token: steps commit 5 tokens (4 accepted + bonus) after the first,
     # so it is the 4th of the second step's commit and the 5th must be dropped.
-    stop = engine.tokenizer.decode(free.token_ids[8:10])
+    stop = target.tokenizer.decode(free.token_ids[8:10])
     assert stop.strip(), "the chosen tokens must render as text"
     params = SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,))
-    want = Generator(engine_for(model)).generate([prompt], params)[0]
-    gen, _ = spec_generator(model, tmp_path, depth=4)
-    got = gen.generate([prompt], params)[0]
+    want = Engine(target_for(model)).generate([prompt], params)[0]
+    engine, _ = spec_engine(model, tmp_path, depth=4)
+    got = engine.generate([prompt], params)[0]
     assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
-    assert got.spec.tau > 1.0 and stop not in got.text and len(got.token_ids) == 10
+    assert got.speculation.tau > 1.0 and stop not in got.text and len(got.token_ids) == 10

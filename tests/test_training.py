@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from common.draft_protocol import DraftFeed
-from common.spec_config import SpecConfig
-from common.step_layout import SeqChunk
+from link.protocol import DraftFeed
+from draft_service.spec_config import SpecConfig
+from runtime.step_layout import SeqChunk
 from draft_service.drafter import EagleDrafter
-from draft_service.train.ttt import ttt_forward
+from tools.train.ttt import ttt_forward
 from tiny_eagle import make_eagle_dir
-from tiny_models import engine_for, make_model_dir, tiny_config
+from tiny_models import target_for, make_model_dir, tiny_config
 
 IDS = [(7 * i + 3) % 90 for i in range(24)]
 
@@ -19,26 +19,26 @@ IDS = [(7 * i + 3) % 90 for i in range(24)]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    target = make_model_dir(root / "target", "llama3", seed=5, std=0.3)
+    target_dir = make_model_dir(root / "target", "llama3", seed=5, std=0.3)
     head = make_eagle_dir(root / "head", tiny_config("llama3"), draft_vocab=64, seed=2, std=0.1)
-    engine = engine_for(target, dtype="float32", device="cpu")
-    drafter = EagleDrafter.from_checkpoint(SpecConfig(str(head), tree="chain", depth=3), engine.model_config,
-                                           engine.model.model.embed_tokens.weight, 4, engine.max_model_len)
-    engine.runner.set_capture_layers(drafter.capture_layers)
-    engine.blocks.ensure_capacity(0, len(IDS))
-    feats = engine.runner.step([SeqChunk(IDS, 0, engine.blocks.block_table(0))]).captured
-    return engine, drafter, head, feats
+    target = target_for(target_dir, dtype="float32", device="cpu")
+    drafter = EagleDrafter.from_checkpoint(SpecConfig(str(head), tree="chain", depth=3), target.model_config,
+                                           target.model.model.embed_tokens.weight, 4, target.max_model_len)
+    target.runner.set_capture_layers(drafter.capture_layers)
+    target.blocks.ensure_capacity(0, len(IDS))
+    feats = target.runner.step([SeqChunk(IDS, 0, target.blocks.block_table(0))]).captured
+    return target, drafter, head, feats
 
 
 def fresh_drafter(setup):
-    engine, _, head, _ = setup
-    return EagleDrafter.from_checkpoint(SpecConfig(str(head), tree="chain", depth=3), engine.model_config,
-                                        engine.model.model.embed_tokens.weight, 4, engine.max_model_len)
+    target, _, head, _ = setup
+    return EagleDrafter.from_checkpoint(SpecConfig(str(head), tree="chain", depth=3), target.model_config,
+                                        target.model.model.embed_tokens.weight, 4, target.max_model_len)
 
 
 @torch.no_grad()
 def test_training_unroll_matches_inference_steps_0_and_1(setup):
-    engine, drafter, head, feats = setup
+    target, drafter, head, feats = setup
     n = len(IDS)
     out = ttt_forward(drafter.net, torch.tensor([IDS]), feats[None], steps=2)
     # step 0, row n-2: the drafter's newest committed row (f_{n-2}, x_{n-1})
@@ -61,8 +61,8 @@ import json  # noqa: E402
 
 from common.errors import InvalidRequestError, ModelNotFoundError  # noqa: E402
 from draft_service.eagle_loader import load_eagle  # noqa: E402
-from draft_service.train.trainer import Trainer, TrainConfig  # noqa: E402
-from draft_service.train.vocab import select_draft_vocab  # noqa: E402
+from tools.train.trainer import Trainer, TrainConfig  # noqa: E402
+from tools.train.vocab import select_draft_vocab  # noqa: E402
 
 from tiny_chat import tiny_chat_target  # noqa: E402
 
@@ -91,7 +91,7 @@ def test_training_lowers_the_loss_and_exports_a_loadable_head(tiny_with_tokenize
     assert all(a["loss"] < b["loss"] - 0.5 for a, b in zip(after, before)), (before, after)
     shards = sorted(p.name for p in head.glob("*.safetensors"))
     assert shards and (head / "model.safetensors.index.json").is_file()
-    loaded = load_eagle(head, trainer.engine.model_config, trainer.engine.model.model.embed_tokens.weight,
+    loaded = load_eagle(head, trainer.target.model_config, trainer.target.model.model.embed_tokens.weight,
                         torch.float32, "cpu", 512)
     ids = loaded.d2t + torch.arange(512)
     assert loaded.t2d.sum() == 512 and loaded.t2d[ids].all() and 2 in ids.tolist()  # eos is always drafted
@@ -153,20 +153,21 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth(tiny_with_tokenizer, tmp_
 
 # --- the head shipped for the embedded SmolLM2, through the evaluation command ----------------
 
-from common.spec_config import DEFAULT_DRAFT, default_draft_dir  # noqa: E402
+from draft_service.spec_config import DEFAULT_DRAFT  # noqa: E402
+from hub.default_model import shipped_head_dir  # noqa: E402
 
 
 def test_default_names_the_shipped_head():
     spec = SpecConfig(DEFAULT_DRAFT, tree="chain", depth=3)
-    assert spec.draft_path == str(default_draft_dir())
-    assert (default_draft_dir() / "model.safetensors.index.json").is_file()
-    assert (default_draft_dir() / "README.md").is_file()  # its model card
+    assert spec.draft_path == str(shipped_head_dir())
+    assert (shipped_head_dir() / "model.safetensors.index.json").is_file()
+    assert (shipped_head_dir() / "README.md").is_file()  # its model card
 
 
 @pytest.mark.slow
 def test_shipped_head_speculates_exactly_and_accepts_tokens(tmp_path):
-    from common.default_model import ensure_default_model
-    from draft_service.evaluate import evaluate, format_table
+    from hub.default_model import ensure_default_model
+    from tools.evaluate import evaluate, format_table
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [q]}) + "\n" for q in
@@ -183,7 +184,7 @@ def test_shipped_head_speculates_exactly_and_accepts_tokens(tmp_path):
 
 
 def test_vocab_coverage_counts_output_tokens_inside_the_draft_vocabulary():
-    from draft_service.evaluate import vocab_coverage
+    from tools.evaluate import vocab_coverage
 
     mask = torch.zeros(10, dtype=torch.bool)
     mask[[1, 2, 3]] = True
@@ -192,7 +193,7 @@ def test_vocab_coverage_counts_output_tokens_inside_the_draft_vocabulary():
 
 
 def test_batches_are_deterministic_in_seed_and_step_across_epochs():
-    from draft_service.train.data import Example, iter_batches
+    from tools.train.data import Example, iter_batches
 
     examples = [Example([i], 0) for i in range(23)]
     run = iter_batches(examples, 5, seed=3)
@@ -207,7 +208,7 @@ def test_batches_are_deterministic_in_seed_and_step_across_epochs():
 def test_batches_group_similar_lengths():
     import random
 
-    from draft_service.train.data import Example, iter_batches
+    from tools.train.data import Example, iter_batches
 
     rng = random.Random(0)
     examples = [Example(list(range(rng.randint(20, 700))), 10) for _ in range(640)]
@@ -241,18 +242,18 @@ def test_training_step_profiler_runs(tmp_path):
 
 @pytest.mark.slow
 def test_a_new_vocabulary_carries_the_init_heads_rows_over(tiny_with_tokenizer, tmp_path):
-    from draft_service.train.vocab import token_counts
+    from tools.train.vocab import token_counts
 
     model, prompts = tiny_with_tokenizer
     first = Trainer(train_cfg(model, prompts, tmp_path, steps=4), progress=False)
-    old = load_eagle(first.train(), first.engine.model_config, first.engine.model.model.embed_tokens.weight,
+    old = load_eagle(first.train(), first.target.model_config, first.target.model.model.embed_tokens.weight,
                      torch.float32, "cpu", 512)
     second = Trainer(train_cfg(model, prompts, tmp_path, draft_vocab=600, init_head=str(tmp_path / "head"),
                                new_vocab=True), progress=False)
     examples = second.prepare()  # the same answers, read back
     net, _ = second.build_head(examples)
     counts = token_counts((e.ids[e.answer_start:] for e in examples), 49152)
-    d2t, _ = select_draft_vocab(counts, 600, second.engine.model_config.eos_token_ids)
+    d2t, _ = select_draft_vocab(counts, 600, second.target.model_config.eos_token_ids)
     assert torch.equal(net.d2t, d2t)  # chosen from this run's answers
     for name, t in old.state_dict().items():
         if name not in ("lm_head.weight", "d2t", "t2d"):
@@ -279,7 +280,7 @@ def test_widening_the_mlp_keeps_the_heads_output_and_round_trips(tiny_with_token
     import shutil
 
     first = Trainer(train_cfg(model, prompts, tmp_path, steps=4), progress=False)
-    old = load_eagle(first.train(), first.engine.model_config, first.engine.model.model.embed_tokens.weight,
+    old = load_eagle(first.train(), first.target.model_config, first.target.model.model.embed_tokens.weight,
                      torch.float32, "cpu", 512)  # the exported (fp16) head, as the next run reads it
     width = old.config.intermediate_size
     for run in ("wide", "again"):  # the same answers: no second distillation
@@ -298,7 +299,7 @@ def test_widening_the_mlp_keeps_the_heads_output_and_round_trips(tiny_with_token
     for a, b in zip(before.logits, after.logits):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)  # the same head, only wider
     head = wide.train()  # trains and exports the wider head; the runtime loader reads its width
-    loaded = load_eagle(head, wide.engine.model_config, wide.engine.model.model.embed_tokens.weight,
+    loaded = load_eagle(head, wide.target.model_config, wide.target.model.model.embed_tokens.weight,
                         torch.float32, "cpu", 512)
     assert loaded.config.intermediate_size == 2 * width
     resumed = Trainer(train_cfg(model, prompts, tmp_path / "again", init_head=str(head)), progress=False)
@@ -311,28 +312,28 @@ def test_widening_the_mlp_keeps_the_heads_output_and_round_trips(tiny_with_token
 
 
 def test_the_attached_target_embedding_is_not_a_draft_weight(setup):
-    engine, drafter, _, _ = setup  # the drafter was given the target's embedding Parameter
+    target, drafter, _, _ = setup  # the drafter was given the target's embedding Parameter
     assert "embed_weight" not in drafter.net.state_dict()
-    assert all(p.data_ptr() != engine.model.model.embed_tokens.weight.data_ptr() for p in drafter.net.parameters())
-    assert drafter.net.embed_weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()  # shared, no copy
+    assert all(p.data_ptr() != target.model.model.embed_tokens.weight.data_ptr() for p in drafter.net.parameters())
+    assert drafter.net.embed_weight.data_ptr() == target.model.model.embed_tokens.weight.data_ptr()  # shared, no copy
 
 
 def test_head_misses_lines_positions_up_with_the_answers(tiny_with_tokenizer, tmp_path):
     from benchmarks.head_misses import analyze, format_report
     from common.sampling_params import SamplingParams
     from draft_service.eagle_init import write_random_head
-    from draft_service.evaluate import draft_vocab_mask
-    from draft_service.train.data import load_prompts
+    from tools.evaluate import draft_vocab_mask
+    from tools.train.data import load_prompts
     from verify_service.config import EngineConfig
-    from verify_service.inprocess import build_generator
+    from tools.inprocess import build_engine
 
     model, prompts = tiny_with_tokenizer
     head = write_random_head(tmp_path / "head", json.loads((model / "config.json").read_text()), 40000, seed=4)
     rep = analyze(str(model), str(head), str(prompts), max_tokens=12, limit=6, batch=4, device="cpu")
     # independently: the target's greedy answers, and how many of their tokens the draft vocabulary lacks
-    gen = build_generator(EngineConfig(str(model), device="cpu", dtype="float32"))
-    asked = [gen.engine.encode(messages=[{"role": "user", "content": q}]) for q in load_prompts(prompts, 6)]
-    answers = [r.token_ids for r in gen.generate(asked, SamplingParams(max_tokens=12))]
+    engine = build_engine(EngineConfig(str(model), device="cpu", dtype="float32"))
+    asked = [engine.target.encode(messages=[{"role": "user", "content": q}]) for q in load_prompts(prompts, 6)]
+    answers = [r.token_ids for r in engine.generate(asked, SamplingParams(max_tokens=12))]
     tokens = torch.tensor([t for a in answers for t in a])
     assert rep["answers"] == 6 and rep["positions"] == tokens.numel()  # one position per answer token
     assert rep["outside_vocab"] == round(float((~draft_vocab_mask(str(head))[tokens]).float().mean()), 4) > 0

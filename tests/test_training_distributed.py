@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draft_service.train.trainer import Trainer, TrainConfig
+from tools.train.trainer import Trainer, TrainConfig
 from tiny_chat import tiny_chat_target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ def test_two_processes_train_like_one_process_with_the_whole_batch(tmp_path):
     shutil.copy(one / "examples.jsonl", two / "examples.jsonl")  # distilled once, trained on by both
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "verify_service.cli", "train-draft", "--target", str(model), "--prompts", str(prompts),
+           "-m", "cli.main", "train-draft", "--target", str(model), "--prompts", str(prompts),
            "--out", str(two), "--device", "cpu", *flags]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -14,7 +14,7 @@ QUESTIONS = ["What is 2+2?", "Name a colour.", "Say hello.", "Count to five.", "
 
 def tiny_chat_target(root: Path) -> tuple[Path, Path]:
     """(model directory, prompt file) under ``root``."""
-    from common.default_model import ensure_default_model
+    from hub.default_model import ensure_default_model
     smol = ensure_default_model(progress=False)
     model = make_model_dir(root / "target", "smollm2", seed=3, std=0.8, vocab_size=49152, eos_token_id=2,
                            max_position_embeddings=512)

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from common.config import ModelConfig
 from verify_service.config import EngineConfig
-from verify_service.engine import TargetEngine
+from verify_service.target import Target
 from verify_service.loader import random_tensors
 
 BASE = {
@@ -71,7 +71,7 @@ def tolerance(dtype: str = TEST_DTYPE) -> dict:
     return {"atol": atol, "rtol": rtol}
 
 
-def engine_for(model_dir: Path, capture: tuple[int, ...] = (), **overrides) -> TargetEngine:
+def target_for(model_dir: Path, capture: tuple[int, ...] = (), **overrides) -> Target:
     """A small engine on the test device; ``overrides`` are EngineConfig fields."""
     kw = {"kv_cache_gib": 0.01, "max_num_seqs": 4, "device": TEST_DEVICE, "dtype": TEST_DTYPE, **overrides}
-    return TargetEngine.from_config(EngineConfig(str(model_dir), **kw), capture_layers=capture)
+    return Target.from_config(EngineConfig(str(model_dir), **kw), capture_layers=capture)

@@ -7,7 +7,7 @@ text suffix that could still grow into a stop string is held back until it canno
 
 from __future__ import annotations
 
-from common.tokenizer import Tokenizer
+from hub.tokenizer import Tokenizer
 
 # Tokens decoded before the first new one, so leading-space merges render as in full decoding.
 _CONTEXT_TOKENS = 5

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.draft_protocol import DraftFeed, ProposeRequest
-from common.shared_buffers import BufferExporter
-from common.tree import CandidateTree
+from link.protocol import DraftFeed, ProposeRequest
+from link.shared_buffers import BufferExporter
+from runtime.tree import CandidateTree
 from protos.eagle3.v1 import draft_link_pb2 as pb
-from common.wire import settings_to_proto
+from link.convert import settings_to_proto
 
 log = logging.getLogger(__name__)
 

@@ -1,90 +1,286 @@
-"""The target engine: model, paged KV cache, block manager and runner, built from config."""
+"""Generation: the step loop, stop conditions and the Python API, with or without a draft.
+
+    gen = Generator(engine)                       # target only, one token per step
+    gen = Generator(engine, drafter, spec)        # EAGLE-3: verify a candidate tree per step
+    results = gen.generate([ids_a, ids_b], SamplingParams(max_tokens=64))
+    for event in gen.stream(ids, params): print(event.text, end="")
+
+Each step runs one batched target forward over prefill chunks, plain decodes and candidate
+trees together; then commits tokens (stop checks per token), feeds the draft what became
+final and asks it for the next trees.
+"""
 
 from __future__ import annotations
 
+import itertools
 import logging
-from pathlib import Path
+import secrets
+from dataclasses import dataclass
+from typing import Iterator
 
+import numpy as np
 import torch
 
-from common.config import ModelConfig
+from link.protocol import DraftFeed, DraftProvider, ProposeRequest
 from common.errors import InvalidRequestError
-from common.tokenizer import Tokenizer, validate_messages
-from kernels import select_kernels
-from common.block_manager import BlockManager, blocks_for
-from verify_service.config import EngineConfig
-from common.kv_cache import PagedKVCache
-from verify_service.loader import build_model
-from common.checkpoint import iter_tensors
-from verify_service.model import CausalLM
-from verify_service.model_runner import ModelRunner
+from common.sampling_params import SamplingParams
+from common.tree_settings import TreeSettings
+from runtime.tree import InvalidTreeError
+from runtime.step_layout import SeqChunk
+from verify_service.detokenizer import StopStringDetokenizer
+from verify_service.target import Target
+from verify_service.model_runner import StepOutput
+from verify_service.sampler import Sampler
+from verify_service.scheduler import Scheduler
+from verify_service.sequence import FinishReason, Sequence, SpeculationMetrics
+from verify_service.verification import TreeVerifier, tree_chunk
 
 log = logging.getLogger(__name__)
-_CPU_KV_GIB = 2.0
-_GPU_KV_FRACTION = 0.9
 
 
-class TargetEngine:
-    def __init__(self, cfg: EngineConfig, model: CausalLM, tokenizer: Tokenizer | None,
-                 capture_layers: tuple[int, ...] = ()):
-        self.cfg = cfg
-        self.model = model
-        self.model_config: ModelConfig = model.config
-        self.tokenizer = tokenizer
-        self.device = model.model.norm.weight.device
-        self.dtype = model.model.norm.weight.dtype
-        self.max_model_len = model.cos.shape[0]
-        num_blocks = self._num_kv_blocks()
-        self.kv_cache = PagedKVCache.for_model(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
-        self.runner = ModelRunner(model, self.kv_cache, select_kernels(self.device), capture_layers)
-        log.info("target engine: %s on %s/%s, %d KV blocks of %d tokens, context %d",
-                 self.model_config.architecture, self.device, self.dtype, num_blocks, cfg.block_size,
-                 self.max_model_len)
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """New committed tokens of one sequence (and their final text, when a tokenizer exists)."""
 
-    @classmethod
-    def from_config(cls, cfg: EngineConfig, capture_layers: tuple[int, ...] = ()) -> "TargetEngine":
-        model_cfg = ModelConfig.from_dir(cfg.model_dir)
-        device = cfg.torch_device()
-        max_len = cfg.max_model_len or model_cfg.max_position_embeddings
-        model = build_model(model_cfg, iter_tensors(cfg.model_dir), cfg.torch_dtype(device), device, max_len)
-        has_tokenizer = (Path(cfg.model_dir) / "tokenizer.json").is_file()
-        return cls(cfg, model, Tokenizer(cfg.model_dir) if has_tokenizer else None, capture_layers)
+    seq_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    speculation: SpeculationMetrics | None = None  # with the final event of a speculative request
 
-    def _num_kv_blocks(self) -> int:
-        if self.cfg.num_kv_blocks is not None:
-            return self.cfg.num_kv_blocks
-        per_block = PagedKVCache.bytes_per_block(self.model_config, self.cfg.block_size, self.dtype)
-        if self.cfg.kv_cache_gib is not None:
-            budget = self.cfg.kv_cache_gib * 2**30
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * _GPU_KV_FRACTION
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    seq_id: int
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    speculation: SpeculationMetrics | None = None
+
+
+class Engine:
+    def __init__(self, target: Target, drafter: DraftProvider | None = None, limits: TreeSettings | None = None):
+        """``limits``: with a drafter, the default tree and the most a request may ask for."""
+        assert (drafter is None) == (limits is None), "a drafter needs tree limits"
+        self.target = target
+        self.drafter, self.limits = drafter, limits
+        if drafter is not None:
+            target.runner.set_capture_layers(drafter.capture_layers)
+        extra = limits.tree_kv_slots if limits else 0
+        self.scheduler = Scheduler(target.blocks, target.cfg.max_num_seqs, target.cfg.max_batch_tokens, extra)
+        self.sampler = Sampler(target.runner.kernels, target.device)
+        self.verifier = TreeVerifier(target, self.sampler)
+        self._ids = itertools.count()
+        self.sequences: dict[int, Sequence] = {}
+        self.draft_errors = 0  # invalid trees refused (each fell back to one plain step)
+        self.last_step_verified_trees = False
+        self.total_draft_tokens = 0  # over finished and aborted sequences
+        self.total_accepted_tokens = 0
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True,
+                    tree: TreeSettings | None = None) -> int:
+        """Validate and queue a request; returns its sequence id.
+
+        ``tree``: this request's tree shape (within the configured limits); default: the config's.
+        """
+        eng = self.target
+        eng.validate_prompt(prompt_ids)
+        vocab = eng.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"ids must be in [0, {vocab})")
+        if params.stop and eng.tokenizer is None:
+            raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+        detok = StopStringDetokenizer(eng.tokenizer, prompt_ids, params.stop) if eng.tokenizer else None
+        seq = Sequence(next(self._ids), list(prompt_ids), params,
+                       seed=params.seed if params.seed is not None else secrets.randbits(63),
+                       max_new_tokens=min(params.max_tokens, eng.max_model_len - len(prompt_ids)),
+                       detokenizer=detok, speculate=speculate and self.drafter is not None,
+                       tree_settings=tree or self.limits)
+        self.scheduler.add(seq)
+        self.sequences[seq.seq_id] = seq
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> None:
+        """Cancel a request; its KV blocks (target and draft) are freed at once."""
+        seq = self.sequences.pop(seq_id, None)
+        if seq is not None:
+            seq.finish_reason = seq.finish_reason or FinishReason.ABORT
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.total_draft_tokens += seq.speculation.draft_tokens
+        self.total_accepted_tokens += seq.speculation.accepted_tokens
+        self.scheduler.release(seq)
+        if seq.speculate:
+            self.drafter.release(seq.seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[TokenEvent]:
+        """Run one batched forward; returns the tokens committed by it."""
+        plan = self.scheduler.schedule(lambda s: 1 + s.tree.num_nodes if s.tree else 1)
+        if not plan:
+            return []
+        blocks = self.target.blocks
+        chunks = [tree_chunk(s, blocks.block_table(s.seq_id)) if s.tree else self._chunk(s, n) for s, n in plan]
+        out = self.target.runner.step(chunks)
+        logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
+        plain, trees = [], []
+        for i, (seq, n) in enumerate(plan):
+            (trees if seq.tree else plain).append((i, seq, n))
+        feeds: dict[int, DraftFeed] = {}
+        self.last_step_verified_trees = bool(trees)
+        events = self._plain_step(plain, out, logits_at, feeds)
+        if trees:
+            events += self._tree_step(trees, out, logits_at, feeds)
+        self._draft(feeds)
+        return events
+
+    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+        start = seq.num_cached
+        completes = start + n >= seq.num_tokens  # logits only where a token is drawn next
+        return SeqChunk(seq.token_slice(start, start + n), start, self.target.blocks.block_table(seq.seq_id),
+                        logits_rows=(n - 1,) if completes else ())
+
+    def _plain_step(self, plain, out: StepOutput, logits_at, feeds) -> list[TokenEvent]:
+        """Prefill chunks and one-token decodes: sample where a token is due."""
+        due = []
+        for i, seq, n in plain:
+            start = seq.num_cached
+            seq.num_cached += n
+            if not seq.prefilling:
+                due.append((i, seq, start, n))
+            elif seq.speculate:
+                self._feed_rows(seq, out, i, start, n, None, feeds)
+        rows = [int(logits_at[i]) for i, *_ in due]
+        tokens = self.sampler(out.logits[rows], [seq for _, seq, *_ in due]) if due else []
+        events = []
+        for (i, seq, start, n), token in zip(due, tokens):
+            if seq.speculate:
+                self._feed_rows(seq, out, i, start, n, token, feeds)
+            events.append(self._commit(seq, [token]))
+        return events
+
+    def _feed_rows(self, seq: Sequence, out: StepOutput, chunk: int, start: int, n: int,
+                   sampled: int | None, feeds: dict[int, DraftFeed]) -> None:
+        """Pair the features of positions start..start+n-1 with the tokens that follow them.
+
+        The last feature's successor is known only once sampled (or once the next prompt
+        chunk runs), so without ``sampled`` it waits in ``seq.pending_feature``.
+        """
+        row = out.query_start_loc[chunk]
+        feats = out.captured[row:row + n]
+        successors = seq.token_slice(start + 1, start + n) + ([sampled] if sampled is not None else [])
+        first = start
+        if seq.pending_feature is not None:
+            feats = torch.cat([seq.pending_feature[None], feats])
+            successors = [seq.token_slice(start, start + 1)[0], *successors]
+            first = start - 1
+        if sampled is None:
+            feats, seq.pending_feature = feats[:-1], feats[-1]
         else:
-            budget = _CPU_KV_GIB * 2**30
-        wanted = self.cfg.max_num_seqs * blocks_for(self.max_model_len, self.cfg.block_size)
-        return max(1, min(int(budget // per_block), wanted))
+            seq.pending_feature = None
+        if feats.shape[0]:
+            feeds[seq.seq_id] = DraftFeed(seq.seq_id, first, feats, np.asarray(successors, dtype=np.int64))
 
-    def validate_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise InvalidRequestError("prompt", "the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
-        if bad is not None:
-            raise InvalidRequestError("prompt_token_ids", f"token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len} "
-                          "including at least one generated token")
+    def _tree_step(self, trees, out: StepOutput, logits_at, feeds) -> list[TokenEvent]:
+        seqs = [seq for _, seq, _ in trees]
+        verified = self.verifier.verify(seqs, [int(logits_at[i]) for i, *_ in trees],
+                                          [out.query_start_loc[i] for i, *_ in trees], out)
+        events = []
+        for v in verified:
+            feeds[v.seq.seq_id] = v.feed
+            events.append(self._commit(v.seq, v.tokens))
+        return events
 
-    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        """Token ids of a text prompt or of chat messages rendered with the model's template."""
-        if messages is not None:
-            validate_messages(messages)
-        if self.tokenizer is None:
-            raise InvalidRequestError("prompt", "this model has no tokenizer: send token ids")
-        if messages is not None:
-            prompt = self.tokenizer.apply_chat_template(messages)
-        if not prompt:
-            raise InvalidRequestError("prompt", "the prompt is empty")
-        return self.tokenizer.encode(prompt)
+    def _draft(self, feeds: dict[int, DraftFeed]) -> None:
+        """Send the draft what became final; ask for trees for every decoding sequence."""
+        if self.drafter is None:
+            return
+        live = [f for f in feeds.values() if f.seq_id in self.sequences]  # finished ones are gone
+        requests = []
+        for seq in self.scheduler.running:
+            if seq.speculate and not seq.prefilling and seq.seq_id in feeds and not seq.finished:
+                depth = self._max_depth(seq)
+                if depth > 0:
+                    requests.append(ProposeRequest(seq.seq_id, depth, seq.tree_settings))
+        if not live and not requests:
+            return
+        trees = self.drafter.step(live, requests)
+        for req in requests:
+            tree = trees.get(req.seq_id)
+            if tree is None or not tree.num_nodes:
+                continue
+            try:
+                tree.validate(self.target.model_config.vocab_size, req.settings.node_budget, req.max_depth)
+            except InvalidTreeError as exc:  # this step decodes plainly; the output stays exact
+                log.warning("sequence %d: draft proposed an invalid tree (%s); decoding one token", req.seq_id, exc)
+                self.draft_errors += 1
+                self.drafter.tree_rejected(req.seq_id, str(exc))
+                continue
+            self.sequences[req.seq_id].tree = tree
+
+    def _max_depth(self, seq: Sequence) -> int:
+        """Deepest useful tree: within its settings, the context and the tokens still allowed."""
+        room = self.target.max_model_len - seq.num_tokens  # node at depth d sits at num_tokens - 1 + d
+        return min(seq.tree_settings.depth, room, seq.max_new_tokens - len(seq.output_ids) - 1)
+
+    def _commit(self, seq: Sequence, tokens: list[int]) -> TokenEvent:
+        """Append tokens one by one until one of them finishes the sequence."""
+        kept, text = [], ""
+        for token in tokens:
+            seq.output_ids.append(token)
+            kept.append(token)
+            text += seq.detokenizer.add_tokens([token]) if seq.detokenizer else ""
+            seq.finish_reason = self._finish_reason(seq, token)
+            if seq.finished:
+                break
+        if seq.finished:
+            text += seq.detokenizer.finish() if seq.detokenizer else ""
+            self._release(seq)
+            self.sequences.pop(seq.seq_id, None)
+        metrics = seq.speculation if seq.finished and seq.speculate else None
+        return TokenEvent(seq.seq_id, kept, text, seq.finish_reason, metrics)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        eos = () if p.ignore_eos else self.target.model_config.eos_token_ids
+        if token in p.stop_token_ids or token in eos or (seq.detokenizer and seq.detokenizer.stopped):
+            return FinishReason.STOP
+        if len(seq.output_ids) >= seq.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def run_until_done(self) -> Iterator[TokenEvent]:
+        while self.has_work:
+            yield from self.step()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+        """Generate for a batch of prompts (token ids) together; results in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        toks = {i: [] for i in ids}
+        texts = {i: [] for i in ids}
+        final: dict[int, TokenEvent] = {}
+        for ev in self.run_until_done():
+            toks[ev.seq_id] += ev.token_ids
+            texts[ev.seq_id].append(ev.text)
+            if ev.finish_reason is not None:
+                final[ev.seq_id] = ev
+        return [GenerationResult(i, len(p), toks[i], "".join(texts[i]), final[i].finish_reason,
+                                 final[i].speculation)
+                for i, p in zip(ids, prompts)]
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[TokenEvent]:
+        """Generate for one prompt alone, yielding each commit as it comes."""
+        seq_id = self.add_request(prompt_ids, params)
+        try:
+            for ev in self.run_until_done():
+                if ev.seq_id == seq_id:
+                    yield ev
+        finally:
+            self.abort(seq_id)
+

@@ -11,7 +11,7 @@ from typing import Iterable
 
 import torch
 
-from common.checkpoint import iter_tensors
+from hub.checkpoint import iter_tensors
 from common.config import ModelConfig
 from common.errors import CheckpointError
 from verify_service.model import CausalLM

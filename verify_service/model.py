@@ -18,7 +18,7 @@ from common.config import ModelConfig
 from kernels import KernelSet
 from kernels.metadata import AttentionMetadata
 from kernels.rope import rope_inv_freq, rope_table
-from common.kv_cache import PagedKVCache
+from runtime.kv_cache import PagedKVCache
 
 
 class RMSNorm(nn.Module):

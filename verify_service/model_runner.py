@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import UnsupportedModelError
-from common.kv_cache import PagedKVCache
-from common.step_layout import SeqChunk, layout_step
+from runtime.kv_cache import PagedKVCache
+from runtime.step_layout import SeqChunk, layout_step
 from kernels import KernelSet
 from verify_service.model import CausalLM
 

@@ -12,7 +12,7 @@ from collections import deque
 from typing import Callable
 
 from common.errors import CapacityError
-from common.block_manager import BlockManager, blocks_for
+from runtime.block_manager import BlockManager, blocks_for
 from verify_service.sequence import Sequence
 
 

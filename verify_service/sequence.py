@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from common.sampling_params import SamplingParams
-from common.spec_config import TreeSettings
-from common.tree import CandidateTree
+from common.tree_settings import TreeSettings
+from runtime.tree import CandidateTree
 from verify_service.detokenizer import StopStringDetokenizer
 
 
@@ -20,7 +20,7 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass
-class SpecMetrics:
+class SpeculationMetrics:
     """Per-request speculation counters. tau = tokens committed per verify step (bonus included)."""
 
     steps: int = 0  # verification steps that carried a tree
@@ -69,7 +69,7 @@ class Sequence:
     tree_settings: TreeSettings | None = None  # the shape of its trees
     tree: CandidateTree | None = None  # proposed for the next step, below the newest token
     pending_feature: torch.Tensor | None = None  # feature of the newest cached position, next token unknown
-    spec: SpecMetrics = field(default_factory=SpecMetrics)
+    speculation: SpeculationMetrics = field(default_factory=SpeculationMetrics)
 
     @property
     def num_tokens(self) -> int:

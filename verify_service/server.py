@@ -20,12 +20,12 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.shared_buffers import BufferExporter
+from link.shared_buffers import BufferExporter
 from protos.eagle3.v1 import draft_link_pb2, draft_link_pb2_grpc, generation_pb2, generation_pb2_grpc
 from verify_service.draft_link import RemoteDraft
-from verify_service.engine import TargetEngine
-from verify_service.engine_loop import EngineLoop
-from verify_service.generator import Generator
+from verify_service.target import Target
+from verify_service.engine_thread import EngineThread
+from verify_service.engine import Engine
 from verify_service.server_config import VerifyServerConfig
 from verify_service.servicers import DraftLinkServicer, GenerationServicer
 
@@ -39,7 +39,7 @@ DRAFT_LINK = draft_link_pb2.DESCRIPTOR.services_by_name["DraftLink"].full_name
 class VerifyServer:
     public: grpc.Server
     internal: grpc.Server | None
-    loop: EngineLoop
+    loop: EngineThread
     health: health.HealthServicer
     public_port: int
     exporter: BufferExporter | None
@@ -60,20 +60,19 @@ def _grpc_server(cfg: VerifyServerConfig) -> grpc.Server:
                        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
 
 
-def _export_buffers(engine: TargetEngine, cfg: VerifyServerConfig, capture_layers) -> tuple[BufferExporter, dict]:
+def _export_buffers(target: Target, cfg: VerifyServerConfig, capture_layers) -> tuple[BufferExporter, dict]:
     """Allocate the shared buffers; the model's embedding moves into shared memory (one copy)."""
     lim, e = cfg.limits, cfg.engine
-    exporter = BufferExporter(engine.device)
-    width = len(capture_layers) * engine.model_config.hidden_size
-    rows = e.max_batch_tokens + e.max_num_seqs * (lim.depth + 2)  # the most rows one step can feed
-    nodes = max(lim.max_nodes, lim.depth)
+    exporter = BufferExporter(target.device)
+    width = len(capture_layers) * target.model_config.hidden_size
+    rows, nodes = lim.feature_rows(e.max_batch_tokens, e.max_num_seqs), lim.max_tree_nodes
     buffers = {
-        "features": exporter.allocate("features", (rows, width), engine.dtype),
+        "features": exporter.allocate("features", (rows, width), target.dtype),
         "tree_tokens": exporter.allocate("tree_tokens", (e.max_num_seqs, nodes), torch.int64),
         "tree_parents": exporter.allocate("tree_parents", (e.max_num_seqs, nodes), torch.int64),
         "tree_log_probs": exporter.allocate("tree_log_probs", (e.max_num_seqs, nodes), torch.float32),
     }
-    embed = engine.model.model.embed_tokens
+    embed = target.model.model.embed_tokens
     buffers["embedding"] = exporter.share("embedding", embed.weight.data)
     embed.weight = torch.nn.Parameter(buffers["embedding"], requires_grad=False)
     return exporter, buffers
@@ -81,16 +80,16 @@ def _export_buffers(engine: TargetEngine, cfg: VerifyServerConfig, capture_layer
 
 def create_server(cfg: VerifyServerConfig) -> VerifyServer:
     """Load the model, bind both servers and start them (port 0 / temp sockets work for tests)."""
-    engine = TargetEngine.from_config(cfg.engine)
+    target = Target.from_config(cfg.engine)
     status = health.HealthServicer()
     remote, exporter = None, None
     if cfg.limits is not None:
-        capture = engine.model_config.default_capture_layers()
-        exporter, buffers = _export_buffers(engine, cfg, capture)
+        capture = target.model_config.default_capture_layers()
+        exporter, buffers = _export_buffers(target, cfg, capture)
         on_change = lambda up: status.set(SPECULATION_HEALTH, health_pb2.HealthCheckResponse.SERVING if up  # noqa: E731
                                           else health_pb2.HealthCheckResponse.NOT_SERVING)
         remote = RemoteDraft(exporter, buffers, capture, cfg.draft_timeout_s, on_change)
-    loop = EngineLoop(Generator(engine, remote, cfg.limits) if remote else Generator(engine))
+    loop = EngineThread(Engine(target, remote, cfg.limits) if remote else Engine(target))
     public = _grpc_server(cfg)
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(loop, cfg.limits, remote, cfg.max_tokens_default, Path(cfg.engine.model_dir).name), public)
@@ -101,7 +100,7 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
     if remote is not None:
         internal = _grpc_server(cfg)
         draft_link_pb2_grpc.add_DraftLinkServicer_to_server(
-            DraftLinkServicer(remote, engine, cfg.limits, cfg.engine.model_dir), internal)
+            DraftLinkServicer(remote, target, cfg.limits, cfg.engine.model_dir), internal)
         health_pb2_grpc.add_HealthServicer_to_server(status, internal)
         _prepare_unix_socket(cfg.internal)
         internal.add_insecure_port(cfg.internal)

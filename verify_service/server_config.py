@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
-from common.spec_config import SpecConfig, add_tree_arguments
+from common.tree_settings import TreeSettings, add_tree_arguments, tree_settings_from_args
 from verify_service.config import EngineConfig
 
 DEFAULT_PUBLIC = "127.0.0.1:50051"  # loopback unless configured otherwise
@@ -17,7 +17,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 @dataclass(frozen=True, slots=True)
 class VerifyServerConfig:
     engine: EngineConfig
-    limits: SpecConfig | None  # None: never speculate (no draft accepted)
+    limits: TreeSettings | None  # None: never speculate (no draft accepted)
     listen: str = DEFAULT_PUBLIC
     internal: str = DEFAULT_INTERNAL
     draft_timeout_s: float = 10.0  # a draft answering slower than this is dropped (plain decoding)
@@ -63,8 +63,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
 
 
 def from_args(args: argparse.Namespace, model_dir: str) -> VerifyServerConfig:
-    limits = None if args.no_speculation else SpecConfig(
-        None, tree=args.tree, depth=args.tree_depth, top_k=args.tree_top_k, max_nodes=args.tree_nodes)
+    limits = None if args.no_speculation else tree_settings_from_args(args)
     return VerifyServerConfig(engine_config(args, model_dir), limits, listen=args.listen, internal=args.internal,
                               draft_timeout_s=args.draft_timeout_s, max_message_bytes=args.max_message_bytes,
                               max_tokens_default=args.max_tokens_default)

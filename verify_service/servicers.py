@@ -12,17 +12,17 @@ import grpc
 
 from common.errors import InvalidRequestError, SharedBufferError
 from common.grpc_errors import abort
-from common.shared_buffers import gpu_uuid, host_identity
-from common.spec_config import SpecConfig
-from common.wire import TREE_TO_PROTO, descriptor_to_proto
+from link.shared_buffers import gpu_uuid, host_identity
+from common.tree_settings import TreeSettings
+from link.convert import TREE_TO_PROTO, descriptor_to_proto
 from protos.eagle3.v1 import draft_link_pb2 as link_pb
 from protos.eagle3.v1 import draft_link_pb2_grpc as link_grpc
 from protos.eagle3.v1 import generation_pb2 as pb
 from protos.eagle3.v1 import generation_pb2_grpc as pb_grpc
 from protos.eagle3.v1 import speculation_pb2 as spec_pb
-from verify_service import wire
+from verify_service import api_convert as wire
 from verify_service.draft_link import RemoteDraft
-from verify_service.engine_loop import EngineFailure, EngineLoop
+from verify_service.engine_thread import EngineFailure, EngineThread
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -30,16 +30,16 @@ _CANCEL_POLL_S = 0.25
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, loop: EngineLoop, limits: SpecConfig | None, remote: RemoteDraft | None,
+    def __init__(self, loop: EngineThread, limits: TreeSettings | None, remote: RemoteDraft | None,
                  max_tokens_default: int, model_name: str):
         self.loop, self.limits, self.remote = loop, limits, remote
-        self.engine = loop.gen.engine
+        self.target = loop.engine.target
         self.max_tokens_default = max_tokens_default
         self.model_name = model_name
 
     def Generate(self, request, context):
         try:
-            ids = wire.prompt_ids(request, self.engine)
+            ids = wire.prompt_ids(request, self.target)
             params = wire.sampling_params(request, self.max_tokens_default)
             speculate, tree = wire.speculation(request, self.limits)
             seq_id, events = self.loop.submit(ids, params, speculate, tree)
@@ -70,7 +70,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 return
 
     def GetServerInfo(self, request, context):
-        eng, lim = self.engine, self.limits
+        eng, lim = self.target, self.limits
         limits = None
         if lim is not None:
             limits = spec_pb.SpeculationLimits(tree=TREE_TO_PROTO[lim.tree], max_depth=lim.depth,
@@ -83,38 +83,38 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                              max_tokens_default=self.max_tokens_default, version=VERSION)
 
     def GetMetrics(self, request, context):
-        def snapshot(gen):
-            totals = [s.spec for s in gen.sequences.values()]
+        def snapshot(engine):
+            totals = [s.speculation for s in engine.sequences.values()]
             p50, p99 = self.remote.overhead_percentiles_us() if self.remote else (0.0, 0.0)
             return pb.ServerMetrics(
-                running_requests=len(gen.scheduler.running), waiting_requests=len(gen.scheduler.waiting),
-                kv_blocks_total=gen.engine.blocks.num_blocks, kv_blocks_used=gen.engine.blocks.num_used_blocks,
+                running_requests=len(engine.scheduler.running), waiting_requests=len(engine.scheduler.waiting),
+                kv_blocks_total=engine.target.blocks.num_blocks, kv_blocks_used=engine.target.blocks.num_used_blocks,
                 draft_connected=bool(self.remote and self.remote.connected),
                 draft_sessions=self.remote.sessions_opened if self.remote else 0,
                 speculative_steps=self.loop.steps_with_trees, plain_steps=self.loop.plain_steps,
-                draft_tokens=gen.total_draft_tokens + sum(t.draft_tokens for t in totals),
-                accepted_tokens=gen.total_accepted_tokens + sum(t.accepted_tokens for t in totals),
-                draft_errors=gen.draft_errors + (self.remote.errors if self.remote else 0),
+                draft_tokens=engine.total_draft_tokens + sum(t.draft_tokens for t in totals),
+                accepted_tokens=engine.total_accepted_tokens + sum(t.accepted_tokens for t in totals),
+                draft_errors=engine.draft_errors + (self.remote.errors if self.remote else 0),
                 completed_requests=self.loop.completed, cancelled_requests=self.loop.cancelled,
                 control_plane_p50_us=p50, control_plane_p99_us=p99)
         return self.loop.read(snapshot)
 
 
-def model_identity(engine, capture_layers: tuple[int, ...], config_json: str) -> link_pb.ModelIdentity:
-    weight = engine.model.model.embed_tokens.weight
+def model_identity(target, capture_layers: tuple[int, ...], config_json: str) -> link_pb.ModelIdentity:
+    weight = target.model.model.embed_tokens.weight
     digest = hashlib.sha256(config_json.encode())
     digest.update(str(tuple(weight.shape)).encode())
-    cfg = engine.model_config
+    cfg = target.model_config
     return link_pb.ModelIdentity(name=cfg.architecture, fingerprint=digest.hexdigest()[:16],
                                  vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                                 capture_layers=list(capture_layers), dtype=str(engine.dtype).removeprefix("torch."))
+                                 capture_layers=list(capture_layers), dtype=str(target.dtype).removeprefix("torch."))
 
 
 class DraftLinkServicer(link_grpc.DraftLinkServicer):
-    def __init__(self, remote: RemoteDraft, engine, limits: SpecConfig, model_dir: str):
-        self.remote, self.engine, self.limits = remote, engine, limits
+    def __init__(self, remote: RemoteDraft, target, limits: TreeSettings, model_dir: str):
+        self.remote, self.target, self.limits = remote, target, limits
         self.config_json = (Path(model_dir) / "config.json").read_text()
-        self.identity = model_identity(engine, remote.capture_layers, self.config_json)
+        self.identity = model_identity(target, remote.capture_layers, self.config_json)
         self._pending: dict[int, object] = {}  # handshaken sessions waiting for their stream
         self._lock = threading.Lock()
 
@@ -132,13 +132,13 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
             buffers=[descriptor_to_proto(d) for d in self.remote.exporter.descriptors()],
             max_feature_rows=b["features"].shape[0], max_trees=b["tree_tokens"].shape[0],
             max_tree_nodes=b["tree_tokens"].shape[1], target_config_json=self.config_json,
-            max_model_len=self.engine.max_model_len)
+            max_model_len=self.target.max_model_len)
 
     def _check_peer(self, request) -> None:
         loc, want, mine = request.location, request.expected_target, self.identity
         if loc.host_id != host_identity():
             raise SharedBufferError("the draft service must run on the verify service's host (shared memory)")
-        device = self.engine.device
+        device = self.target.device
         if loc.device_type != device.type:
             raise SharedBufferError(f"the draft runs on {loc.device_type}, the target on {device.type}")
         if device.type == "cuda" and loc.gpu_uuid != gpu_uuid(device):

@@ -16,8 +16,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from common.sampling_params import SamplingParams
-from common.spec_config import TreeSettings
-from verify_service.generator import Generator, TokenEvent
+from common.tree_settings import TreeSettings
+from verify_service.engine import Engine, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +29,9 @@ class EngineFailure:
     error: Exception
 
 
-class EngineLoop:
-    def __init__(self, gen: Generator):
-        self.gen = gen
+class EngineThread:
+    def __init__(self, engine: Engine):
+        self.engine = engine
         self._commands: queue.Queue = queue.Queue()  # (callable, Future | None)
         self._queues: dict[int, queue.Queue] = {}
         self._stopped = False
@@ -61,7 +61,7 @@ class EngineLoop:
         events: queue.Queue = queue.Queue()
 
         def add():
-            seq_id = self.gen.add_request(prompt_ids, params, speculate, tree)
+            seq_id = self.engine.add_request(prompt_ids, params, speculate, tree)
             self._queues[seq_id] = events
             return seq_id
         return self._call(add), events
@@ -72,13 +72,13 @@ class EngineLoop:
 
     def _cancel(self, seq_id: int) -> None:
         if self._queues.pop(seq_id, None) is not None:
-            self.gen.abort(seq_id)
+            self.engine.abort(seq_id)
             self.cancelled += 1
             log.info("request %d cancelled; its KV is free", seq_id)
 
     def read(self, fn):
         """``fn(generator)`` evaluated on the engine thread (metrics and info snapshots)."""
-        return self._call(lambda: fn(self.gen))
+        return self._call(lambda: fn(self.engine))
 
     def _drain(self, block: bool) -> None:
         try:
@@ -103,11 +103,11 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopped:
-            self._drain(block=not self.gen.has_work)
-            if self._stopped or not self.gen.has_work:
+            self._drain(block=not self.engine.has_work)
+            if self._stopped or not self.engine.has_work:
                 continue
             try:
-                events = self.gen.step()
+                events = self.engine.step()
             except Exception as exc:  # a bug: fail the requests in flight, keep serving
                 log.exception("engine step failed; aborting %d requests", len(self._queues))
                 self._fail_all(exc)
@@ -116,7 +116,7 @@ class EngineLoop:
             self._dispatch(events)
 
     def _count_step(self) -> None:
-        if self.gen.last_step_verified_trees:
+        if self.engine.last_step_verified_trees:
             self.steps_with_trees += 1
         else:
             self.plain_steps += 1
@@ -133,6 +133,6 @@ class EngineLoop:
 
     def _fail_all(self, exc: Exception) -> None:
         for seq_id, q in list(self._queues.items()):
-            self.gen.abort(seq_id)
+            self.engine.abort(seq_id)
             q.put(EngineFailure(exc))
         self._queues.clear()

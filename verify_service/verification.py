@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.draft_protocol import DraftFeed
-from common.step_layout import SeqChunk
-from verify_service.engine import TargetEngine
+from link.protocol import DraftFeed
+from runtime.step_layout import SeqChunk
+from verify_service.target import Target
 from verify_service.model_runner import StepOutput
 from verify_service.sampler import Sampler
 from verify_service.sequence import Sequence
@@ -44,17 +44,17 @@ def tree_chunk(seq: Sequence, block_table: list[int]) -> SeqChunk:
                     positions=np.concatenate(([n], n + tree.depths)), custom_mask=tree.ancestor_mask())
 
 
-class Speculator:
-    def __init__(self, engine: TargetEngine, sampler: Sampler):
-        self.engine = engine
+class TreeVerifier:
+    def __init__(self, target: Target, sampler: Sampler):
+        self.target = target
         self.sampler = sampler
-        self.kernels = engine.runner.kernels
+        self.kernels = target.runner.kernels
 
     def verify(self, seqs: list[Sequence], logits_start: list[int], row_start: list[int],
                out: StepOutput) -> list[Verified]:
         """Accept along each sequence's tree. ``logits_start[i]``/``row_start[i]``: where
         sequence i's rows begin in ``out.logits`` and in the flat batch (``out.captured``)."""
-        dev = self.engine.device
+        dev = self.target.device
         sizes = [s.tree.num_nodes + 1 for s in seqs]
         width = max(sizes)
         tokens, parents, num_nodes = self._padded_trees(seqs, width)
@@ -99,7 +99,7 @@ class Speculator:
         return k.sampling_accept(probs, tokens, parents, num_nodes, max_depth, uniforms, noise)
 
     def _compact(self, seqs: list[Sequence], result) -> None:
-        eng = self.engine
+        eng = self.target
         dev = eng.device
         tables = [eng.blocks.block_table(s.seq_id) for s in seqs]
         width = max(len(t) for t in tables)
@@ -112,10 +112,10 @@ class Speculator:
     def _finish_one(self, seq: Sequence, path: list[int], bonus: int, row: int, out: StepOutput) -> Verified:
         k = len(path) - 1
         node_tokens = [int(seq.tree.tokens[c - 1]) for c in path[1:]]
-        seq.spec.record(seq.tree.num_nodes, k)
+        seq.speculation.record(seq.tree.num_nodes, k)
         start = seq.num_cached
         seq.num_cached = start + k + 1
-        self.engine.blocks.truncate(seq.seq_id, seq.num_cached)
+        self.target.blocks.truncate(seq.seq_id, seq.num_cached)
         committed = node_tokens + [bonus]
         features = out.captured[torch.tensor([row + c for c in path], device=out.captured.device)]
         feed = DraftFeed(seq.seq_id, start, features, np.asarray(committed, dtype=np.int64))

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from common.errors import InvalidRequestError, ModelNotFoundError
 from common.sampling_params import SamplingParams
-from verify_service.generator import Generator
+from verify_service.engine import Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,7 @@ def read_examples(path: Path) -> list[Example]:
     return [Example(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
-def generate_examples(gen: Generator, prompts: list[str], out_path: Path, max_new_tokens: int,
+def generate_examples(engine: Engine, prompts: list[str], out_path: Path, max_new_tokens: int,
                       batch: int = 64, sampled_every: int = 2, seed: int = 0, progress: bool = True,
                       max_prompt_tokens: int = 1024, deadline: float | None = None) -> list[Example]:
     """Answer the prompts not yet in ``out_path`` (greedy, and sampled at temperature 0.7 for
@@ -71,11 +71,11 @@ def generate_examples(gen: Generator, prompts: list[str], out_path: Path, max_ne
             if deadline is not None and time.monotonic() > deadline:
                 break
             chunk = todo[i:i + batch]
-            encoded = [gen.engine.encode(messages=[{"role": "user", "content": q}]) for _, q in chunk]
+            encoded = [engine.target.encode(messages=[{"role": "user", "content": q}]) for _, q in chunk]
             keep = [j for j, ids in enumerate(encoded) if len(ids) <= max_prompt_tokens]
             params = [SamplingParams(max_tokens=max_new_tokens, temperature=0.7 if chunk[j][0] % sampled_every else 0.0,
                                      seed=seed + chunk[j][0]) for j in keep]
-            results = dict(zip(keep, gen.generate([encoded[j] for j in keep], params))) if keep else {}
+            results = dict(zip(keep, engine.generate([encoded[j] for j in keep], params))) if keep else {}
             for j, ids in enumerate(encoded):
                 ex = Example(ids + results[j].token_ids, len(ids)) if j in results else Example([], 0)
                 f.write(json.dumps({"ids": ex.ids, "answer_start": ex.answer_start}) + "\n")

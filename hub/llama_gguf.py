@@ -20,7 +20,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from tqdm import tqdm
 
 from common.errors import ConversionError
-from common.gguf import GGUFReader
+from hub.gguf import GGUFReader
 
 TOKEN_TYPE_CONTROL = 3  # llama.cpp's token type of special tokens such as <|im_end|>
 

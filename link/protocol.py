@@ -17,8 +17,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from common.spec_config import TreeSettings
-from common.tree import CandidateTree
+from common.tree_settings import TreeSettings
+from runtime.tree import CandidateTree
 
 
 @dataclass(frozen=True, slots=True)

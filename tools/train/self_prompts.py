@@ -25,26 +25,26 @@ from tqdm import tqdm
 
 from common.errors import InvalidRequestError, UnsupportedModelError
 from common.sampling_params import SamplingParams
-from verify_service.engine import TargetEngine
-from verify_service.generator import Generator
+from verify_service.target import Target
+from verify_service.engine import Engine
 from verify_service.sequence import FinishReason
 
 log = logging.getLogger(__name__)
 _MARK = "\u2063EAGLE3-USER-TURN\u2063"  # placeholder content; never produced by a real prompt
 
 
-def user_turn_prefix(engine: TargetEngine) -> list[int]:
+def user_turn_prefix(target: Target) -> list[int]:
     """Token ids of the chat template up to the first character of a user message."""
-    if engine.tokenizer is None:
+    if target.tokenizer is None:
         raise UnsupportedModelError("the target has no tokenizer: self-written prompts need one")
-    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], add_generation_prompt=False)
+    text = target.tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], add_generation_prompt=False)
     cut = text.find(_MARK)
     if cut < 0:
         raise UnsupportedModelError("the chat template does not place the user message verbatim")
-    return engine.tokenizer.encode(text[:cut])
+    return target.tokenizer.encode(text[:cut])
 
 
-def generate_self_prompts(gen: Generator, out_path: Path, count: int, max_tokens: int = 128,
+def generate_self_prompts(engine: Engine, out_path: Path, count: int, max_tokens: int = 128,
                           temperature: float = 1.0, top_p: float = 0.95, batch: int = 256, seed: int = 0,
                           progress: bool = True, deadline: float | None = None,
                           max_attempts: int | None = None) -> list[str]:
@@ -58,7 +58,7 @@ def generate_self_prompts(gen: Generator, out_path: Path, count: int, max_tokens
     lines = _read(out_path)
     seen = {line["turns"][0] for line in lines}
     attempt = lines[-1]["attempt"] + 1 if lines else 0
-    prefix = user_turn_prefix(gen.engine)
+    prefix = user_turn_prefix(engine.target)
     bar = tqdm(total=count, initial=min(len(lines), count), desc="self-prompts", disable=not progress)
     with out_path.open("a") as f:
         while len(lines) < count and (deadline is None or time.monotonic() <= deadline):
@@ -69,7 +69,7 @@ def generate_self_prompts(gen: Generator, out_path: Path, count: int, max_tokens
             n = min(batch, 2 * (count - len(lines)) + 8, max_attempts - attempt)  # over-draw: some are dropped
             params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + attempt + j)
                       for j in range(n)]
-            for j, result in enumerate(gen.generate([prefix] * n, params)):
+            for j, result in enumerate(engine.generate([prefix] * n, params)):
                 text = result.text.strip()
                 if result.finish_reason != FinishReason.STOP or not text or text in seen or len(lines) >= count:
                     continue

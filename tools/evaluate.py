@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 from common.sampling_params import SamplingParams
-from common.spec_config import SpecConfig
+from draft_service.spec_config import SpecConfig
 from draft_service.eagle_config import DraftConfig
 from draft_service.eagle_loader import read_draft_tensors, vocab_maps
-from draft_service.train.data import load_prompts
+from tools.train.data import load_prompts
 from verify_service.config import EngineConfig
-from verify_service.inprocess import build_generator
+from tools.inprocess import build_engine
 
 
 def parse_config(text: str, head: str) -> SpecConfig:
@@ -53,17 +53,17 @@ def vocab_coverage(outputs: list[list[int]], mask: torch.Tensor) -> float:
     return round(float(mask[ids].float().mean()), 4) if ids.numel() else 1.0
 
 
-def run(gen, prompts: list[list[int]], params: SamplingParams, batch: int) -> tuple[list[list[int]], float, list]:
+def run(engine, prompts: list[list[int]], params: SamplingParams, batch: int) -> tuple[list[list[int]], float, list]:
     """Generate in groups of ``batch`` prompts; returns outputs, generation seconds, spec metrics."""
     outputs, metrics, total = [], [], 0.0
     for i in range(0, len(prompts), batch):
         _sync()
         start = time.perf_counter()
-        results = gen.generate(prompts[i:i + batch], params)
+        results = engine.generate(prompts[i:i + batch], params)
         _sync()
         total += time.perf_counter() - start
         outputs += [r.token_ids for r in results]
-        metrics += [r.spec for r in results]
+        metrics += [r.speculation for r in results]
     return outputs, total, metrics
 
 
@@ -98,23 +98,23 @@ def evaluate(model_dir: str, head: str, prompt_files: list[str], configs: list[s
     params = SamplingParams(max_tokens=max_tokens)
     sets = {}
     for path in prompt_files:
-        base = build_generator(cfg)
-        prompts = [base.engine.encode(messages=[{"role": "user", "content": q}]) for q in load_prompts(path, limit)]
+        base = build_engine(cfg)
+        prompts = [base.target.encode(messages=[{"role": "user", "content": q}]) for q in load_prompts(path, limit)]
         run(base, prompts[:2], params, batch)  # warm-up
         reference, ref_secs, _ = run(base, prompts, params, batch)
         rows = [summarize("target-only", reference, ref_secs, None, reference, ref_secs)]
         if mask is not None:
             rows[0]["draft_vocab_coverage"] = vocab_coverage(reference, mask)
         report(Path(path).stem, rows[0])
-        engine_dtype = str(base.engine.dtype)
+        engine_dtype = str(base.target.dtype)
         del base
         for text, spec in specs:
-            gen = build_generator(cfg, spec)
-            run(gen, prompts[:2], params, batch)
-            outputs, secs, metrics = run(gen, prompts, params, batch)
+            engine = build_engine(cfg, spec)
+            run(engine, prompts[:2], params, batch)
+            outputs, secs, metrics = run(engine, prompts, params, batch)
             rows.append(summarize(text, outputs, secs, metrics, reference, ref_secs))
             report(Path(path).stem, rows[-1])
-            del gen
+            del engine
         sets[Path(path).stem] = rows
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "model": model_dir, "head": head, "max_tokens": max_tokens, "batch": batch,

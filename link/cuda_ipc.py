@@ -1,6 +1,6 @@
 """CUDA IPC through cupy: GPU memory that another process on the same GPU maps.
 
-Used by ``common.shared_buffers`` for CUDA devices; cupy is imported only here, and only
+Used by ``link.shared_buffers`` for CUDA devices; cupy is imported only here, and only
 when a CUDA buffer is made or opened, so CPU machines never need it.
 
 The CUDA IPC rules this module is built around:

@@ -11,7 +11,7 @@ small ``BufferDescriptor`` of each::
 
 Backends, chosen once from the device, never a fallback from one to the other:
   cuda_ipc  CUDA device: one cudaMalloc per buffer, mapped by the peer through its IPC
-            handle (the rules are in ``common.cuda_ipc``); both peers on one GPU.
+            handle (the rules are in ``link.cuda_ipc``); both peers on one GPU.
   shm       CPU device: one POSIX shared-memory segment per buffer, mapped by name.
 
 Lifetime: the exporter keeps every buffer alive until ``close()``, which the owner calls
@@ -32,7 +32,7 @@ from multiprocessing import resource_tracker
 import _posixshmem  # shm_open/shm_unlink, what multiprocessing.shared_memory uses underneath
 import torch
 
-from common import cuda_ipc
+from link import cuda_ipc
 from common.errors import SharedBufferError
 
 CUDA_IPC = "cuda_ipc"

@@ -4,26 +4,26 @@ from __future__ import annotations
 
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
-from common.spec_config import SpecConfig, TreeSettings
-from common.wire import TREE_FROM_PROTO
+from common.tree_settings import TreeSettings
+from link.convert import TREE_FROM_PROTO
 from protos.eagle3.v1 import generation_pb2 as pb
 from protos.eagle3.v1 import speculation_pb2 as spec_pb
-from verify_service.engine import TargetEngine
-from verify_service.generator import TokenEvent
-from verify_service.sequence import FinishReason, SpecMetrics
+from verify_service.target import Target
+from verify_service.engine import TokenEvent
+from verify_service.sequence import FinishReason, SpeculationMetrics
 
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
 
 
-def prompt_ids(req: pb.GenerateRequest, engine: TargetEngine) -> list[int]:
+def prompt_ids(req: pb.GenerateRequest, target: Target) -> list[int]:
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
     if kind == "token_ids":
         return list(req.token_ids.ids)
     if kind == "chat":
-        return engine.encode(messages=[{"role": m.role, "content": m.content} for m in req.chat.messages])
-    return engine.encode(prompt=req.text)
+        return target.encode(messages=[{"role": m.role, "content": m.content} for m in req.chat.messages])
+    return target.encode(prompt=req.text)
 
 
 def sampling_params(req: pb.GenerateRequest, max_tokens_default: int) -> SamplingParams:
@@ -37,7 +37,7 @@ def sampling_params(req: pb.GenerateRequest, max_tokens_default: int) -> Samplin
         stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos)
 
 
-def speculation(req: pb.GenerateRequest, limits: SpecConfig | None) -> tuple[bool, TreeSettings | None]:
+def speculation(req: pb.GenerateRequest, limits: TreeSettings | None) -> tuple[bool, TreeSettings | None]:
     """(speculate, tree settings) for the request, checked against the server's limits."""
     o = req.speculation
     wanted = o.enabled if o.HasField("enabled") else True
@@ -47,7 +47,7 @@ def speculation(req: pb.GenerateRequest, limits: SpecConfig | None) -> tuple[boo
         return False, None
     opt = lambda name: getattr(o, name) if o.HasField(name) else None  # noqa: E731
     tree = TREE_FROM_PROTO.get(o.tree) if o.tree != spec_pb.TREE_KIND_UNSPECIFIED else None
-    return wanted, limits.request_settings(tree, opt("depth"), opt("top_k"), opt("max_nodes"))
+    return wanted, limits.request(tree, opt("depth"), opt("top_k"), opt("max_nodes"))
 
 
 def delta(ev: TokenEvent) -> pb.GenerateResponse:
@@ -58,10 +58,10 @@ def done(ev: TokenEvent, prompt_tokens: int, completion_tokens: int) -> pb.Gener
     return pb.GenerateResponse(done=pb.GenerationDone(
         finish_reason=_FINISH.get(ev.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
         usage=pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
-        speculation=spec_metrics(ev.spec)))
+        speculation=speculation_metrics(ev.speculation)))
 
 
-def spec_metrics(m: SpecMetrics | None) -> pb.SpeculationMetrics:
+def speculation_metrics(m: SpeculationMetrics | None) -> pb.SpeculationMetrics:
     if m is None or m.steps == 0:
         return pb.SpeculationMetrics(speculated=False)
     return pb.SpeculationMetrics(

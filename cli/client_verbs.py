@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from common.client import TREE_KINDS, ClientError, Eagle3Client
+from client.eagle3_client import TREE_KINDS, ClientError, Eagle3Client
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 

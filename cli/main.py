@@ -14,7 +14,7 @@ import time
 
 from common.errors import EagleError, InvalidRequestError
 from common.sampling_params import SamplingParams
-from common.spec_config import DEFAULT_EVAL_CONFIGS, add_tree_arguments
+from common.tree_settings import DEFAULT_EVAL_CONFIGS, add_tree_arguments
 from verify_service.config import EngineConfig
 
 
@@ -41,9 +41,9 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from common.default_model import ensure_default_model
-    from common.spec_config import SpecConfig
-    from verify_service.inprocess import build_generator
+    from hub.default_model import ensure_default_model
+    from draft_service.spec_config import SpecConfig
+    from tools.inprocess import build_engine
 
     spec = None
     if args.draft:  # validated before the (slow) model load
@@ -52,17 +52,17 @@ def _generate(args: argparse.Namespace) -> None:
     model_dir = args.model or str(ensure_default_model())
     cfg = EngineConfig(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                        max_num_seqs=1)
-    gen = build_generator(cfg, spec)
-    engine = gen.engine
+    engine = build_engine(cfg, spec)
+    target = engine.target
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     if args.raw:
-        ids = engine.encode(prompt=args.prompt)
+        ids = target.encode(prompt=args.prompt)
     else:
         system = [{"role": "system", "content": args.system}] if args.system else []
-        ids = engine.encode(messages=[*system, {"role": "user", "content": args.prompt}])
+        ids = target.encode(messages=[*system, {"role": "user", "content": args.prompt}])
     start, n, last = time.perf_counter(), 0, None
-    for event in gen.stream(ids, params):
+    for event in engine.stream(ids, params):
         sys.stdout.write(event.text)
         sys.stdout.flush()
         n += len(event.token_ids)
@@ -74,15 +74,15 @@ def _generate(args: argparse.Namespace) -> None:
         reason = last.finish_reason.value if last and last.finish_reason else "none"
         print(f"[{len(ids)} prompt tokens, {n} generated in {secs:.2f}s ({n / secs:.1f} tok/s), "
               f"finish: {reason}]", file=sys.stderr)
-        if last is not None and last.spec is not None:
-            m = last.spec
+        if last is not None and last.speculation is not None:
+            m = last.speculation
             print(f"[speculation: {m.steps} steps, tau {m.tau:.2f}, acceptance {m.acceptance_rate:.1%}, "
                   f"{m.draft_tokens} draft / {m.accepted_tokens} accepted / {m.rewound_tokens} rewound tokens, "
                   f"per depth {m.accepted_per_depth}]", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from common import client_cli
+    from cli import client_verbs as client_cli
     from draft_service import server_config as draft_flags
     from verify_service import server_config as verify_flags
 
@@ -155,26 +155,26 @@ def _add_self_prompt_args(p: argparse.ArgumentParser) -> None:
 def _self_prompts(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from common.default_model import ensure_default_model
-    from draft_service.train.self_prompts import generate_self_prompts
-    from verify_service.engine import TargetEngine
-    from verify_service.generator import Generator
+    from hub.default_model import ensure_default_model
+    from tools.train.self_prompts import generate_self_prompts
+    from verify_service.target import Target
+    from verify_service.engine import Engine
 
     if args.count <= 0:
         raise InvalidRequestError("count", f"must be > 0, got {args.count}")
-    engine = TargetEngine.from_config(EngineConfig(
+    target = Target.from_config(EngineConfig(
         args.target or str(ensure_default_model()), device=args.device, dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.batch, max_batch_tokens=max(2048, 2 * args.batch)))
     deadline = None if args.time_limit_s is None else time.monotonic() + args.time_limit_s
-    got = generate_self_prompts(Generator(engine), Path(args.out), args.count, args.max_tokens, args.temperature,
+    got = generate_self_prompts(Engine(target), Path(args.out), args.count, args.max_tokens, args.temperature,
                                 args.top_p, args.batch, args.seed, deadline=deadline)
     print(f"{len(got)} prompts in {args.out}" + ("" if len(got) >= args.count else
                                                  "; stopped by the time limit: run the same command to resume"))
 
 
 def _train(args: argparse.Namespace) -> None:
-    from common.default_model import ensure_default_model
-    from draft_service.train.trainer import Trainer, TrainConfig
+    from hub.default_model import ensure_default_model
+    from tools.train.trainer import Trainer, TrainConfig
 
     cfg = TrainConfig(args.target or str(ensure_default_model()), args.prompts, args.out,
                       draft_vocab=args.draft_vocab, steps=args.steps, batch=args.batch, lr=args.lr,
@@ -214,8 +214,8 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
 def _eval(args: argparse.Namespace) -> None:
     import json
 
-    from common.default_model import ensure_default_model
-    from draft_service.evaluate import evaluate, format_table
+    from hub.default_model import ensure_default_model
+    from tools.evaluate import evaluate, format_table
 
     configs = args.config or list(DEFAULT_EVAL_CONFIGS)
     report = evaluate(args.target or str(ensure_default_model()), args.draft, args.prompts, configs,
@@ -240,12 +240,12 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "fetch-default":
-        from common.default_model import ensure_default_model
+        from hub.default_model import ensure_default_model
         print(ensure_default_model(args.cache_dir, progress=not args.quiet))
     elif args.command == "generate":
         _generate(args)
     elif args.command == "serve-verify":
-        from common.default_model import ensure_default_model
+        from hub.default_model import ensure_default_model
         from verify_service import server, server_config
         server.serve(server_config.from_args(args, args.model or str(ensure_default_model())))
     elif args.command == "serve-draft":
@@ -258,10 +258,10 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "self-prompts":
         _self_prompts(args)
     elif args.command == "up":
-        from verify_service.up import up
+        from cli.up import up
         return up(args)
     else:
-        from common import client_cli
+        from cli import client_verbs as client_cli
         return client_cli.run(args)
     return 0
 

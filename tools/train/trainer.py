@@ -21,18 +21,18 @@ from tqdm import tqdm
 
 from common.config import ModelConfig, read_config_json
 from common.errors import InvalidRequestError, UnsupportedModelError
-from common.step_layout import SeqChunk
+from runtime.step_layout import SeqChunk
 from draft_service.eagle_config import DraftConfig
 from draft_service.eagle_init import draft_raw_config
 from draft_service.eagle_loader import load_eagle
 from draft_service.eagle_net import EagleNet
-from draft_service.train.data import Example, generate_examples, iter_batches, load_prompts, read_examples
-from draft_service.train.distributed import ProcessGroup
-from draft_service.train.ttt import step_token_counts, ttt_forward, ttt_loss
-from draft_service.train.vocab import select_draft_vocab, token_counts
+from tools.train.data import Example, generate_examples, iter_batches, load_prompts, read_examples
+from tools.train.distributed import ProcessGroup
+from tools.train.ttt import step_token_counts, ttt_forward, ttt_loss
+from tools.train.vocab import select_draft_vocab, token_counts
 from verify_service.config import EngineConfig
-from verify_service.engine import TargetEngine
-from verify_service.generator import Generator
+from verify_service.target import Target
+from verify_service.engine import Engine
 
 log = logging.getLogger(__name__)
 SHARD_BYTES = 16 << 20
@@ -103,7 +103,7 @@ class Trainer:
             device = torch.device("cuda", self.group.local_rank)  # one GPU per process
         self.progress = progress and self.group.main
         kv_gib = cfg.kv_cache_gib if cfg.kv_cache_gib is not None else (16.0 if device.type == "cuda" else None)
-        self.engine = TargetEngine.from_config(EngineConfig(
+        self.target = Target.from_config(EngineConfig(
             cfg.target_dir, device=str(device), dtype=cfg.dtype, kv_cache_gib=kv_gib,
             max_model_len=min(cfg.max_prompt_tokens + cfg.max_new_tokens + 1,
                               ModelConfig.from_dir(cfg.target_dir).max_position_embeddings),
@@ -111,9 +111,9 @@ class Trainer:
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True  # the head trains in float32 on tensor cores
         self.target_raw = read_config_json(cfg.target_dir, "model", UnsupportedModelError)
-        if cfg.draft_vocab > self.engine.model_config.vocab_size:
+        if cfg.draft_vocab > self.target.model_config.vocab_size:
             raise InvalidRequestError("draft_vocab", f"{cfg.draft_vocab} exceeds the target vocabulary "
-                                                     f"({self.engine.model_config.vocab_size})")
+                                                     f"({self.target.model_config.vocab_size})")
 
     def prepare(self) -> list[Example] | None:
         """The distilled examples, or None when the time limit stopped generation first."""
@@ -124,10 +124,10 @@ class Trainer:
                                                      f"{len(self.prompts)} prompts: distil first (--generate-only, "
                                                      "one process), then train on several")
             return [e for e in lines[:len(self.prompts)] if len(e.ids) > e.answer_start]
-        gen = Generator(self.engine)
-        lines = generate_examples(gen, self.prompts, self.out / "examples.jsonl", self.cfg.max_new_tokens,
+        engine = Engine(self.target)
+        lines = generate_examples(engine, self.prompts, self.out / "examples.jsonl", self.cfg.max_new_tokens,
                                   batch=self.cfg.gen_batch, seed=self.cfg.seed, progress=self.progress,
-                                  max_prompt_tokens=self.engine.max_model_len - self.cfg.max_new_tokens, deadline=self.deadline)
+                                  max_prompt_tokens=self.target.max_model_len - self.cfg.max_new_tokens, deadline=self.deadline)
         if len(lines) < len(self.prompts):
             log.warning("answered %d of %d prompts before the time limit; run again to continue",
                         len(lines), len(self.prompts))
@@ -135,24 +135,24 @@ class Trainer:
         return [e for e in lines if len(e.ids) > e.answer_start]
 
     def build_head(self, examples: list[Example]) -> tuple[EagleNet, dict]:
-        cfg, embedding = self.cfg, self.engine.model.model.embed_tokens.weight.detach()
-        start = None if cfg.init_head is None else load_eagle(cfg.init_head, self.engine.model_config, embedding,
-                                                              torch.float32, self.engine.device, self.engine.max_model_len)
+        cfg, embedding = self.cfg, self.target.model.model.embed_tokens.weight.detach()
+        start = None if cfg.init_head is None else load_eagle(cfg.init_head, self.target.model_config, embedding,
+                                                              torch.float32, self.target.device, self.target.max_model_len)
         width = cfg.draft_intermediate or (start.config.intermediate_size if start is not None
                                            else self.target_raw["intermediate_size"])
         if start is not None and width < start.config.intermediate_size:
             raise InvalidRequestError("draft_intermediate", f"{width} is narrower than {cfg.init_head}'s MLP "
                                                             f"({start.config.intermediate_size}); a head can only widen")
-        counts = token_counts((e.ids[e.answer_start:] for e in examples), self.engine.model_config.vocab_size)
-        d2t, t2d = select_draft_vocab(counts, cfg.draft_vocab, self.engine.model_config.eos_token_ids)
+        counts = token_counts((e.ids[e.answer_start:] for e in examples), self.target.model_config.vocab_size)
+        d2t, t2d = select_draft_vocab(counts, cfg.draft_vocab, self.target.model_config.eos_token_ids)
         raw = draft_raw_config(self.target_raw, cfg.draft_vocab, intermediate_size=width)
-        raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.engine.model_config.default_capture_layers())}
+        raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.target.model_config.default_capture_layers())}
         torch.manual_seed(cfg.seed)
-        net = EagleNet(DraftConfig.from_hf(raw)).to(self.engine.device)
+        net = EagleNet(DraftConfig.from_hf(raw)).to(self.target.device)
         net.d2t.copy_(d2t)
         net.t2d.copy_(t2d)
         net.attach_embedding(embedding)
-        net.init_rope(self.engine.max_model_len + cfg.ttt_steps)  # unrolled steps sit past the rows
+        net.init_rope(self.target.max_model_len + cfg.ttt_steps)  # unrolled steps sit past the rows
         self.group.broadcast_(list(net.parameters()))  # the same start on every process
         if start is None:
             return net, raw
@@ -161,7 +161,7 @@ class Trainer:
             log.info("MLP widened from %d to %d (the new units start with no effect on the output)",
                      start.config.intermediate_size, width)
         if cfg.new_vocab:
-            carried = carry_over_weights(net, state, self.engine.model.lm_head_weight())
+            carried = carry_over_weights(net, state, self.target.model.lm_head_weight())
             log.info("new draft vocabulary: %d of %d rows carried over from %s", carried, cfg.draft_vocab, cfg.init_head)
             return net, raw
         if start.config.draft_vocab_size != cfg.draft_vocab:
@@ -175,7 +175,7 @@ class Trainer:
     def target_batch(self, batch: list[Example], d2t: torch.Tensor):
         """Features [B, T, 3H] and the target's logits over the draft vocabulary [B, T, Vd]
         (both float32), ids and answer mask [B, T]; padded with 0."""
-        eng = self.engine
+        eng = self.target
         eng.runner.set_capture_layers(eng.model_config.default_capture_layers())
         chunks = []
         for i, ex in enumerate(batch):  # negative ids: never a Generator's sequence
@@ -221,7 +221,7 @@ class Trainer:
                    total=self.cfg.steps)
         batches = iter_batches(train_set, self.cfg.batch, self.cfg.seed, start)
         for step in bar:
-            if self.group.any(self.deadline is not None and time.monotonic() > self.deadline, self.engine.device):
+            if self.group.any(self.deadline is not None and time.monotonic() > self.deadline, self.target.device):
                 if self.group.main:
                     self._save_state(net, opt, step)
                     export_head(net, raw, self.out / "head")  # the latest weights, usable meanwhile
@@ -273,7 +273,7 @@ class Trainer:
                 for s in range(len(stats[0][1]))]
 
     def _unroll(self, net: EagleNet, ids: torch.Tensor, feats: torch.Tensor):
-        with torch.autocast("cuda", torch.bfloat16, enabled=self.cfg.autocast and self.engine.device.type == "cuda"):
+        with torch.autocast("cuda", torch.bfloat16, enabled=self.cfg.autocast and self.target.device.type == "cuda"):
             return ttt_forward(net, ids, feats, self.cfg.ttt_steps)
 
     def _save_state(self, net: EagleNet, opt, step: int) -> None:
@@ -286,7 +286,7 @@ class Trainer:
         path = self.out / "state.pt"
         if not path.is_file():
             return 0
-        saved = torch.load(path, map_location=self.engine.device, weights_only=True)
+        saved = torch.load(path, map_location=self.target.device, weights_only=True)
         net.load_state_dict({k.removeprefix("model."): v for k, v in saved["tensors"].items() if k != "step"})
         opt.load_state_dict(saved["optimizer"])
         step = int(saved["tensors"]["step"])

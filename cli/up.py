@@ -14,14 +14,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.client import Eagle3Client
-from common.default_model import ensure_default_model
+from client.eagle3_client import Eagle3Client
+from hub.default_model import ensure_default_model
 
 
 def spawn(args: list[str], log: Path | None = None) -> subprocess.Popen:
     """``eagle3 ARGS`` as a child process (output to ``log`` when given)."""
     out = open(log, "w") if log is not None else None
-    return subprocess.Popen([sys.executable, "-m", "verify_service.cli", *args], stdout=out,
+    return subprocess.Popen([sys.executable, "-m", "cli.main", *args], stdout=out,
                             stderr=subprocess.STDOUT if out else None)
 
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import ConversionError, EagleError
-from common.gguf import GGUFReader
-from common.llama_gguf import convert_llama_gguf
+from hub.gguf import GGUFReader
+from hub.llama_gguf import convert_llama_gguf
 
 try:
     import fcntl
@@ -41,6 +41,12 @@ ENV_GGUF = "EAGLE3_SMOLLM2_GGUF"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 CONVERTER_VERSION = 1  # bump when the output changes, so cached conversions are redone
 MARKER = "conversion.json"
+SHIPPED_HEAD = "smollm2-135m-instruct"  # the EAGLE-3 head trained for it, under hub/heads/
+
+
+def shipped_head_dir() -> Path:
+    """The EAGLE-3 head shipped for SmolLM2-135M-Instruct (``hub/heads/``, in the package)."""
+    return Path(__file__).resolve().parent / "heads" / SHIPPED_HEAD
 
 
 @dataclass(frozen=True)
