@@ -106,12 +106,12 @@ class EagleDrafter:
     # --- tree growth -------------------------------------------------------------------------
 
     def _builder(self, settings: TreeSettings):
-        d2t, topk = self.net.d2t, self.kernels.draft_topk
+        d2t, kernels = self.net.d2t, self.kernels
         if settings.tree == "static":
-            return StaticTreeBuilder(self.static, d2t, topk)
+            return StaticTreeBuilder(self.static, d2t, kernels)
         if settings.tree == "chain":
-            return StaticTreeBuilder(StaticTreeSpec.chain(settings.depth), d2t, topk)
-        return DynamicTreeBuilder(settings.top_k, settings.depth, settings.max_nodes, d2t, topk)
+            return StaticTreeBuilder(StaticTreeSpec.chain(settings.depth), d2t, kernels)
+        return DynamicTreeBuilder(settings.top_k, settings.depth, settings.max_nodes, d2t, kernels)
 
     def _propose(self, requests: list[ProposeRequest]) -> dict[int, CandidateTree]:
         """One batched tree build per distinct tree shape among the requests."""
@@ -128,11 +128,10 @@ class EagleDrafter:
         builder = self._builder(settings)
         frontier = builder.start(torch.stack([self.last_logp[i] for i in ids]))
         parent_out = torch.stack([self.last_out[i] for i in ids])[:, None]  # (B, 1, H): the root's output
-        fed_col = torch.full((len(ids), 0), -1, dtype=torch.int64)  # pool index -> fed column
         deepest = max(r.max_depth for r in requests)
         fed = 0
         while frontier is not None and frontier.depth < deepest:
-            out, logp, fed_col = self._feed_level(ids, builder, frontier, parent_out, fed_col, fed)
+            out, logp = self._feed_level(ids, builder, frontier, parent_out, fed)
             fed += frontier.tokens.shape[1]
             parent_out = out
             frontier = builder.expand(logp)
@@ -140,19 +139,10 @@ class EagleDrafter:
             self.blocks.truncate(i, self.rows[i])
         return {r.seq_id: t.prune_depth(r.max_depth) for r, t in zip(requests, builder.finish())}
 
-    def _feed_level(self, ids, builder, frontier: Frontier, parent_out, fed_col, fed):
+    def _feed_level(self, ids, builder, frontier: Frontier, parent_out, fed):
         """Run the draft on one frontier level; returns outputs [B, F, H], log-probs [B, F, Vd]."""
         B, F = frontier.tokens.shape
-        pool_idx = frontier.pool_idx.cpu()
-        width = int(builder.pool_tokens.shape[1])
-        fed_col = torch.cat([fed_col, torch.full((B, width - fed_col.shape[1]), -1, dtype=torch.int64)], dim=1)
-        fed_col.scatter_(1, pool_idx, fed + torch.arange(F).expand(B, F))
-        anc = builder.ancestor_mask(frontier).cpu()  # (B, F, P): ancestors and self, over pool nodes
-        masks = np.zeros((B, F, fed + F), dtype=bool)
-        cols = fed_col[:, :anc.shape[2]]
-        for b in range(B):  # per sequence (not per node): scatter pool visibility into fed columns
-            on = cols[b] >= 0
-            masks[b][:, cols[b][on].numpy()] = anc[b][:, on].numpy()
+        masks = builder.feed_mask(frontier).cpu().numpy()  # (B, F, fed + F): ancestors and self
         tokens = frontier.tokens.cpu().numpy()
         slot = frontier.parent_slot.clamp(min=0)  # depth 1: every node's parent is the root (slot 0)
         hidden = torch.gather(parent_out, 1, slot.to(parent_out.device)[..., None].expand(-1, -1, parent_out.shape[2]))
@@ -163,4 +153,4 @@ class EagleDrafter:
             chunks.append(SeqChunk(tokens[b], m + fed, self.blocks.block_table(i), logits_rows=np.arange(F),
                                    positions=np.full(F, m + frontier.depth - 1), custom_mask=masks[b], mask_start=m))
         out, logp = self._run(chunks, hidden.reshape(B * F, -1))
-        return out.view(B, F, -1), logp.view(B, F, -1), fed_col
+        return out.view(B, F, -1), logp.view(B, F, -1)

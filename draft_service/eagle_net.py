@@ -24,8 +24,8 @@ from runtime.kv_cache import PagedKVCache
 from draft_service.eagle_config import DraftConfig
 from kernels import KernelSet
 from kernels.metadata import AttentionMetadata
-from kernels.rope import rope_inv_freq, rope_table
-from verify_service.model import MLP, RMSNorm, StepContext, paged_attend
+from runtime.layers import MLP, RMSNorm, StepContext, paged_attend
+from runtime.rope import rope_tables
 
 
 class EagleAttention(nn.Module):
@@ -57,7 +57,7 @@ class MidLayer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the fused features
         self.self_attn = EagleAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)  # reads only hidden_size / intermediate_size
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, emb: torch.Tensor, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x = torch.cat((self.input_layernorm(emb), self.hidden_norm(h)), dim=-1)  # (T, 2H), embedding first
@@ -91,8 +91,8 @@ class EagleNet(nn.Module):
     def init_rope(self, max_positions: int) -> None:
         """Build the RoPE tables for the runtime context length (never the config's 2048)."""
         cfg = self.config
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.cos, self.sin = rope_table(inv_freq, max_positions, self.norm.weight.device)
+        self.cos, self.sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions,
+                                         self.norm.weight.device)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: PagedKVCache, kernels: KernelSet) -> torch.Tensor:
@@ -112,7 +112,3 @@ class EagleNet(nn.Module):
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [N, draft_vocab] in float32 for pre-norm outputs [N, H]."""
         return self.lm_head(self.norm(out)).float()
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Map draft-vocabulary ids to target ids: target = draft + d2t[draft]."""
-        return draft_ids + self.d2t[draft_ids]

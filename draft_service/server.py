@@ -57,7 +57,6 @@ class DraftWorker:
         self.draft_cfg = DraftConfig.from_dir(cfg.spec.draft_path)  # fail fast on a bad head
         self._stop = threading.Event()
         self._responses = None  # the live session's response stream, cancelled by stop()
-        self.sessions = 0
         self.steps = 0
 
     def stop(self) -> None:
@@ -116,7 +115,6 @@ class DraftWorker:
         responses = self._responses = stub.Session(iter(outgoing.get, None))
         if self._stop.is_set():
             responses.cancel()
-        self.sessions += 1
         self._set_serving(True)
         log.info("draft session %d open (target %s, %d buffers)", hello.session_id, hello.target.fingerprint,
                  len(hello.buffers))

@@ -18,6 +18,12 @@ Every node the builder creates lands in a per-sequence *pool*, filled level by l
 ``pool_tokens`` (target ids), ``pool_parents`` (pool index, -1 below the root),
 ``pool_depths`` and ``pool_scores`` (cumulative draft log-prob) are [B, P] views of the
 filled part. Scores only decrease along a path: score(child) = score(parent) + log p <= score(parent).
+
+The nodes the drafter feeds are the frontiers, level after level; ``feed_mask`` says what each
+new frontier node attends to among them (its ancestors and itself), in feed order::
+
+    feed column:  0 .. F1-1 | F1 .. F1+F2-1 | ...
+    frontier:     depth 1   | depth 2       | ...
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 
 from runtime.tree import CandidateTree
 from draft_service.static_tree import StaticTreeSpec, StaticLevel
-from kernels.tree import draft_topk_ref
+from kernels import KernelSet
 
 __all__ = ["Frontier", "TreeBuilder", "DynamicTreeBuilder", "StaticTreeBuilder", "StaticTreeSpec"]
 
@@ -78,22 +84,6 @@ class _NodePool:
         self.size = hi
         return torch.arange(lo, hi, device=tokens.device).expand(b, n)
 
-    def ancestor_mask(self, pool_idx: torch.Tensor, depth: int) -> torch.Tensor:
-        """bool [B, F, size]: the pool nodes on the path root -> node, node included.
-
-        One gather per level: node, parent, grandparent, ... (depth steps reach the root).
-        """
-        b, f = pool_idx.shape
-        root = self.size  # sentinel column standing for "above the root", dropped at the end
-        up = torch.cat([torch.where(self.parents >= 0, self.parents, root),
-                        self.parents.new_full((b, 1), root)], dim=1)  # (B, size+1)
-        mask = torch.zeros(b, f, self.size + 1, dtype=torch.bool, device=pool_idx.device)
-        node = pool_idx
-        for _ in range(depth):
-            mask.scatter_(2, node[:, :, None], True)
-            node = up.gather(1, node)
-        return mask[:, :, :self.size]
-
     def trees(self, keep: torch.Tensor) -> list[CandidateTree]:
         """CandidateTrees of the pool nodes ``keep`` [B, n], in that order (parents first).
 
@@ -113,35 +103,53 @@ class _NodePool:
 
 
 class _PoolBuilder:
-    """Shared pool plumbing: the ``pool_*`` views and the frontier's ancestor mask."""
+    """Shared pool plumbing: the ``pool_*`` views, the draft top-k, and the feed masks."""
 
     _pool: _NodePool | None = None
     _frontier: Frontier | None = None
+
+    def __init__(self, d2t: torch.Tensor, kernels: KernelSet):
+        self._d2t, self._kernels = d2t, kernels
+        self._fed_parents: torch.Tensor | None = None  # int64 [B, fed]: parent's feed column, -1 = root
+        self._last_fed = 0  # feed column of the previous frontier's first node
 
     pool_tokens = property(lambda self: self._filled().tokens)  # int64 [B, P], target ids
     pool_parents = property(lambda self: self._filled().parents)  # int64 [B, P], -1 = root
     pool_depths = property(lambda self: self._filled().depths)  # int64 [B, P]
     pool_scores = property(lambda self: self._filled().scores)  # float32 [B, P], cumulative log-prob
 
-    def ancestor_mask(self, frontier: Frontier) -> torch.Tensor:
-        """bool [B, F, P]: pool nodes each frontier node attends to (its ancestors and itself).
+    def feed_mask(self, frontier: Frontier) -> torch.Tensor:
+        """bool [B, F, fed + F]: what each node of ``frontier`` sees among the nodes fed so far and
+        itself (feed columns): its ancestors and itself. Call once per frontier, in order.
 
-        Every ancestor of a frontier node was itself in an earlier frontier, hence already fed.
+        Every ancestor of a frontier node was itself in an earlier frontier, hence already fed;
+        the parent of node j sits at column (previous frontier's first column) + parent_slot[j].
         """
-        return self._filled().ancestor_mask(frontier.pool_idx, frontier.depth)
+        b, f = frontier.tokens.shape
+        dev = frontier.tokens.device
+        if self._fed_parents is None:
+            self._fed_parents = torch.zeros(b, 0, dtype=torch.int64, device=dev)
+        fed = self._fed_parents.shape[1]
+        parents = torch.where(frontier.parent_slot >= 0, self._last_fed + frontier.parent_slot, -1)
+        self._fed_parents = torch.cat([self._fed_parents, parents.to(dev)], dim=1)  # (B, fed + F)
+        self._last_fed = fed
+        n = fed + f
+        mask = self._kernels.tree_mask(self._fed_parents, torch.full((b,), n, device=dev))  # (B, n+1, n+1)
+        return mask[:, 1 + fed:, 1:]  # the new nodes' rows; the root column is the committed rows
 
     def _filled(self) -> _NodePool:
         assert self._pool is not None, "start() first"
         return self._pool
 
-    def _new_pool(self, logprobs: torch.Tensor, capacity: int, d2t: torch.Tensor) -> torch.Tensor:
+    def _new_pool(self, logprobs: torch.Tensor, capacity: int) -> None:
         self._pool = _NodePool(logprobs.shape[0], capacity, logprobs.device)
-        return d2t.to(logprobs.device)
+        self._d2t = self._d2t.to(logprobs.device)
+        self._fed_parents, self._last_fed = None, 0
 
     def _level_topk(self, logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k children of every fed node: (target ids, log-probs), each [B, F, k]."""
         lead = logprobs.shape[:-1]
-        ids, lp = self._topk(logprobs.reshape(-1, logprobs.shape[-1]), k, self._d2t)
+        ids, lp = self._kernels.draft_topk(logprobs.reshape(-1, logprobs.shape[-1]), k, self._d2t)
         # Clamp: log-probs are <= 0 in exact maths; keeping them so in float keeps scores
         # monotone along paths, which makes the best-by-score set ancestor-closed.
         return ids.view(*lead, k), lp.clamp(max=0.0).view(*lead, k)
@@ -157,15 +165,14 @@ class DynamicTreeBuilder(_PoolBuilder):
     index), ordered by depth then score, so siblings appear in the draft's rank order.
     """
 
-    def __init__(self, top_k: int, depth: int, max_nodes: int, d2t: torch.Tensor, topk=draft_topk_ref):
-        """``topk``: the draft top-k kernel (``KernelSet.draft_topk``; the reference by default)."""
+    def __init__(self, top_k: int, depth: int, max_nodes: int, d2t: torch.Tensor, kernels: KernelSet):
         assert top_k >= 1 and depth >= 1 and max_nodes >= 1, (top_k, depth, max_nodes)
+        super().__init__(d2t, kernels)
         self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
-        self._d2t, self._topk = d2t, topk
         self._capacity = top_k + (depth - 1) * top_k * top_k
 
     def start(self, logprobs: torch.Tensor) -> Frontier | None:
-        self._d2t = self._new_pool(logprobs, self._capacity, self._d2t)
+        self._new_pool(logprobs, self._capacity)
         tokens, scores = self._level_topk(logprobs, self.top_k)  # (B, k)
         idx = self._pool.append(tokens, torch.full_like(tokens, -1), 1, scores)
         self._frontier = Frontier(idx, tokens, torch.full_like(tokens, -1), 1)
@@ -206,13 +213,13 @@ class StaticTreeBuilder(_PoolBuilder):
     node (r1, .., rd-1). The pool holds the spec's nodes in spec order; the frontier at depth d
     is the depth-d nodes that have children in the spec (F varies by level, not by sequence)."""
 
-    def __init__(self, spec: StaticTreeSpec, d2t: torch.Tensor, topk=draft_topk_ref):
+    def __init__(self, spec: StaticTreeSpec, d2t: torch.Tensor, kernels: KernelSet):
+        super().__init__(d2t, kernels)
         self.spec = spec
-        self._d2t, self._topk = d2t, topk
 
     def start(self, logprobs: torch.Tensor) -> Frontier | None:
         self.spec.check_vocab(logprobs.shape[-1])
-        self._d2t = self._new_pool(logprobs, len(self.spec.paths), self._d2t)
+        self._new_pool(logprobs, len(self.spec.paths))
         self._frontier = None
         return self._grow(logprobs[:, None, :], self.spec.levels[0])  # the root is a 1-node frontier
 

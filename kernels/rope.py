@@ -1,45 +1,8 @@
-"""Rotary position embeddings (rotate-half convention), with Llama 3 and linear rescaling.
-
-The cos/sin table is sized from the *runtime* context length, never from a checkpoint's
-``max_position_embeddings`` (drafts ship 2048 there; sizing from it breaks long prompts).
-"""
+"""RoPE application (rotate-half convention). The cos/sin tables are built in ``runtime/rope.py``."""
 
 from __future__ import annotations
 
-import math
-
 import torch
-
-from common.config import RopeScaling
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2], float64, after the configured rescaling."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    if scaling.rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    return inv_freq
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
-    # Long wavelengths (> old_ctx / low_freq_factor) are slowed down by `factor`, short ones
-    # (< old_ctx / high_freq_factor) kept, and the band between blended linearly in 1/wavelen.
-    wavelen = 2 * math.pi / inv_freq
-    old_ctx = s.original_max_position_embeddings
-    low_wavelen, high_wavelen = old_ctx / s.low_freq_factor, old_ctx / s.high_freq_factor
-    smooth = (old_ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
-    out = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, blended, out)
-
-
-def rope_table(inv_freq: torch.Tensor, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_positions, head_dim/2] in float32."""
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
 def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

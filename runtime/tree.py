@@ -8,7 +8,7 @@ target's KV cache). Nodes are numbered 0..N-1 with parents before children::
           └─ 1 "the" ───── 4 "city"
 
 When verified, node i sits at RoPE position root_position + depths[i] and attends to the
-sequence's prefix, the root, its ancestors and itself. Siblings are listed in the order the
+sequence's prefix, the root, its ancestors and itself (the mask: ``kernels/tree.py``). Siblings are listed in the order the
 draft ranks them (acceptance tries children in that order).
 """
 
@@ -86,17 +86,6 @@ class CandidateTree:
         pairs = np.stack([self.parents, self.tokens], axis=1)
         if np.unique(pairs, axis=0).shape[0] != n:
             raise InvalidTreeError("siblings must carry distinct tokens")
-
-    def ancestor_mask(self) -> np.ndarray:
-        """bool [N+1, N+1] over (root, nodes): row i sees column j iff j is i, the root or an ancestor."""
-        n = self.num_nodes
-        mask = np.zeros((n + 1, n + 1), dtype=bool)
-        mask[:, 0] = True
-        mask[np.arange(n + 1), np.arange(n + 1)] = True
-        for depth in range(1, self.max_depth + 1):  # one vectorized pass per level, never per node
-            level = np.nonzero(self.depths == depth)[0]
-            mask[level + 1] |= mask[self.parents[level] + 1]
-        return mask
 
     def prune_depth(self, max_depth: int) -> "CandidateTree":
         """The subtree of nodes at depth <= max_depth (e.g. near the end of the context)."""

@@ -179,7 +179,7 @@ def test_both_forms_load_identically_and_map_vocab(tmp_path, embedding):
     assert st.d2t.dtype == torch.int64 and st.t2d.dtype == torch.bool and st.fc.weight.dtype == DTYPE
     chosen = chosen_target_ids(TARGET.vocab_size, DRAFT_VOCAB, seed=5)
     draft_ids = torch.arange(DRAFT_VOCAB, device=TEST_DEVICE)
-    assert torch.equal(st.draft_to_target(draft_ids).cpu(), chosen)
+    assert torch.equal((draft_ids + st.d2t[draft_ids]).cpu(), chosen)  # d2t holds offsets
     assert st.t2d.sum() == DRAFT_VOCAB and bool(st.t2d[chosen.to(TEST_DEVICE)].all())
     ids, feats = inputs(5)
     assert st.compute_logits(step(st, new_cache(st), ids[:7], feats[:7])).shape == (7, DRAFT_VOCAB)

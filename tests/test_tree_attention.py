@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.tree import tree_mask_ref
 from runtime.tree import CandidateTree
 from tiny_models import target_for, make_model_dir, tolerance
 from verify_service.model_runner import SeqChunk
@@ -31,6 +32,11 @@ def prefilled(model_dir, n_extra):
     return target
 
 
+def ancestor_mask(tree: CandidateTree) -> np.ndarray:
+    """bool [N+1, N+1] over (root, nodes), from the tree-mask kernel."""
+    return tree_mask_ref(torch.from_numpy(tree.parents)[None], torch.tensor([tree.num_nodes]))[0].numpy()
+
+
 def test_verification_tree_logits_equal_each_path_alone(model_dir):
     tree = CandidateTree.from_lists(tokens=[11, 12, 13, 14, 15, 16], parents=[-1, -1, 0, 0, 1, 4])
     root = 42
@@ -38,7 +44,7 @@ def test_verification_tree_logits_equal_each_path_alone(model_dir):
     n = len(PREFIX)
     chunk = SeqChunk([root, *tree.tokens.tolist()], n, target.blocks.block_table(0),
                      logits_rows=tuple(range(tree.num_nodes + 1)),
-                     positions=np.concatenate(([n], n + tree.depths)), custom_mask=tree.ancestor_mask())
+                     positions=np.concatenate(([n], n + tree.depths)), custom_mask=ancestor_mask(tree))
     logits = target.runner.step([chunk]).logits
     paths = {-1: [root]}
     for i in range(tree.num_nodes):
@@ -68,7 +74,7 @@ def test_tree_and_plain_chunks_share_one_batch(model_dir):
     target.blocks.ensure_capacity(1, 5)
     n = len(PREFIX)
     tree_chunk = SeqChunk([42, 7, 8, 9], n, target.blocks.block_table(0), logits_rows=(3,),
-                          positions=[n, n + 1, n + 1, n + 2], custom_mask=tree.ancestor_mask())
+                          positions=[n, n + 1, n + 1, n + 2], custom_mask=ancestor_mask(tree))
     plain = SeqChunk([3, 4, 5, 6, 7], 0, target.blocks.block_table(1), logits_rows=(4,))
     logits = target.runner.step([tree_chunk, plain]).logits
     torch.testing.assert_close(logits[0], path_logits(model_dir, PREFIX + [42, 7, 9]), **tolerance())

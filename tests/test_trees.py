@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from common.errors import InvalidRequestError, ModelNotFoundError
 from runtime.tree import CandidateTree
 from draft_service.tree_builders import DynamicTreeBuilder, StaticTreeBuilder, StaticTreeSpec
+from kernels import REFERENCE
 from kernels.tree import draft_topk_ref, tree_mask_ref, tree_positions_ref
 
 FAST = settings(max_examples=60, deadline=None)
@@ -31,16 +32,29 @@ def padded_parents(draw):
     return torch.tensor(parents), torch.tensor(sizes)
 
 
+def naive_ancestor_mask(parents: list[int]) -> np.ndarray:
+    """bool [N+1, N+1] over (root, nodes), node by node: each row walks up its parent chain."""
+    n = len(parents)
+    mask = np.zeros((n + 1, n + 1), dtype=bool)
+    mask[:, 0] = True
+    for i in range(n):
+        node = i
+        while node >= 0:
+            mask[i + 1, node + 1] = True
+            node = parents[node]
+    mask[0, 0] = True
+    return mask
+
+
 @FAST
 @given(padded_parents())
-def test_tree_mask_matches_candidate_tree(case):
+def test_tree_mask_matches_a_walk_up_the_parents(case):
     parents, num_nodes = case
     mask = tree_mask_ref(parents, num_nodes)
     n = parents.shape[1]
     assert mask.shape == (parents.shape[0], n + 1, n + 1) and mask.dtype == torch.bool
     for b, size in enumerate(num_nodes.tolist()):
-        tree = CandidateTree.from_lists(np.arange(size), parents[b, :size].numpy())
-        assert np.array_equal(mask[b, :size + 1, :size + 1].numpy(), tree.ancestor_mask())
+        assert np.array_equal(mask[b, :size + 1, :size + 1].numpy(), naive_ancestor_mask(parents[b, :size].tolist()))
         assert not mask[b, :size + 1, size + 1:].any()  # real nodes never see padding
         pad = mask[b, size + 1:]  # padding rows: the root and themselves only
         assert np.array_equal(pad.numpy(), np.eye(n + 1, dtype=bool)[size + 1:] | (np.arange(n + 1) == 0))
@@ -95,7 +109,7 @@ def run_builder(builder, root, feed):
     """Drive a builder; ``feed(level, F)`` gives the log-probs [B, F, Vd] at each frontier."""
     frontiers, frontier = [], builder.start(root)
     while frontier is not None:
-        frontiers.append((frontier, builder.ancestor_mask(frontier)))
+        frontiers.append((frontier, builder.feed_mask(frontier)))
         frontier = builder.expand(feed(len(frontiers), frontier.pool_idx.shape[1]))
     return frontiers, builder.finish()
 
@@ -145,7 +159,7 @@ def test_dynamic_builder_properties(k, depth, max_nodes, b, vd, extra_vocab, see
     d2t = random_d2t(gen, vd, vocab)
     root = torch.randn(b, vd, generator=gen) * 2
     levels = [torch.randn(b, k, vd, generator=gen) * 2 for _ in range(depth - 1)]
-    builder = DynamicTreeBuilder(k, depth, max_nodes, d2t)
+    builder = DynamicTreeBuilder(k, depth, max_nodes, d2t, REFERENCE)
     frontiers, trees = run_builder(builder, root, lambda lvl, f: levels[lvl - 1][:, :f])
     assert len(frontiers) == depth - 1 and len(trees) == b
     # Same op on the same shapes as the builder's, so the naive scores match bit for bit.
@@ -157,10 +171,12 @@ def test_dynamic_builder_properties(k, depth, max_nodes, b, vd, extra_vocab, see
         assert builder.pool_tokens[s].tolist() == [p[0][-1] for p in pool]
         assert builder.pool_parents[s].tolist() == [p[2] for p in pool]
         assert builder.pool_scores[s].tolist() == [float(p[1]) for p in pool]
+        fed = []  # pool index of each feed column
         for (front, anc), want in zip(frontiers, naive_fronts):
             assert front.pool_idx[s].tolist() == want
             assert front.tokens[s].tolist() == [pool[i][0][-1] for i in want]
-            check_ancestor_mask(anc[s], builder.pool_parents[s], want)
+            fed += want
+            check_ancestor_mask(anc[s], builder.pool_parents[s], want, fed)
         tree.validate(vocab_size=vocab, max_nodes=max_nodes, max_depth=depth)
         assert tree.num_nodes == min(max_nodes, len(pool))
         # Kept = the best max_nodes by (score desc, depth asc, pool index asc), ancestors included.
@@ -173,20 +189,21 @@ def test_dynamic_builder_properties(k, depth, max_nodes, b, vd, extra_vocab, see
         check_sibling_order(tree)
 
 
-def check_ancestor_mask(mask, pool_parents, frontier):
+def check_ancestor_mask(mask, pool_parents, frontier, fed):
+    """``mask`` [F, len(fed)]: a frontier's feed mask; ``fed``: the pool index of every feed column."""
     for row, node in zip(mask.tolist(), frontier):
         want = set()
         while node >= 0:
             want.add(node)
             node = int(pool_parents[node])
-        assert {i for i, seen in enumerate(row) if seen} == want
+        assert {fed[i] for i, seen in enumerate(row) if seen} == want
 
 
 def test_dynamic_builder_by_hand():
     """k=2, depth=3, draft vocab 4 -> target ids 0, 3, 5, 8. Scores as probabilities (products)."""
     d2t = torch.tensor([0, 2, 3, 5])
     lg = lambda rows: torch.tensor(rows).log()
-    builder = DynamicTreeBuilder(top_k=2, depth=3, max_nodes=6, d2t=d2t)
+    builder = DynamicTreeBuilder(top_k=2, depth=3, max_nodes=6, d2t=d2t, kernels=REFERENCE)
     # root: draft 1 (.6) -> n0 "3", draft 2 (.3) -> n1 "5"
     f1 = builder.start(lg([[0.05, 0.6, 0.3, 0.05]]))
     assert f1.tokens.tolist() == [[3, 5]] and f1.depth == 1
@@ -211,7 +228,8 @@ def test_dynamic_builder_by_hand():
 def test_dynamic_ties_keep_parents(max_nodes):
     """Certain children (log p = 0) tie with their parents: the tie must go to the parent."""
     one_hot = torch.tensor([0.0, -math.inf, -math.inf])  # the draft is sure of draft id 0
-    builder = DynamicTreeBuilder(top_k=2, depth=3, max_nodes=max_nodes, d2t=torch.zeros(3, dtype=torch.int64))
+    builder = DynamicTreeBuilder(top_k=2, depth=3, max_nodes=max_nodes, d2t=torch.zeros(3, dtype=torch.int64),
+                                 kernels=REFERENCE)
     _, (tree,) = run_builder(builder, torch.tensor([[0.0, -1.0, -math.inf]]),
                              lambda lvl, f: one_hot.expand(1, f, 3))
     tree.validate(vocab_size=3, max_nodes=max_nodes, max_depth=3)
@@ -235,7 +253,7 @@ def test_static_spec_order_and_levels():
 def test_static_builder_ranks_and_structure():
     d2t = torch.tensor([4, 4, 4, 4])  # draft d -> target d + 4
     lg = lambda rows: torch.tensor(rows).log()
-    builder = StaticTreeBuilder(StaticTreeSpec.from_paths(SPEC), d2t)
+    builder = StaticTreeBuilder(StaticTreeSpec.from_paths(SPEC), d2t, REFERENCE)
     # root ranks: 0 -> draft 2 (.5), 1 -> draft 0 (.3)
     f1 = builder.start(lg([[0.3, 0.1, 0.5, 0.1]]))
     assert f1.pool_idx.tolist() == [[0, 1]] and f1.tokens.tolist() == [[6, 4]]
@@ -252,7 +270,7 @@ def test_static_builder_ranks_and_structure():
 
 
 def test_static_chain_is_greedy_path():
-    builder = StaticTreeBuilder(StaticTreeSpec.chain(3), torch.zeros(5, dtype=torch.int64))
+    builder = StaticTreeBuilder(StaticTreeSpec.chain(3), torch.zeros(5, dtype=torch.int64), REFERENCE)
     gen = torch.Generator().manual_seed(0)
     root = torch.randn(2, 5, generator=gen)
     levels = torch.randn(3, 2, 1, 5, generator=gen)
@@ -290,11 +308,16 @@ def test_static_builder_properties(paths, b, seed):
         return x
 
     root = torch.randn(b, vd, generator=gen)
-    frontiers, trees = run_builder(StaticTreeBuilder(spec, d2t), root, feed)
+    builder = StaticTreeBuilder(spec, d2t, REFERENCE)
+    frontiers, trees = run_builder(builder, root, feed)
     assert len(frontiers) == max(len(p) for p in paths) - 1
     for s, tree in enumerate(trees):
         tree.validate(vocab_size=20, max_depth=spec.depth)
         check_sibling_order(tree)
+        fed = []  # each frontier sees its ancestors and itself among the nodes fed so far
+        for front, anc in frontiers:
+            fed += front.pool_idx[s].tolist()
+            check_ancestor_mask(anc[s], builder.pool_parents[s], front.pool_idx[s].tolist(), fed)
         # Node (r1..rd) is the rd-th best draft token at its parent, fed at the parent's frontier slot.
         slot_of = {}
         for level, (front, _) in enumerate(frontiers, start=1):
@@ -330,6 +353,6 @@ def test_static_spec_files(tmp_path):
 
 
 def test_static_rank_beyond_draft_vocab():
-    builder = StaticTreeBuilder(StaticTreeSpec.from_paths([[0], [4]]), torch.zeros(4, dtype=torch.int64))
+    builder = StaticTreeBuilder(StaticTreeSpec.from_paths([[0], [4]]), torch.zeros(4, dtype=torch.int64), REFERENCE)
     with pytest.raises(InvalidRequestError):
         builder.start(torch.zeros(1, 4))

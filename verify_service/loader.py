@@ -1,4 +1,4 @@
-"""Building a target ``CausalLM`` from a model directory, or with random weights.
+"""Building a target ``CausalLM`` from checkpoint tensors, or with random weights.
 
 The module tree is created on the meta device (no memory, no init cost) and every
 parameter is then assigned from the checkpoint, cast to the serving dtype on the device.
@@ -6,12 +6,10 @@ parameter is then assigned from the checkpoint, cast to the serving dtype on the
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterable
 
 import torch
 
-from hub.checkpoint import iter_tensors
 from common.config import ModelConfig
 from common.errors import CheckpointError
 from verify_service.model import CausalLM
@@ -48,12 +46,6 @@ def build_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], d
     load_weights(model, tensors, dtype, device)
     model.init_rope(max_positions)
     return model.eval().requires_grad_(False)
-
-
-def load_model(model_dir: str | Path, dtype: torch.dtype, device, max_positions: int) -> CausalLM:
-    """Load a Hugging Face model directory (config.json + safetensors) for serving."""
-    cfg = ModelConfig.from_dir(model_dir)
-    return build_model(cfg, iter_tensors(model_dir), dtype, device, max_positions)
 
 
 def random_tensors(cfg: ModelConfig, seed: int = 0, std: float = 0.02, device="cpu",

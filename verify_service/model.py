@@ -17,44 +17,9 @@ from torch import nn
 from common.config import ModelConfig
 from kernels import KernelSet
 from kernels.metadata import AttentionMetadata
-from kernels.rope import rope_inv_freq, rope_table
 from runtime.kv_cache import PagedKVCache
-
-
-class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * w, computed in float32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
-
-
-@dataclass(frozen=True, slots=True)
-class StepContext:
-    """Everything a layer needs besides its input: metadata, cache, RoPE tables, kernels."""
-
-    meta: AttentionMetadata
-    kv_cache: PagedKVCache
-    cos: torch.Tensor
-    sin: torch.Tensor
-    kernels: KernelSet
-
-
-def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int,
-                 scale: float) -> torch.Tensor:
-    """RoPE on q/k, K/V into the paged cache, attention over it: [T, h, d] -> [T, h * d]."""
-    q = ctx.kernels.apply_rope(q, ctx.meta.positions, ctx.cos, ctx.sin)
-    k = ctx.kernels.apply_rope(k, ctx.meta.positions, ctx.cos, ctx.sin)
-    k_cache, v_cache = ctx.kv_cache.layer(layer)
-    ctx.kernels.write_kv(k_cache, v_cache, k, v, ctx.meta.slot_mapping)
-    out = ctx.kernels.paged_attention(q, k_cache, v_cache, ctx.meta, scale)
-    return out.reshape(q.shape[0], -1)
+from runtime.layers import MLP, RMSNorm, StepContext, paged_attend
+from runtime.rope import rope_tables
 
 
 class Attention(nn.Module):
@@ -82,24 +47,13 @@ class Attention(nn.Module):
         return self.o_proj(paged_attend(q, k, v, ctx, self.layer_idx, self.scale))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx)
@@ -135,8 +89,8 @@ class CausalLM(nn.Module):
     def init_rope(self, max_positions: int) -> None:
         """Build the RoPE tables for the runtime context length (not the config's)."""
         cfg = self.config
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.cos, self.sin = rope_table(inv_freq, max_positions, self.model.norm.weight.device)
+        self.cos, self.sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions,
+                                         self.model.norm.weight.device)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache,
                 kernels: KernelSet, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:

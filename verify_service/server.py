@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from link.shared_buffers import BufferExporter
-from protos.eagle3.v1 import draft_link_pb2, draft_link_pb2_grpc, generation_pb2, generation_pb2_grpc
+from protos.eagle3.v1 import draft_link_pb2_grpc, generation_pb2, generation_pb2_grpc
 from verify_service.draft_link import RemoteDraft
 from verify_service.target import Target
 from verify_service.engine_thread import EngineThread
@@ -32,7 +32,6 @@ from verify_service.servicers import DraftLinkServicer, GenerationServicer
 log = logging.getLogger(__name__)
 SPECULATION_HEALTH = "eagle3.speculation"  # SERVING only while a draft is connected
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-DRAFT_LINK = draft_link_pb2.DESCRIPTOR.services_by_name["DraftLink"].full_name
 
 
 @dataclass

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from link.protocol import DraftFeed
+from kernels.tree import tree_mask_ref, tree_positions_ref
 from runtime.step_layout import SeqChunk
 from verify_service.target import Target
 from verify_service.model_runner import StepOutput
@@ -39,9 +40,12 @@ class Verified:
 def tree_chunk(seq: Sequence, block_table: list[int]) -> SeqChunk:
     """The verification input of ``seq``: its newest token followed by the tree nodes."""
     tree, n = seq.tree, seq.num_cached
+    # The step layout is built on the host, so are the mask and positions: reference kernels, host tensors.
+    num_nodes = torch.tensor([tree.num_nodes])
+    mask = tree_mask_ref(torch.from_numpy(tree.parents)[None], num_nodes)[0]  # (N+1, N+1)
+    positions = tree_positions_ref(torch.from_numpy(tree.depths)[None], num_nodes, torch.tensor([n]))[0]  # (N+1,)
     return SeqChunk(np.concatenate(([seq.output_ids[-1]], tree.tokens)), n, block_table,
-                    logits_rows=np.arange(tree.num_nodes + 1),
-                    positions=np.concatenate(([n], n + tree.depths)), custom_mask=tree.ancestor_mask())
+                    logits_rows=np.arange(tree.num_nodes + 1), positions=positions.numpy(), custom_mask=mask.numpy())
 
 
 class TreeVerifier:
