@@ -28,7 +28,7 @@ PP=${PROCS_PER_GPU:-8}
 P=$((NG * PP))
 E3="python3 -m cli.main"
 TARGET=${TARGET:+--target $TARGET}  # default: the embedded SmolLM2
-INIT=${INIT_HEAD-draft_service/heads/smollm2-135m-instruct}  # INIT_HEAD= (empty): a fresh head
+INIT=${INIT_HEAD-hub/heads/smollm2-135m-instruct}  # INIT_HEAD= (empty): a fresh head
 INIT=${INIT:+--init-head $INIT}
 [ "${NEW_VOCAB:-0}" = 1 ] && INIT="$INIT --new-vocab"
 [ -z "${DRAFT_MLP:-}" ] || INIT="$INIT --draft-intermediate-size $DRAFT_MLP"

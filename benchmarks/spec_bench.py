@@ -1,4 +1,4 @@
-"""Speculative vs target-only generation, side by side in one run (see draft_service/evaluate.py).
+"""Speculative vs target-only generation, side by side in one run (see tools/evaluate.py).
 
     python benchmarks/spec_bench.py --prompts mt_bench.jsonl --head random --config dynamic:6:8:59 \\
         --config chain:3 --max-tokens 128 --out results.json

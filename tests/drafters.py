@@ -3,7 +3,7 @@
 ``OracleDrafter`` proposes the target's own greedy continuation (every node accepted under
 greedy verification), optionally with wrong siblings beside each correct node;
 ``WrongDrafter`` proposes tokens that are never the target's choice. Both read the
-committed tokens from the generator's sequences (a test-only shortcut) and run the target
+committed tokens from the engine's sequences (a test-only shortcut) and run the target
 with a separate engine to know its greedy continuation.
 """
 
@@ -22,7 +22,7 @@ class OracleDrafter:
         self.oracle = Engine(oracle_target)
         self.capture_layers = oracle_target.model_config.default_capture_layers()
         self.depth, self.siblings, self.wrong = depth, siblings, wrong
-        self.engine: Engine | None = None  # set by the test after building the generator
+        self.engine: Engine | None = None  # set by the test after building the engine
         self.fed: dict[int, int] = {}  # seq_id -> rows fed (checks the feed protocol)
         self.released: set[int] = set()
 

@@ -35,7 +35,7 @@ class Result:
     finish_reason: FinishReason
 
 
-class ScriptedGenerator:
+class ScriptedEngine:
     """Answers attempt k (its sampling seed) from a script; records what it was asked."""
 
     def __init__(self, target, script):
@@ -59,21 +59,21 @@ def script(seed):
 
 def test_kept_prompts_closed_distinct_non_empty_and_resumable(target, tmp_path):
     out = tmp_path / "self.jsonl"
-    engine = ScriptedGenerator(target, script)
+    engine = ScriptedEngine(target, script)
     got = generate_self_prompts(engine, out, count=4, batch=3, seed=100, progress=False)
     assert got == ["Question 100?", "A repeated question?", "Question 104?", "Question 105?"]
     assert engine.seeds == list(range(100, 106))  # batches of 3 until 4 were kept
     assert load_prompts(out) == got  # a prompt file train-draft reads
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["attempt"] for line in lines] == [0, 3, 4, 5]
-    more = ScriptedGenerator(target, script)
+    more = ScriptedEngine(target, script)
     assert generate_self_prompts(more, out, count=6, batch=3, seed=100, progress=False)[4:] ==\
         ["Question 109?", "Question 110?"]
     assert more.seeds[0] == 106  # resumed after the last kept attempt: no sample repeats a kept one
 
 
 def test_a_target_that_never_closes_a_turn_stops(target, tmp_path, caplog):
-    engine = ScriptedGenerator(target, lambda seed: ("endless", FinishReason.LENGTH))
+    engine = ScriptedEngine(target, lambda seed: ("endless", FinishReason.LENGTH))
     assert generate_self_prompts(engine, tmp_path / "s.jsonl", count=2, batch=8, progress=False) == []
     assert len(engine.seeds) == 20 and "seldom closes a user turn" in caplog.text
     with pytest.raises(InvalidRequestError, match="count"):

@@ -1,6 +1,6 @@
 """Evaluate an EAGLE-3 head: speculative vs target-only generation, side by side in one run.
 
-For each prompt set (first turns, chat template applied) the target-only generator runs
+For each prompt set (first turns, chat template applied) the target-only engine runs
 first (the reference); then every tree configuration runs the same prompts. Greedy. Each
 row reports exact-output agreement with the reference, tokens/s, the speed ratio, tau
 (committed tokens per verify step) and acceptance per depth (accepted draft tokens at depth

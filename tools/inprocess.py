@@ -1,8 +1,9 @@
-"""One-process composition: the target engine with (optionally) the EAGLE-3 drafter beside it."""
+"""One-process composition: the target with (optionally) the EAGLE-3 drafter beside it, in one Engine."""
 
 from __future__ import annotations
 
 from draft_service.spec_config import SpecConfig
+from draft_service.drafter import EagleDrafter
 from verify_service.config import EngineConfig
 from verify_service.target import Target
 from verify_service.engine import Engine
@@ -17,8 +18,6 @@ def build_engine(cfg: EngineConfig, spec: SpecConfig | None = None) -> Engine:
     target = Target.from_config(cfg)
     if spec is None:
         return Engine(target)
-    from draft_service.drafter import EagleDrafter  # the draft side's code, only when asked for
-
     drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                            cfg.max_num_seqs, target.max_model_len)
     return Engine(target, drafter, spec.settings)

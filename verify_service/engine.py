@@ -1,9 +1,9 @@
-"""Generation: the step loop, stop conditions and the Python API, with or without a draft.
+"""The engine: the step loop, stop conditions and the Python API, with or without a draft.
 
-    gen = Generator(engine)                       # target only, one token per step
-    gen = Generator(engine, drafter, spec)        # EAGLE-3: verify a candidate tree per step
-    results = gen.generate([ids_a, ids_b], SamplingParams(max_tokens=64))
-    for event in gen.stream(ids, params): print(event.text, end="")
+    engine = Engine(target)                       # target only, one token per step
+    engine = Engine(target, drafter, limits)      # EAGLE-3: verify a candidate tree per step
+    results = engine.generate([ids_a, ids_b], SamplingParams(max_tokens=64))
+    for event in engine.stream(ids, params): print(event.text, end="")
 
 Each step runs one batched target forward over prefill chunks, plain decodes and candidate
 trees together; then commits tokens (stop checks per token), feeds the draft what became

@@ -1,6 +1,6 @@
-"""The engine thread: one thread owns the Generator and steps it while there is work.
+"""The engine thread: one thread owns the Engine (the step loop) and steps it while there is work.
 
-RPC handler threads never touch the Generator: they post commands (submit, cancel, read)
+RPC handler threads never touch the Engine: they post commands (submit, cancel, read)
 to a queue that the engine thread drains before every step, and wait on a future where
 they need an answer. Commands are served between steps in arrival order, so no handler
 starves behind a busy engine (a plain lock is not fair: the engine thread would re-take it
@@ -39,7 +39,7 @@ class EngineThread:
         self.cancelled = 0
         self.steps_with_trees = 0
         self.plain_steps = 0
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="engine-thread", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -77,7 +77,7 @@ class EngineThread:
             log.info("request %d cancelled; its KV is free", seq_id)
 
     def read(self, fn):
-        """``fn(generator)`` evaluated on the engine thread (metrics and info snapshots)."""
+        """``fn(engine)`` evaluated on the engine thread (metrics and info snapshots)."""
         return self._call(lambda: fn(self.engine))
 
     def _drain(self, block: bool) -> None:

@@ -20,7 +20,7 @@ from protos.eagle3.v1 import draft_link_pb2_grpc as link_grpc
 from protos.eagle3.v1 import generation_pb2 as pb
 from protos.eagle3.v1 import generation_pb2_grpc as pb_grpc
 from protos.eagle3.v1 import speculation_pb2 as spec_pb
-from verify_service import api_convert as wire
+from verify_service import api_convert
 from verify_service.draft_link import RemoteDraft
 from verify_service.engine_thread import EngineFailure, EngineThread
 
@@ -39,9 +39,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def Generate(self, request, context):
         try:
-            ids = wire.prompt_ids(request, self.target)
-            params = wire.sampling_params(request, self.max_tokens_default)
-            speculate, tree = wire.speculation(request, self.limits)
+            ids = api_convert.prompt_ids(request, self.target)
+            params = api_convert.sampling_params(request, self.max_tokens_default)
+            speculate, tree = api_convert.speculation(request, self.limits)
             seq_id, events = self.loop.submit(ids, params, speculate, tree)
         except Exception as exc:  # typed request errors map to their status; anything else is INTERNAL
             abort(context, exc)
@@ -64,9 +64,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 abort(context, ev.error)
             produced += len(ev.token_ids)
             if ev.token_ids or ev.text:
-                yield wire.delta(ev)
+                yield api_convert.delta(ev)
             if ev.finish_reason is not None:
-                yield wire.done(ev, len(ids), produced)
+                yield api_convert.done(ev, len(ids), produced)
                 return
 
     def GetServerInfo(self, request, context):

@@ -1,4 +1,4 @@
-"""The target engine: model, paged KV cache, block manager and runner, built from config."""
+"""The target bundle: model, paged KV cache, block manager, runner and tokenizer, built from config."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class Target:
                  self.max_model_len)
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, capture_layers: tuple[int, ...] = ()) -> "TargetEngine":
+    def from_config(cls, cfg: EngineConfig, capture_layers: tuple[int, ...] = ()) -> "Target":
         model_cfg = ModelConfig.from_dir(cfg.model_dir)
         device = cfg.torch_device()
         max_len = cfg.max_model_len or model_cfg.max_position_embeddings

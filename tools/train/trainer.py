@@ -178,7 +178,7 @@ class Trainer:
         eng = self.target
         eng.runner.set_capture_layers(eng.model_config.default_capture_layers())
         chunks = []
-        for i, ex in enumerate(batch):  # negative ids: never a Generator's sequence
+        for i, ex in enumerate(batch):  # negative ids: never an Engine's sequence
             eng.blocks.ensure_capacity(-1 - i, len(ex.ids))
             chunks.append(SeqChunk(ex.ids, 0, eng.blocks.block_table(-1 - i), logits_rows=()))
         out = eng.runner.step(chunks)
