@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.config import ModelConfig  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
-from verify_service.target import Target  # noqa: E402
 from verify_service.engine import Engine  # noqa: E402
 from verify_service.loader import build_model, random_tensors  # noqa: E402
+from verify_service.target import Target  # noqa: E402
 
 GEOMETRIES = {
     "smollm2": {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,

@@ -28,13 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hub.default_model import ensure_default_model  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
-from draft_service.spec_config import SpecConfig  # noqa: E402
 from draft_service.eagle_loader import load_eagle  # noqa: E402
+from draft_service.spec_config import SpecConfig  # noqa: E402
+from hub.default_model import ensure_default_model  # noqa: E402
 from tools.evaluate import run  # noqa: E402
 from tools.train.data import Example, load_prompts  # noqa: E402
-from tools.train.trainer import Trainer, TrainConfig  # noqa: E402
+from tools.train.trainer import TrainConfig, Trainer  # noqa: E402
 from tools.train.ttt import ttt_forward  # noqa: E402
 from verify_service.engine import Engine  # noqa: E402
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hub.default_model import ensure_default_model  # noqa: E402
 from draft_service.eagle_init import write_random_head  # noqa: E402
+from hub.default_model import ensure_default_model  # noqa: E402
 from tools.evaluate import evaluate  # noqa: E402
 
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.decode_baseline import GEOMETRIES  # noqa: E402
 from common.config import ModelConfig  # noqa: E402
 from tools.train.data import Example  # noqa: E402
-from tools.train.trainer import Trainer, TrainConfig  # noqa: E402
+from tools.train.trainer import TrainConfig, Trainer  # noqa: E402
 from tools.train.ttt import ttt_loss  # noqa: E402
 from verify_service.loader import random_tensors  # noqa: E402
 

@@ -41,8 +41,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from hub.default_model import ensure_default_model
     from draft_service.spec_config import SpecConfig
+    from hub.default_model import ensure_default_model
     from tools.inprocess import build_engine
 
     spec = None
@@ -157,8 +157,8 @@ def _self_prompts(args: argparse.Namespace) -> None:
 
     from hub.default_model import ensure_default_model
     from tools.train.self_prompts import generate_self_prompts
-    from verify_service.target import Target
     from verify_service.engine import Engine
+    from verify_service.target import Target
 
     if args.count <= 0:
         raise InvalidRequestError("count", f"must be > 0, got {args.count}")
@@ -174,7 +174,7 @@ def _self_prompts(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     from hub.default_model import ensure_default_model
-    from tools.train.trainer import Trainer, TrainConfig
+    from tools.train.trainer import TrainConfig, Trainer
 
     cfg = TrainConfig(args.target or str(ensure_default_model()), args.prompts, args.out,
                       draft_vocab=args.draft_vocab, steps=args.steps, batch=args.batch, lr=args.lr,

@@ -28,6 +28,19 @@ _ARCHITECTURES = {
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def check_attention_geometry(cfg, positive: tuple[str, ...], error: type[Exception], what: str) -> None:
+    """Raise ``error`` unless the ``positive`` fields are > 0, query heads group evenly over KV
+    heads, and head_dim is even (RoPE rotates pairs). Shared by the target's and the draft's configs."""
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise error(f"{what} {name} must be > 0, got {getattr(cfg, name)}")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise error(f"{what} num_attention_heads ({cfg.num_heads}) must be a multiple of "
+                    f"num_key_value_heads ({cfg.num_kv_heads})")
+    if cfg.head_dim % 2:
+        raise error(f"{what} head_dim must be even for RoPE, got {cfg.head_dim}")
+
+
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """RoPE frequency rescaling; ``rope_type`` is one of ``default``, ``linear``, ``llama3``."""
@@ -78,17 +91,9 @@ class ModelConfig:
     bos_token_id: int | None = None
 
     def __post_init__(self):
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                    "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise UnsupportedModelError(f"config {name} must be > 0, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise UnsupportedModelError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise UnsupportedModelError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        check_attention_geometry(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                        "num_kv_heads", "head_dim", "max_position_embeddings"),
+                                 UnsupportedModelError, "config")
         bad = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise UnsupportedModelError(f"eos_token_id {bad} outside the vocabulary of {self.vocab_size}")

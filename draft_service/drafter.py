@@ -21,19 +21,19 @@ import logging
 import numpy as np
 import torch
 
-from runtime.block_manager import BlockManager, blocks_for
 from common.config import ModelConfig
-from link.protocol import DraftFeed, ProposeRequest
-from runtime.kv_cache import PagedKVCache
 from common.tree_settings import TreeSettings
-from draft_service.spec_config import SpecConfig
-from runtime.step_layout import SeqChunk, layout_step
-from runtime.tree import CandidateTree
 from draft_service.eagle_loader import load_eagle
 from draft_service.eagle_net import EagleNet
+from draft_service.spec_config import SpecConfig
 from draft_service.static_tree import StaticTreeSpec
 from draft_service.tree_builders import DynamicTreeBuilder, Frontier, StaticTreeBuilder
 from kernels import KernelSet, select_kernels
+from link.protocol import DraftFeed, ProposeRequest
+from runtime.block_manager import BlockManager, blocks_for
+from runtime.kv_cache import PagedKVCache
+from runtime.step_layout import SeqChunk, layout_step
+from runtime.tree import CandidateTree
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import ModelConfig, RopeScaling, read_config_json
+from common.config import ModelConfig, RopeScaling, check_attention_geometry, read_config_json
 from common.errors import CheckpointError, UnsupportedModelError
 
 
@@ -40,17 +40,9 @@ class DraftConfig:
     aux_layer_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        positive = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                    "vocab_size", "draft_vocab_size", "target_hidden_size")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise CheckpointError(f"draft config {name} must be > 0, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise CheckpointError(
-                f"draft num_attention_heads ({self.num_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise CheckpointError(f"draft head_dim must be even for RoPE, got {self.head_dim}")
+        check_attention_geometry(self, ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                                        "vocab_size", "draft_vocab_size", "target_hidden_size"),
+                                 CheckpointError, "draft config")
 
     @classmethod
     def from_hf(cls, raw: dict) -> "DraftConfig":

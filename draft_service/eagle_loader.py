@@ -26,11 +26,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from hub.checkpoint import INDEX_FILE, SINGLE_FILE, iter_tensors
 from common.config import ModelConfig
 from common.errors import CheckpointError, ModelNotFoundError
 from draft_service.eagle_config import DraftConfig
 from draft_service.eagle_net import EagleNet
+from hub.checkpoint import INDEX_FILE, SINGLE_FILE, iter_tensors
 
 log = logging.getLogger(__name__)
 

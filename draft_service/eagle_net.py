@@ -20,32 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.kv_cache import PagedKVCache
 from draft_service.eagle_config import DraftConfig
 from kernels import KernelSet
 from kernels.metadata import AttentionMetadata
-from runtime.layers import MLP, RMSNorm, StepContext, paged_attend
+from runtime.kv_cache import PagedKVCache
+from runtime.layers import MLP, Attention, RMSNorm, StepContext
 from runtime.rope import rope_tables
-
-
-class EagleAttention(nn.Module):
-    """Llama attention whose q/k/v read the 2H-wide concatenation and whose o_proj writes H."""
-
-    def __init__(self, cfg: DraftConfig):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.scale = cfg.head_dim ** -0.5
-
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, h, d)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, kvh, d)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        return self.o_proj(paged_attend(q, k, v, ctx, 0, self.scale))  # the draft cache holds one layer
 
 
 class MidLayer(nn.Module):
@@ -55,7 +35,9 @@ class MidLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the token embedding
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the fused features
-        self.self_attn = EagleAttention(cfg)
+        # q/k/v read the 2H-wide [embedding ; features]; o_proj writes H; the draft cache holds one layer.
+        self.self_attn = Attention(2 * cfg.hidden_size, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                                   cfg.head_dim, layer_idx=0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 

@@ -27,12 +27,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.config import ModelConfig
-from link.protocol import DraftFeed, ProposeRequest
-from link.shared_buffers import BufferImporter, gpu_uuid, host_identity
-from link.convert import descriptor_from_proto, settings_from_proto
 from draft_service.drafter import EagleDrafter
 from draft_service.eagle_config import DraftConfig
 from draft_service.server_config import DraftServerConfig
+from link.convert import descriptor_from_proto, settings_from_proto
+from link.protocol import DraftFeed, ProposeRequest
+from link.shared_buffers import BufferImporter, gpu_uuid, host_identity
 from protos.eagle3.v1 import draft_link_pb2 as pb
 from protos.eagle3.v1 import draft_link_pb2_grpc as pb_grpc
 

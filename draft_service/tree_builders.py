@@ -33,9 +33,9 @@ from typing import Protocol
 
 import torch
 
-from runtime.tree import CandidateTree
-from draft_service.static_tree import StaticTreeSpec, StaticLevel
+from draft_service.static_tree import StaticLevel, StaticTreeSpec
 from kernels import KernelSet
+from runtime.tree import CandidateTree
 
 __all__ = ["Frontier", "TreeBuilder", "DynamicTreeBuilder", "StaticTreeBuilder", "StaticTreeSpec"]
 

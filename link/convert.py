@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from link.shared_buffers import BufferDescriptor
 from common.tree_settings import TreeSettings
+from link.shared_buffers import BufferDescriptor
 from protos.eagle3.v1 import draft_link_pb2 as link_pb
 from protos.eagle3.v1 import speculation_pb2 as spec_pb
 

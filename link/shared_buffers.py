@@ -20,6 +20,7 @@ still viewed by tensors of this process is released when the last of them is dro
 callers should drop their tensors before (or soon after) closing.
 """
 
+import _posixshmem  # shm_open/shm_unlink, what multiprocessing.shared_memory uses underneath
 import logging
 import math
 import mmap
@@ -29,11 +30,10 @@ import socket
 from dataclasses import dataclass, replace
 from multiprocessing import resource_tracker
 
-import _posixshmem  # shm_open/shm_unlink, what multiprocessing.shared_memory uses underneath
 import torch
 
-from link import cuda_ipc
 from common.errors import SharedBufferError
+from link import cuda_ipc
 
 CUDA_IPC = "cuda_ipc"
 SHM = "shm"

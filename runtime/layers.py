@@ -54,6 +54,34 @@ def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepCon
     return out.reshape(q.shape[0], -1)
 
 
+class Attention(nn.Module):
+    """Grouped-query attention over the paged cache: q/k/v read ``in_features``, o_proj writes
+    ``out_features``. ``qk_norm_eps``: Qwen3's per-head RMSNorm on q and k, before RoPE."""
+
+    def __init__(self, in_features: int, out_features: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 layer_idx: int, bias: bool = False, qk_norm_eps: float | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx  # this layer's slice of the model's paged cache
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(in_features, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, out_features, bias=False)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        self.scale = head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, h, d)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, kvh, d)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.o_proj(paged_attend(q, k, v, ctx, self.layer_idx, self.scale))
+
+
 class MLP(nn.Module):
     """SiLU-gated MLP: down(silu(gate(x)) * up(x))."""
 

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.errors import InvalidRequestError, ModelNotFoundError
-from runtime.tree import CandidateTree
 from draft_service.tree_builders import DynamicTreeBuilder, StaticTreeBuilder, StaticTreeSpec
 from kernels import REFERENCE
 from kernels.tree import draft_topk_ref, tree_mask_ref, tree_positions_ref

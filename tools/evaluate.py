@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 from common.sampling_params import SamplingParams
-from draft_service.spec_config import SpecConfig
 from draft_service.eagle_config import DraftConfig
 from draft_service.eagle_loader import read_draft_tensors, vocab_maps
+from draft_service.spec_config import SpecConfig
+from tools.inprocess import build_engine
 from tools.train.data import load_prompts
 from verify_service.config import EngineConfig
-from tools.inprocess import build_engine
 
 
 def parse_config(text: str, head: str) -> SpecConfig:

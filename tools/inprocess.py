@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from draft_service.spec_config import SpecConfig
 from draft_service.drafter import EagleDrafter
+from draft_service.spec_config import SpecConfig
 from verify_service.config import EngineConfig
-from verify_service.target import Target
 from verify_service.engine import Engine
+from verify_service.target import Target
 
 
 def build_engine(cfg: EngineConfig, spec: SpecConfig | None = None) -> Engine:

@@ -8,9 +8,9 @@ from common.tree_settings import TreeSettings
 from link.convert import TREE_FROM_PROTO
 from protos.eagle3.v1 import generation_pb2 as pb
 from protos.eagle3.v1 import speculation_pb2 as spec_pb
-from verify_service.target import Target
 from verify_service.engine import TokenEvent
 from verify_service.sequence import FinishReason, SpeculationMetrics
+from verify_service.target import Target
 
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
 

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from link.convert import settings_to_proto
 from link.protocol import DraftFeed, ProposeRequest
 from link.shared_buffers import BufferExporter
-from runtime.tree import CandidateTree
 from protos.eagle3.v1 import draft_link_pb2 as pb
-from link.convert import settings_to_proto
+from runtime.tree import CandidateTree
 
 log = logging.getLogger(__name__)
 

@@ -21,18 +21,18 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from link.protocol import DraftFeed, DraftProvider, ProposeRequest
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from common.tree_settings import TreeSettings
-from runtime.tree import InvalidTreeError
+from link.protocol import DraftFeed, DraftProvider, ProposeRequest
 from runtime.step_layout import SeqChunk
+from runtime.tree import InvalidTreeError
 from verify_service.detokenizer import StopStringDetokenizer
-from verify_service.target import Target
 from verify_service.model_runner import StepOutput
 from verify_service.sampler import Sampler
 from verify_service.scheduler import Scheduler
 from verify_service.sequence import FinishReason, Sequence, SpeculationMetrics
+from verify_service.target import Target
 from verify_service.verification import TreeVerifier, tree_chunk
 
 log = logging.getLogger(__name__)

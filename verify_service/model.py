@@ -18,40 +18,17 @@ from common.config import ModelConfig
 from kernels import KernelSet
 from kernels.metadata import AttentionMetadata
 from runtime.kv_cache import PagedKVCache
-from runtime.layers import MLP, RMSNorm, StepContext, paged_attend
+from runtime.layers import MLP, Attention, RMSNorm, StepContext
 from runtime.rope import rope_tables
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim, per head, before RoPE
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.scale = cfg.head_dim ** -0.5
-
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, h, d)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, kvh, d)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(paged_attend(q, k, v, ctx, self.layer_idx, self.scale))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        qk_norm_eps = cfg.rms_norm_eps if cfg.qk_norm else None  # Qwen3
+        self.self_attn = Attention(cfg.hidden_size, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   layer_idx, cfg.attention_bias, qk_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import UnsupportedModelError
+from kernels import KernelSet
 from runtime.kv_cache import PagedKVCache
 from runtime.step_layout import SeqChunk, layout_step
-from kernels import KernelSet
 from verify_service.model import CausalLM
 
 __all__ = ["ModelRunner", "SeqChunk", "StepOutput"]

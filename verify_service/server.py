@@ -23,11 +23,11 @@ from grpc_reflection.v1alpha import reflection
 from link.shared_buffers import BufferExporter
 from protos.eagle3.v1 import draft_link_pb2_grpc, generation_pb2, generation_pb2_grpc
 from verify_service.draft_link import RemoteDraft
-from verify_service.target import Target
-from verify_service.engine_thread import EngineThread
 from verify_service.engine import Engine
+from verify_service.engine_thread import EngineThread
 from verify_service.server_config import VerifyServerConfig
 from verify_service.servicers import DraftLinkServicer, GenerationServicer
+from verify_service.target import Target
 
 log = logging.getLogger(__name__)
 SPECULATION_HEALTH = "eagle3.speculation"  # SERVING only while a draft is connected

@@ -12,9 +12,9 @@ import grpc
 
 from common.errors import InvalidRequestError, SharedBufferError
 from common.grpc_errors import abort
-from link.shared_buffers import gpu_uuid, host_identity
 from common.tree_settings import TreeSettings
 from link.convert import TREE_TO_PROTO, descriptor_to_proto
+from link.shared_buffers import gpu_uuid, host_identity
 from protos.eagle3.v1 import draft_link_pb2 as link_pb
 from protos.eagle3.v1 import draft_link_pb2_grpc as link_grpc
 from protos.eagle3.v1 import generation_pb2 as pb

@@ -9,13 +9,13 @@ import torch
 
 from common.config import ModelConfig
 from common.errors import InvalidRequestError
+from hub.checkpoint import iter_tensors
 from hub.tokenizer import Tokenizer, validate_messages
 from kernels import select_kernels
 from runtime.block_manager import BlockManager, blocks_for
-from verify_service.config import EngineConfig
 from runtime.kv_cache import PagedKVCache
+from verify_service.config import EngineConfig
 from verify_service.loader import build_model
-from hub.checkpoint import iter_tensors
 from verify_service.model import CausalLM
 from verify_service.model_runner import ModelRunner
 

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from link.protocol import DraftFeed
 from kernels.tree import tree_mask_ref, tree_positions_ref
+from link.protocol import DraftFeed
 from runtime.step_layout import SeqChunk
-from verify_service.target import Target
 from verify_service.model_runner import StepOutput
 from verify_service.sampler import Sampler
 from verify_service.sequence import Sequence
+from verify_service.target import Target
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,9 +25,9 @@ from tqdm import tqdm
 
 from common.errors import InvalidRequestError, UnsupportedModelError
 from common.sampling_params import SamplingParams
-from verify_service.target import Target
 from verify_service.engine import Engine
 from verify_service.sequence import FinishReason
+from verify_service.target import Target
 
 log = logging.getLogger(__name__)
 _MARK = "\u2063EAGLE3-USER-TURN\u2063"  # placeholder content; never produced by a real prompt

@@ -21,18 +21,18 @@ from tqdm import tqdm
 
 from common.config import ModelConfig, read_config_json
 from common.errors import InvalidRequestError, UnsupportedModelError
-from runtime.step_layout import SeqChunk
 from draft_service.eagle_config import DraftConfig
 from draft_service.eagle_init import draft_raw_config
 from draft_service.eagle_loader import load_eagle
 from draft_service.eagle_net import EagleNet
+from runtime.step_layout import SeqChunk
 from tools.train.data import Example, generate_examples, iter_batches, load_prompts, read_examples
 from tools.train.distributed import ProcessGroup
 from tools.train.ttt import step_token_counts, ttt_forward, ttt_loss
 from tools.train.vocab import select_draft_vocab, token_counts
 from verify_service.config import EngineConfig
-from verify_service.target import Target
 from verify_service.engine import Engine
+from verify_service.target import Target
 
 log = logging.getLogger(__name__)
 SHARD_BYTES = 16 << 20
