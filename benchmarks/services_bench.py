@@ -19,13 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.spec_bench import load_prompts  # noqa: E402
 from cli.up import spawn, wait_healthy  # noqa: E402
 from client.eagle3_client import Eagle3Client  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from draft_service.eagle_init import write_random_head  # noqa: E402
 from hub.default_model import ensure_default_model  # noqa: E402
 from tools.inprocess import build_engine  # noqa: E402
+from tools.train.data import load_prompts  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
 
 
