@@ -16,6 +16,7 @@ from common.errors import EagleError, InvalidRequestError
 from common.sampling_params import SamplingParams
 from common.tree_settings import DEFAULT_EVAL_CONFIGS, add_tree_arguments
 from verify_service.config import EngineConfig
+from verify_service.server_config import add_kernel_argument
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +34,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
     p.add_argument("--max-model-len", type=int, default=None)
+    add_kernel_argument(p)
     p.add_argument("--stats", action="store_true", help="print token counts, speed and speculation metrics to stderr")
     spec = p.add_argument_group("speculative decoding (EAGLE-3)")
     spec.add_argument("--draft", default=None,
@@ -51,7 +53,7 @@ def _generate(args: argparse.Namespace) -> None:
                           max_nodes=args.tree_nodes, static_tree_file=args.static_tree)
     model_dir = args.model or str(ensure_default_model())
     cfg = EngineConfig(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                       max_num_seqs=1)
+                       max_num_seqs=1, kernels=args.kernels)
     engine = build_engine(cfg, spec)
     target = engine.target
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -56,11 +56,12 @@ class EagleDrafter:
 
     @classmethod
     def from_checkpoint(cls, spec: SpecConfig, target: ModelConfig, target_embedding: torch.Tensor,
-                        max_num_seqs: int, max_model_len: int) -> "EagleDrafter":
-        """Load ``spec.draft_path`` against the target; runs on the embedding's device and dtype."""
+                        max_num_seqs: int, max_model_len: int, kernels: str = "auto") -> "EagleDrafter":
+        """Load ``spec.draft_path`` against the target; runs on the embedding's device and dtype with
+        ``kernels`` (``select_kernels``' choice)."""
         net = load_eagle(spec.draft_path, target, target_embedding, target_embedding.dtype,
                          target_embedding.device, max_model_len + spec.settings.draft_positions)
-        return cls(net, spec, net.config.capture_layers(target), select_kernels(target_embedding.device),
+        return cls(net, spec, net.config.capture_layers(target), select_kernels(target_embedding.device, kernels),
                    max_num_seqs, max_model_len)
 
     # --- DraftProvider -------------------------------------------------------------------

@@ -2,16 +2,21 @@
 
 ``select_kernels`` is the one dispatch point: the implementation is chosen once, when a
 runner is constructed, never per call. Every entry of ``KernelSet`` is a plain function.
+``REFERENCE`` holds the pure-torch references; ``kernels/triton_set.py`` the Triton set, which
+replaces the entries that have a Triton kernel and keeps the references for the rest.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from kernels import acceptance, attention, kv_compaction, rope, sampling, tree
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +59,22 @@ REFERENCE = KernelSet(
 )
 
 
-def select_kernels(device: torch.device | str) -> KernelSet:
-    """The kernels for ``device``. Only the pure-torch references exist so far, on every device."""
-    del device  # CUDA kernels register here as they land; until then the references run everywhere.
-    return REFERENCE
+KERNEL_CHOICES = ("auto", "triton", "reference")
+
+
+def select_kernels(device: torch.device | str, kind: str = "auto") -> KernelSet:
+    """The kernels for ``device``: ``auto`` takes the Triton kernels on CUDA and the references
+    elsewhere; ``triton`` or ``reference`` forces one (``triton`` on a CPU runs Triton's
+    interpreter when ``TRITON_INTERPRET=1``, for tests)."""
+    if kind not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kind!r}")
+    if kind == "reference" or (kind == "auto" and torch.device(device).type != "cuda"):
+        return REFERENCE
+    try:
+        from kernels.triton_set import TRITON
+    except ImportError as exc:  # triton is not installed
+        if kind == "triton":
+            raise RuntimeError(f"Triton kernels were asked for but triton does not import: {exc}") from exc
+        log.warning("triton does not import (%s): the pure-torch reference kernels run on %s", exc, device)
+        return REFERENCE
+    return TRITON

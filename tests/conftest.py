@@ -7,6 +7,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# Without a GPU, Triton kernels run on CPU tensors through Triton's interpreter. Triton reads
+# the switch when a kernel is defined, so it is set before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

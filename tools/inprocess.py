@@ -19,5 +19,5 @@ def build_engine(cfg: EngineConfig, spec: SpecConfig | None = None) -> Engine:
     if spec is None:
         return Engine(target)
     drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
-                                           cfg.max_num_seqs, target.max_model_len)
+                                           cfg.max_num_seqs, target.max_model_len, cfg.kernels)
     return Engine(target, drafter, spec.settings)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import InvalidRequestError
+from kernels import KERNEL_CHOICES
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -29,10 +30,13 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact block count; overrides kv_cache_gib
     max_num_seqs: int = 64
     max_batch_tokens: int = 2048
+    kernels: str = "auto"  # auto: Triton on CUDA, the pure-torch references elsewhere; triton; reference
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidRequestError("dtype", f"must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise InvalidRequestError("kernels", f"must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         checks = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
                   "max_batch_tokens": self.max_batch_tokens}
         for name, value in checks.items():

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
 from common.tree_settings import TreeSettings, add_tree_arguments, tree_settings_from_args
+from kernels import KERNEL_CHOICES
 from verify_service.config import EngineConfig
 
 DEFAULT_PUBLIC = "127.0.0.1:50051"  # loopback unless configured otherwise
@@ -43,6 +44,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache budget (default: 90%% of free GPU memory)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides --kv-cache-gib)")
+    add_kernel_argument(p)
+
+
+def add_kernel_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
+                   help="auto: Triton kernels on CUDA, pure-torch references on CPU; reference: force the "
+                        "references (debugging, parity checks)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     return EngineConfig(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
-                        kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks)
+                        kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks,
+                        kernels=args.kernels)
 
 
 def from_args(args: argparse.Namespace, model_dir: str) -> VerifyServerConfig:

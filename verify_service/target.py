@@ -37,7 +37,7 @@ class Target:
         num_blocks = self._num_kv_blocks()
         self.kv_cache = PagedKVCache.for_model(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
-        self.runner = ModelRunner(model, self.kv_cache, select_kernels(self.device), capture_layers)
+        self.runner = ModelRunner(model, self.kv_cache, select_kernels(self.device, cfg.kernels), capture_layers)
         log.info("target engine: %s on %s/%s, %d KV blocks of %d tokens, context %d",
                  self.model_config.architecture, self.device, self.dtype, num_blocks, cfg.block_size,
                  self.max_model_len)

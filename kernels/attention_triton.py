@@ -1,0 +1,223 @@
+"""Triton paged attention and KV write: the same signatures as ``kernels/attention.py``'s references.
+
+One kernel serves decode, prefill chunks and tree verification. A program owns one tile of a
+sequence's new tokens for one KV head (the g = heads / kv_heads query heads sharing it are
+folded into the tile's rows) and one split of the KV length::
+
+    grid = (sequences * query tiles, kv_heads, splits)
+    rows of a tile:  token qi, head gi  ->  row qi * g + gi            (BLOCK_M rows)
+    keys of a split: [split * keys_per_split, (split + 1) * keys_per_split) within the sequence
+
+Keys are read straight from the paged cache through the block table. Visibility is computed in
+the kernel: every key before ``mask_start`` is visible; after it, causal by default, or bit
+(key - mask_start) of the token's row of the packed ancestor mask (int32 words, 32 keys each).
+No dense [B, Q, K] mask exists anywhere.
+
+With several splits (flash-decoding: one long sequence still fills the GPU) each program writes
+its normalised partial output and log-sum-exp; ``_combine_splits`` merges them::
+
+    out = sum_s 2^(lse_s - lse_max) * o_s / sum_s 2^(lse_s - lse_max)      (lse in base 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+# Dot operands in the cache's dtype on the GPU (fp32 accumulation). Triton's CPU interpreter
+# multiplies bfloat16 wrongly, so there both operands go up to float32 (tests only).
+_DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_MASK_BITS = 32  # keys per packed mask word
+
+
+def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values [T, kv_heads, head_dim] at flat slots [T]. Mutates the caches."""
+    T = k.shape[0]
+    if T == 0:
+        return
+    width = k.shape[1] * k.shape[2]
+    k, v = k.reshape(T, width), v.reshape(T, width)
+    _write_kv_kernel[(T,)](k_cache, v_cache, k, v, slot_mapping, k.stride(0), v.stride(0), width,
+                           BLOCK=triton.next_power_of_2(width))
+
+
+@triton.jit
+def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_ptr, stride_k, stride_v, width,
+                     BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < width
+    k = tl.load(k_ptr + t * stride_k + cols, mask=ok)
+    v = tl.load(v_ptr + t * stride_v + cols, mask=ok)
+    tl.store(k_cache_ptr + slot * width + cols, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_cache_ptr + slot * width + cols, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool [T, cols] -> int32 [T, ceil(cols / 32)]: bit j of word w is column 32 w + j."""
+    T, cols = mask.shape
+    words = -(-cols // _MASK_BITS)
+    padded = torch.zeros(T, words * _MASK_BITS, dtype=torch.int64, device=mask.device)
+    padded[:, :cols] = mask
+    weights = torch.bitwise_left_shift(torch.ones(_MASK_BITS, dtype=torch.int64, device=mask.device),
+                                       torch.arange(_MASK_BITS, device=mask.device))
+    packed = (padded.view(T, words, _MASK_BITS) * weights).sum(-1)  # < 2^32, exact in int64
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # two's complement
+
+
+def prepare_attention_triton(meta: AttentionMetadata) -> AttentionMetadata:
+    """Per-step work shared by every layer: the custom mask packed into int32 words, once."""
+    if meta.custom_mask is None:
+        return meta
+    return dataclasses.replace(meta, custom_mask=pack_mask(meta.custom_mask))
+
+
+def _num_splits(meta: AttentionMetadata, kv_heads: int, q_tiles: int, block_n: int) -> int:
+    """Enough programs to fill the GPU when few (sequence, tile, head) triples exist."""
+    programs = meta.num_seqs * q_tiles * kv_heads
+    sms = torch.cuda.get_device_properties(meta.seq_lens.device).multi_processor_count \
+        if meta.seq_lens.is_cuda else 8
+    by_length = triton.cdiv(meta.max_seq_len, 4 * block_n)  # at least 4 key tiles a split
+    return max(1, min(triton.cdiv(2 * sms, programs), by_length, 64))
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of new queries [T, heads, head_dim] over their sequences' cached KV -> [T, heads, head_dim].
+
+    ``meta.custom_mask`` must be packed (``prepare_attention_triton``).
+    """
+    T, H, D = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    g = H // kvh
+    block_m = 16 if meta.max_query_len * g <= 16 else 64
+    block_q = block_m // g  # tokens per tile: g rows each
+    assert block_q >= 1, f"{g} query heads per KV head exceed a tile of {block_m} rows"
+    block_n = 64 if D <= 64 else 32
+    q_tiles = triton.cdiv(meta.max_query_len, block_q)
+    splits = _num_splits(meta, kvh, q_tiles, block_n)
+    keys_per_split = triton.cdiv(triton.cdiv(meta.max_seq_len, splits), block_n) * block_n
+    out = torch.empty_like(q)
+    if splits == 1:
+        part, lse = out, out  # written directly, normalised; no log-sum-exp needed
+    else:
+        part = torch.empty(splits, T, H, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, T, H, dtype=torch.float32, device=q.device)
+    has_mask = meta.custom_mask is not None
+    mask = meta.custom_mask if has_mask else meta.seq_lens  # any tensor: never read without a mask
+    mask_start = meta.mask_start if has_mask else meta.seq_lens
+    _attention_kernel[(meta.num_seqs * q_tiles, kvh, splits)](
+        q, k_cache, v_cache, part, lse, meta.query_start_loc, meta.seq_lens, meta.block_tables, mask, mask_start,
+        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        meta.block_tables.stride(0), mask.stride(0) if has_mask else 0, mask.shape[1] if has_mask else 0,
+        part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
+        lse.stride(0) if splits > 1 else 0, lse.stride(-2) if splits > 1 else 0,
+        q_tiles, keys_per_split,
+        G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=splits > 1,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32))
+    if splits > 1:
+        _combine_kernel[(T, H)](part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2),
+                                lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), D,
+                                BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(D))
+    return out
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, qsl_ptr, seq_lens_ptr, tables_ptr,
+                      mask_ptr, mask_start_ptr, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                      stride_bt, stride_mask, mask_words, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                      q_tiles, keys_per_split,
+                      G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                      DOT_DTYPE: tl.constexpr):
+    b = tl.program_id(0) // q_tiles
+    tile = tl.program_id(0) % q_tiles
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    first_kv = seq_len - q_len  # KV index of the sequence's first new token
+    rows = tl.arange(0, BLOCK_M)
+    qi = tile * BLOCK_Q + rows // G  # (M,) token within the sequence's new tokens
+    head = kvh * G + rows % G
+    row_ok = (rows < BLOCK_Q * G) & (qi < q_len)
+    t = (q_start + qi).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (M, D)
+    if HAS_MASK:
+        m_start = tl.load(mask_start_ptr + b)
+        key_end = seq_len
+    else:  # causal: no token of this tile sees past the tile's last token
+        key_end = tl.minimum(seq_len, first_kv + (tile + 1) * BLOCK_Q)
+    lo = split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, key_end)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < hi
+        block = tl.load(tables_ptr + b * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        addr = block * stride_kb + (keys % BLOCK_SIZE) * stride_ks + kvh * stride_kh  # (N,)
+        k = tl.load(k_cache_ptr + addr[None, :] + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+        s = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2  # (M, N), log2 units
+        if HAS_MASK:
+            rel = keys[None, :] - m_start  # column in the token's mask row
+            word_idx = tl.maximum(rel, 0) // 32
+            in_mask = (rel >= 0) & (word_idx < mask_words)
+            word = tl.load(mask_ptr + t[:, None] * stride_mask + word_idx, mask=row_ok[:, None] & in_mask, other=0)
+            visible = (rel < 0) | (((word >> (tl.maximum(rel, 0) % 32)) & 1) != 0)
+        else:
+            visible = keys[None, :] <= (first_kv + qi)[:, None]
+        visible = visible & key_ok[None, :] & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + addr[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    ok = row_ok[:, None] & d_ok[None, :]
+    tl.store(out_ptr + split * stride_os + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=ok)
+    if SPLIT:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(lse_ptr + split * stride_ls + t * stride_lt + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, lse_ptr, out_ptr, splits, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                    stride_ot, stride_oh, head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < splits
+    lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(s_ok & (lse != float("-inf")), tl.exp2(lse - top), 0.0)  # (S,)
+    part = tl.load(part_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+                   mask=s_ok[:, None] & (d[None, :] < head_dim), other=0.0)
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+

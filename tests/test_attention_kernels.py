@@ -1,0 +1,118 @@
+"""Triton paged attention and KV write against their pure-torch references.
+
+Ragged batches mix decode tokens, prefill chunks over a cached prefix, target tree steps and
+draft-style tree levels (mask_start before the new tokens); every cache slot no sequence owns
+holds NaN, so a kernel that reads outside its sequence fails loudly. On a CPU the kernels run
+through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); on a GPU, natively.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernels import REFERENCE, select_kernels  # noqa: E402
+from kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
+from kernels.attention_triton import pack_mask, paged_attention_triton, write_kv_triton  # noqa: E402
+from kernels.tree import tree_mask_ref  # noqa: E402
+from runtime.step_layout import SeqChunk, layout_step  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK = 16
+TRITON_SET = select_kernels(DEVICE, "triton")
+
+
+def tree_mask(parents: list[int]) -> np.ndarray:
+    n = len(parents)
+    return tree_mask_ref(torch.tensor([parents]), torch.tensor([n]))[0].numpy()
+
+
+def build(cases, kvh, d, dtype, seed):
+    """Caches with every sequence's KV in shuffled blocks (NaN elsewhere) and one step's chunks.
+
+    ``cases``: (cached, new_tokens, mask, mask_start) per sequence; mask None = causal.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    lens = [c + n for c, n, _, _ in cases]
+    need = [-(-n // BLOCK) for n in lens]
+    order = torch.randperm(sum(need) + 3, generator=gen).tolist()
+    k_cache = torch.full((sum(need) + 3, BLOCK, kvh, d), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    chunks, at = [], 0
+    for (cached, new, mask, mask_start), n, blocks in zip(cases, lens, need):
+        table = order[at:at + blocks]
+        at += blocks
+        slots = torch.tensor([table[i // BLOCK] * BLOCK + i % BLOCK for i in range(n)])
+        k_cache.view(-1, kvh, d)[slots] = torch.randn(n, kvh, d, generator=gen).to(dtype)
+        v_cache.view(-1, kvh, d)[slots] = torch.randn(n, kvh, d, generator=gen).to(dtype)
+        chunks.append(SeqChunk(list(range(new)), cached, table, custom_mask=mask, mask_start=mask_start))
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), chunks
+
+
+TREE = [-1, -1, 0, 0, 1, 4, 2]  # 7 nodes below the root
+
+
+@pytest.mark.parametrize("kvh, g, d, dtype", [(2, 2, 16, torch.float32), (1, 3, 32, torch.float32),
+                                              (2, 4, 64, torch.bfloat16), (3, 1, 16, torch.float16)])
+@pytest.mark.parametrize("batch", ["decode", "mixed", "tree", "draft_levels", "long_decode"])
+def test_paged_attention_matches_reference(kvh, g, d, dtype, batch):
+    cases = {
+        "decode": [(5, 1, None, None), (16, 1, None, None), (33, 1, None, None)],
+        "mixed": [(0, 19, None, None), (5, 1, None, None), (21, 7, None, None)],
+        # target tree step: root + 7 nodes at the end of a 20-token prefix, beside a decode token
+        "tree": [(20, 8, tree_mask(TREE), 20), (9, 1, None, None)],
+        # draft level 2: 3 new nodes after 3 level-1 nodes, each seeing one level-1 ancestor and itself
+        "draft_levels": [(12 + 3, 3, np.array([[1, 0, 0, 1, 0, 0], [0, 1, 0, 0, 1, 0], [0, 0, 1, 0, 0, 1]], bool), 12),
+                         (40, 4, np.tril(np.ones((4, 4), bool)), 40)],
+        "long_decode": [(700, 1, None, None), (64, 1, None, None)],  # splits over the KV length
+    }[batch]
+    k_cache, v_cache, chunks = build(cases, kvh, d, dtype, seed=kvh * 100 + d)
+    q = torch.randn(sum(len(c.token_ids) for c in chunks), kvh * g, d, generator=torch.Generator().manual_seed(1))
+    q = q.to(dtype).to(DEVICE)
+    scale = d ** -0.5
+    ref_meta = layout_step(chunks, BLOCK, torch.device(DEVICE), REFERENCE).meta
+    tri_meta = layout_step(chunks, BLOCK, torch.device(DEVICE), TRITON_SET).meta
+    # The reference gathers whole blocks, so it gets the caches with the poison zeroed.
+    want = paged_attention_ref(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), ref_meta, scale)
+    got = paged_attention_triton(q, k_cache, v_cache, tri_meta, scale)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_long_decode_uses_several_splits():
+    """The flash-decoding path (partials + combine) is what the long case above exercised."""
+    from kernels.attention_triton import _num_splits
+    k_cache, v_cache, chunks = build([(700, 1, None, None)], 2, 16, torch.float32, seed=0)
+    meta = layout_step(chunks, BLOCK, torch.device(DEVICE), TRITON_SET).meta
+    assert _num_splits(meta, kv_heads=2, q_tiles=1, block_n=64) > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(6, BLOCK, 2, 8, generator=gen).to(dtype).to(DEVICE)
+    v_cache = torch.randn(6, BLOCK, 2, 8, generator=gen).to(dtype).to(DEVICE)
+    k, v = (torch.randn(9, 2, 8, generator=gen).to(dtype).to(DEVICE) for _ in range(2))  # the model's dtype
+    slots = torch.randperm(6 * BLOCK, generator=gen)[:9].to(DEVICE)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    write_kv_ref(ref_k, ref_v, k, v, slots)
+    write_kv_triton(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def test_pack_mask_bits():
+    gen = torch.Generator().manual_seed(4)
+    mask = torch.rand(5, 70, generator=gen) > 0.5
+    packed = pack_mask(mask)
+    assert packed.shape == (5, 3) and packed.dtype == torch.int32
+    bits = (packed[:, :, None].long() >> torch.arange(32)) & 1  # (5, 3, 32)
+    assert torch.equal(bits.view(5, 96)[:, :70].bool(), mask) and not bits.view(5, 96)[:, 70:].any()
+
+
+def test_select_kernels():
+    assert select_kernels("cpu") is REFERENCE and select_kernels("cuda", "reference") is REFERENCE
+    assert select_kernels("cpu", "triton").name == "triton"
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        select_kernels("cpu", "fast")
