@@ -6,6 +6,9 @@ host sync). The floor is the bytes one step must read (weights + KV) divided by 
 device-to-device copy bandwidth measured in the same run.
 
     python benchmarks/decode_baseline.py --case smollm2:1:512 --case llama3-8b:1:4096 --out results.json
+    python benchmarks/decode_baseline.py --case smollm2:1:512 --kernels reference --kernels triton
+
+``--kernels`` (repeatable) runs every case with each kernel set, side by side in one run.
 
 A case is GEOMETRY:BATCH:CONTEXT; GEOMETRY is ``smollm2``, ``llama3-8b`` (random bf16
 weights) or a model directory (real weights).
@@ -60,11 +63,11 @@ def copy_bandwidth_gbs(device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / statistics.median(times[5:]) / 1e9
 
 
-def make_engine(geometry: str, batch: int, context: int, steps: int, device) -> Target:
+def make_engine(geometry: str, batch: int, context: int, steps: int, device, kernels: str = "auto") -> Target:
     max_len = context + steps + 16
     cfg = EngineConfig(geometry if geometry not in GEOMETRIES else "<random>", device=str(device),
                        dtype="bfloat16", max_model_len=max_len, max_num_seqs=batch,
-                       max_batch_tokens=4096, kv_cache_gib=None)
+                       max_batch_tokens=4096, kv_cache_gib=None, kernels=kernels)
     if geometry in GEOMETRIES:
         mcfg = ModelConfig.from_hf(GEOMETRIES[geometry])
         tensors = random_tensors(mcfg, seed=0, device=device, dtype=torch.bfloat16)
@@ -86,10 +89,10 @@ def step_bytes(target: Target, batch: int, context: int) -> int:
     return weights + kv
 
 
-def run_case(case: str, steps: int, bandwidth: float, device) -> dict:
+def run_case(case: str, steps: int, bandwidth: float, device, kernels: str = "auto") -> dict:
     geometry, batch, context = case.rsplit(":", 2)
     batch, context = int(batch), int(context)
-    target = make_engine(geometry, batch, context, steps, device)
+    target = make_engine(geometry, batch, context, steps, device, kernels)
     engine = Engine(target)
     g = torch.Generator().manual_seed(1)
     for _ in range(batch):
@@ -107,7 +110,7 @@ def run_case(case: str, steps: int, bandwidth: float, device) -> dict:
         times.append(time.perf_counter() - t)
     ms = statistics.median(times[3:]) * 1e3
     floor_ms = step_bytes(target, batch, context) / (bandwidth * 1e9) * 1e3
-    result = {"case": case, "batch": batch, "context": context, "ms_per_step": round(ms, 3),
+    result = {"case": case, "kernels": target.runner.kernels.name, "batch": batch, "context": context, "ms_per_step": round(ms, 3),
               "p90_ms": round(sorted(times[3:])[int(0.9 * (len(times) - 3))] * 1e3, 3),
               "floor_ms": round(floor_ms, 3), "floor_ratio": round(ms / floor_ms, 2),
               "tokens_per_s": round(batch / ms * 1e3, 1), "prefill_s": round(prefill_s, 2),
@@ -121,6 +124,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", action="append", required=True, help="GEOMETRY:BATCH:CONTEXT")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--kernels", action="append", choices=["auto", "triton", "reference"],
+                    help="kernel set (repeatable: each case runs with each; default auto)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -128,10 +133,10 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                "copy_bandwidth_gbs": round(bandwidth, 1), "cases": []}
     print(f"{results['device']}: device-to-device copy {bandwidth:.0f} GB/s (read + write)")
-    for case in args.case:
-        r = run_case(case, args.steps, bandwidth, device)
+    for case, kernels in [(c, k) for c in args.case for k in args.kernels or ["auto"]]:
+        r = run_case(case, args.steps, bandwidth, device, kernels)
         results["cases"].append(r)
-        print(f"{r['case']:>24}: {r['ms_per_step']:8.3f} ms/step  floor {r['floor_ms']:7.3f} ms  "
+        print(f"{r['case']:>24} {r['kernels']:>9}: {r['ms_per_step']:8.3f} ms/step  floor {r['floor_ms']:7.3f} ms  "
               f"x{r['floor_ratio']:<6} {r['tokens_per_s']:9.1f} tok/s  (prefill {r['prefill_s']} s)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
