@@ -113,6 +113,7 @@ def test_pack_mask_bits():
 
 def test_select_kernels():
     assert select_kernels("cpu") is REFERENCE and select_kernels("cuda", "reference") is REFERENCE
+    assert select_kernels("cpu", "auto") is REFERENCE  # never the interpreter unless asked for
     assert select_kernels("cpu", "triton").name == "triton"
     with pytest.raises(ValueError, match="kernels must be one of"):
         select_kernels("cpu", "fast")

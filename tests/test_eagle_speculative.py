@@ -31,12 +31,12 @@ def eagle_engine(dirs, tree, **engine_kw):
                       static_tree_file=str(static) if tree == "static" else None)
     target = target_for(target_dir, **engine_kw)
     drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
-                                           target.cfg.max_num_seqs, target.max_model_len)
+                                           target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels)
     return Engine(target, drafter, spec.settings)
 
 
-def target_only(target_dir, prompts, params):
-    return [r.token_ids for r in Engine(target_for(target_dir)).generate(prompts, params)]
+def target_only(target_dir, prompts, params, **engine_kw):
+    return [r.token_ids for r in Engine(target_for(target_dir, **engine_kw)).generate(prompts, params)]
 
 
 @pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
@@ -111,3 +111,19 @@ def test_tree_scores_equal_sequential_draft_runs(dirs, tree):
             out, lp = ref._run([SeqChunk([tok], m + depth, ref.blocks.block_table(0), logits_rows=(0,))], h[None])
             h, logp = out[0], lp[0]
         assert abs(total - float(cand.log_probs[i])) < 1e-4, (i, path, total, float(cand.log_probs[i]))
+
+
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+def test_triton_kernels_give_the_reference_tokens(dirs, tree):
+    """The whole engine on the Triton kernels (Triton's interpreter without a GPU): target-only
+    output equals the references', and speculation on them equals target-only on them."""
+    pytest.importorskip("triton")
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 9, 4)]
+    prompts = PROMPTS[:3]
+    triton_only = target_only(dirs[0], prompts, params, kernels="triton")
+    assert triton_only == target_only(dirs[0], prompts, params, kernels="reference")
+    engine = eagle_engine(dirs, tree, kernels="triton")
+    assert engine.target.runner.kernels.name == engine.drafter.kernels.name == "triton"
+    results = engine.generate(prompts, params)
+    assert [r.token_ids for r in results] == triton_only
+    assert sum(r.speculation.steps for r in results) > 0

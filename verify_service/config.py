@@ -30,7 +30,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact block count; overrides kv_cache_gib
     max_num_seqs: int = 64
     max_batch_tokens: int = 2048
-    kernels: str = "auto"  # auto: Triton on CUDA, the pure-torch references elsewhere; triton; reference
+    kernels: str = "auto"  # "triton", "reference", or "auto" (kernels.select_kernels decides)
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:

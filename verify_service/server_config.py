@@ -49,8 +49,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_kernel_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
-                   help="auto: Triton kernels on CUDA, pure-torch references on CPU; reference: force the "
-                        "references (debugging, parity checks)")
+                   help="triton: the Triton kernels (CUDA); reference: the pure-torch references; auto: "
+                        "the references for now (the Triton set is opt-in until validated on a GPU)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
