@@ -32,7 +32,7 @@ from kernels import KernelSet, select_kernels
 from link.protocol import DraftFeed, ProposeRequest
 from runtime.block_manager import BlockManager, blocks_for
 from runtime.kv_cache import PagedKVCache
-from runtime.step_layout import SeqChunk, layout_step
+from runtime.step_layout import SeqChunk, Staging, layout_step
 from runtime.tree import CandidateTree
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class EagleDrafter:
         num_blocks = max_num_seqs * blocks_for(max_model_len + spec.settings.draft_tree_rows, block_size)
         self.kv = PagedKVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, block_size)
+        self.staging = Staging(self.device)
         self.static = StaticTreeSpec.from_file(spec.static_tree_file) if spec.tree == "static" else None
         self.rows: dict[int, int] = {}  # committed rows per sequence
         self.last_out: dict[int, torch.Tensor] = {}  # [H] draft output of the newest committed row
@@ -99,7 +100,7 @@ class EagleDrafter:
 
     def _run(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft forward; returns every row's output [T, H] and log-probs at the logits rows."""
-        lay = layout_step(chunks, self.kv.block_size, self.device, self.kernels)
+        lay = layout_step(chunks, self.kv.block_size, self.device, self.kernels, self.staging)
         out = self.net(lay.input_ids, hidden, lay.meta, self.kv, self.kernels)
         logits = self.net.compute_logits(out[lay.logits_rows])
         return out, torch.log_softmax(logits, dim=-1)

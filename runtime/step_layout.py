@@ -1,7 +1,12 @@
 """Flattening one step's per-sequence chunks into device tensors and ``AttentionMetadata``.
 
 Shared by the target (verify service) and the draft head (draft service): both run paged
-attention over their own cache with the same layout. One host-to-device copy per tensor.
+attention over their own cache with the same layout. The step's arrays are built on the host
+with numpy, packed into one staging buffer (pinned on CUDA) and sent in ONE host-to-device
+copy; the device tensors are views of that copy::
+
+    staging (int64):  qsl | seq_lens | tables | slots | positions | token_seq | q_idx | ids | rows
+                      [| mask_start | mask bytes]   (the tree or level mask, when a chunk has one)
 """
 
 from __future__ import annotations
@@ -43,8 +48,41 @@ class StepLayout:
     query_start_loc: np.ndarray  # host copy of meta.query_start_loc, for slicing outputs
 
 
-def layout_step(chunks: list[SeqChunk], block_size: int, device: torch.device, kernels: KernelSet) -> StepLayout:
-    """Flatten ``chunks`` into one batch of T tokens with its attention metadata."""
+class Staging:
+    """Host buffers a step's arrays are packed into, then copied to ``device`` at once.
+
+    Two pinned buffers on CUDA, used in turn, so a step never overwrites the buffer of a copy
+    that may still be in flight; they grow (rarely) to the largest step seen.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
+
+    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """int64 arrays -> device tensors of the same shapes, through one copy."""
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        buf = self._buffer(total)
+        np.concatenate([a.reshape(-1) for a in arrays], out=buf[:total].numpy())
+        moved = buf[:total].to(self.device, non_blocking=True) if self._pin else buf[:total].clone()
+        return [part.view(a.shape) for part, a in zip(moved.split(sizes), arrays)]
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        self._turn ^= 1
+        buf = self._buffers[self._turn]
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=self._pin)
+            self._buffers[self._turn] = buf
+        return buf
+
+
+def layout_step(chunks: list[SeqChunk], block_size: int, device: torch.device, kernels: KernelSet,
+                staging: Staging | None = None) -> StepLayout:
+    """Flatten ``chunks`` into one batch of T tokens with its attention metadata (one copy, through
+    ``staging``: a runner keeps its own across steps)."""
     q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
     starts = np.array([c.kv_start for c in chunks], dtype=np.int64)
     seq_lens = starts + q_lens
@@ -63,17 +101,21 @@ def layout_step(chunks: list[SeqChunk], block_size: int, device: torch.device, k
     mask, mask_start = _custom_mask(chunks)
     rows = np.concatenate([qsl[i] + np.asarray(c.logits_rows, dtype=np.int64) for i, c in enumerate(chunks)])
     ids = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks])
-
-    def dev(a, dtype=torch.int64):
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device, dtype)
-
+    arrays = [qsl, seq_lens, tables, slots, positions.astype(np.int64), token_seq, token_q_idx, ids, rows]
+    if mask is not None:  # the mask travels as its bytes, padded to whole int64 words
+        mask_bytes = np.zeros(-(-mask.size // 8) * 8, dtype=np.uint8)
+        mask_bytes[:mask.size] = mask.reshape(-1)
+        arrays += [mask_start, mask_bytes.view(np.int64)]
+    moved = (staging or Staging(device)).upload(arrays)
+    qsl_d, lens_d, tables_d, slots_d, pos_d, seq_d, qidx_d, ids_d, rows_d = moved[:9]
+    custom_mask = None
+    if mask is not None:
+        custom_mask = moved[10].view(torch.uint8)[:mask.size].view(mask.shape).view(torch.bool)
     meta = AttentionMetadata(
-        query_start_loc=dev(qsl), seq_lens=dev(seq_lens), block_tables=dev(tables),
-        slot_mapping=dev(slots), positions=dev(positions), token_seq=dev(token_seq),
-        token_q_idx=dev(token_q_idx), max_query_len=max_q, max_seq_len=int(seq_lens.max()),
-        custom_mask=None if mask is None else dev(mask, torch.bool),
-        mask_start=None if mask is None else dev(mask_start))
-    return StepLayout(dev(ids), kernels.prepare_attention(meta), dev(rows), qsl)
+        query_start_loc=qsl_d, seq_lens=lens_d, block_tables=tables_d, slot_mapping=slots_d, positions=pos_d,
+        token_seq=seq_d, token_q_idx=qidx_d, max_query_len=max_q, max_seq_len=int(seq_lens.max()),
+        custom_mask=custom_mask, mask_start=None if mask is None else moved[9])
+    return StepLayout(ids_d, kernels.prepare_attention(meta), rows_d, qsl)
 
 
 def _custom_mask(chunks: list[SeqChunk]) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -14,7 +14,7 @@ import torch
 from common.errors import UnsupportedModelError
 from kernels import KernelSet
 from runtime.kv_cache import PagedKVCache
-from runtime.step_layout import SeqChunk, layout_step
+from runtime.step_layout import SeqChunk, Staging, layout_step
 from verify_service.model import CausalLM
 
 __all__ = ["ModelRunner", "SeqChunk", "StepOutput"]
@@ -35,6 +35,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.kernels = kernels
         self.device = kv_cache.data.device
+        self.staging = Staging(self.device)  # one host-to-device copy per step, reused buffers
         self.set_capture_layers(capture_layers)
 
     def set_capture_layers(self, layers: tuple[int, ...]) -> None:
@@ -46,7 +47,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, chunks: list[SeqChunk]) -> StepOutput:
-        lay = layout_step(chunks, self.kv_cache.block_size, self.device, self.kernels)
+        lay = layout_step(chunks, self.kv_cache.block_size, self.device, self.kernels, self.staging)
         out = self.model(lay.input_ids, lay.meta, self.kv_cache, self.kernels, self.capture_layers)
         logits = self.model.compute_logits(out.hidden[lay.logits_rows])
         return StepOutput(logits, out.hidden, out.captured, lay.query_start_loc.tolist())
