@@ -34,8 +34,8 @@ COPY draft_service ./draft_service
 COPY tools ./tools
 COPY cli ./cli
 COPY protos ./protos
-# A regular (not editable) install, plus cupy-cuda12x for the CUDA IPC buffers.
-RUN pip install ".[cuda12]" && rm -rf /src
+# A regular (not editable) install with the engine, plus cupy-cuda12x for the CUDA IPC buffers.
+RUN pip install ".[engine,cuda12]" && rm -rf /src
 
 # Services run unprivileged. /cache holds the model; /run/eagle3 is where the internal unix
 # socket lives (a named volume mounted there inherits this ownership when first created).

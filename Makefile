@@ -5,8 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU machines: torch 2.13.0 (CPU build). GPU hosts may override, e.g. TORCH_SPEC="torch>=2.5".
 TORCH_SPEC ?= torch==2.13.0
-# GPU hosts add cupy for the CUDA IPC buffers: EXTRAS=test,cuda12 (or cuda13).
-EXTRAS ?= test
+# engine: the services and in-process tools (torch, ...); test: the test tools. GPU hosts add cupy for
+# the CUDA IPC buffers: EXTRAS=engine,test,cuda12 (or cuda13). A client-only install: pip install .
+EXTRAS ?= engine,test
 PROMPT ?= What is the capital of France?
 
 .PHONY: install demo test

@@ -1,5 +1,7 @@
 """Both services as processes on one device: output agreement with the in-process target-only
-engine, end-to-end tokens/s, and the per-step control-plane overhead of the draft link.
+engine, end-to-end tokens/s with speculation and without it (the same server, per-request
+``speculate=False``, side by side in one run), and the per-step control-plane overhead of the
+draft link.
 
     python benchmarks/services_bench.py --prompts mt_bench.jsonl --limit 20 --max-tokens 64 \\
         --device cuda --dtype bfloat16 --head random --out services.json
@@ -75,11 +77,17 @@ def main() -> None:
             c = client.complete(p, max_tokens=args.max_tokens)
             rows.append((c.token_ids, c.speculation))
         secs = time.perf_counter() - start_t
+        plain_start = time.perf_counter()
+        plain = [client.complete(p, max_tokens=args.max_tokens, speculate=False).token_ids for p in prompts]
+        plain_secs = time.perf_counter() - plain_start
         metrics = client.metrics()
         tokens = sum(len(t) for t, _ in rows)
         report = {"device": args.device, "dtype": args.dtype, "tree": args.tree, "prompts": len(prompts),
                   "max_tokens": args.max_tokens, "identical_outputs": sum(t == r for (t, _), r in zip(rows, reference)),
                   "tokens": tokens, "tokens_per_s": round(tokens / secs, 1),
+                  "plain_tokens_per_s": round(sum(len(t) for t in plain) / plain_secs, 1),
+                  "speedup_vs_plain": round(tokens / secs / (sum(len(t) for t in plain) / plain_secs), 3),
+                  "plain_identical_outputs": sum(t == r for t, r in zip(plain, reference)),
                   "speculated_requests": sum(bool(s and s.get("speculated")) for _, s in rows),
                   "control_plane_p50_us": metrics["control_plane_p50_us"],
                   "control_plane_p99_us": metrics["control_plane_p99_us"],

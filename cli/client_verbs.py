@@ -2,14 +2,19 @@
 
     eagle3 client generate --server 127.0.0.1:50051 "Once upon a time" --max-tokens 64
     eagle3 client generate --token-ids 1,2,3 --stats
+    eagle3 client generate --prompt-file long_prompt.txt     # '-' reads stdin; an argument stops at 128 KiB
     eagle3 client chat --system "Be brief." "What is the capital of France?"
     eagle3 client chat --message user:Hi --message assistant:Hello! "How are you?"
+    eagle3 client info --json                                # GetServerInfo; `client metrics`: GetMetrics
     eagle3 health --server 127.0.0.1:50051 --service eagle3.v1.Generation --wait-s 60
+
+Nothing here imports torch: these commands run on a client-only install.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -24,19 +29,35 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     gen = verbs.add_parser("generate", help="complete a raw prompt (no chat template)")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("prompt", nargs="?", help="prompt text, sent as is")
+    _add_prompt_file(prompt, "the prompt text")
     prompt.add_argument("--token-ids", type=_token_ids, help="prompt token ids, comma separated: 1,2,3")
     _add_request_args(gen)
     chat = verbs.add_parser("chat", help="answer chat messages (the model's chat template)")
-    chat.add_argument("user", nargs="?", help="the last user message")
+    user = chat.add_mutually_exclusive_group()
+    user.add_argument("user", nargs="?", help="the last user message")
+    _add_prompt_file(user, "the last user message")
     chat.add_argument("--system", default=None, help="system message (first)")
     chat.add_argument("--message", action="append", default=[], type=_message, metavar="ROLE:CONTENT",
                       help="an earlier turn, e.g. user:Hi or assistant:Hello (repeatable, in order)")
     _add_request_args(chat)
+    _add_inspect_args(verbs.add_parser("info", help="the server's model, limits and draft (GetServerInfo)"))
+    _add_inspect_args(verbs.add_parser("metrics", help="the server's counters (GetMetrics)"))
     health = sub.add_parser("health", help="exit 0 when the server reports SERVING, 1 otherwise")
     health.add_argument("--server", default=DEFAULT_SERVER, help='"host:port" or "unix:/path"')
     health.add_argument("--service", default="", help='"" (overall), eagle3.v1.Generation, eagle3.speculation')
     health.add_argument("--wait-s", type=float, default=0.0, help="poll up to this long for SERVING")
     health.add_argument("--timeout-s", type=float, default=5.0, help="deadline of one health check")
+
+
+def _add_prompt_file(group, what: str) -> None:
+    group.add_argument("--prompt-file", metavar="FILE", default=None,
+                       help=f"read {what} from FILE ('-': stdin), for prompts longer than a shell argument")
+
+
+def _add_inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default=DEFAULT_SERVER, help='"host:port" or "unix:/path"')
+    p.add_argument("--timeout-s", type=float, default=10.0, help="deadline of the call")
+    p.add_argument("--json", action="store_true", help="print the reply as JSON (every field by its proto name)")
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:
@@ -79,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.command == "health":
             return _health(args)
+        if args.command == "client" and args.client_command in ("info", "metrics"):
+            return _inspect(args)
         if args.command == "client":
             return _request(args, _prompt(args))
     except ClientError as err:
@@ -91,14 +114,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _prompt(args: argparse.Namespace) -> str | list:
+    text = _read_prompt_file(args.prompt_file) if args.prompt_file is not None else None
     if args.client_command == "generate":
-        return args.token_ids if args.token_ids is not None else args.prompt
+        if args.token_ids is not None:
+            return args.token_ids
+        return text if text is not None else args.prompt
+    text = text if text is not None else args.user
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
-    user = [{"role": "user", "content": args.user}] if args.user is not None else []
+    user = [{"role": "user", "content": text}] if text is not None else []
     messages = [*system, *args.message, *user]
     if not messages:
         raise ValueError("chat needs a message: the user message, --system or --message")
     return messages
+
+
+def _read_prompt_file(path: str) -> str:
+    """The whole of ``path`` ('-': stdin), final newline included."""
+    try:
+        if path == "-":
+            return sys.stdin.read()
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as err:
+        raise ValueError(f"--prompt-file: cannot read {path!r}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--prompt-file: {path!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
 def _request(args: argparse.Namespace, prompt: str | list) -> int:
@@ -139,6 +179,35 @@ def _print_stats(last, n: int, secs: float) -> None:
         print("[speculation: none for this request]", file=sys.stderr)
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    """``client info`` / ``client metrics``: one field per line (nested ones dotted), or JSON."""
+    with Eagle3Client(args.server, timeout_s=args.timeout_s) as client:
+        reply = client.server_info() if args.client_command == "info" else client.metrics()
+    if args.json:
+        print(json.dumps(reply, indent=2))
+        return 0
+    rows = _flatten(reply)
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {_show(value)}")
+    return 0
+
+
+def _flatten(reply: dict, prefix: str = "") -> list[tuple[str, object]]:
+    rows = []
+    for name, value in reply.items():
+        rows += _flatten(value, f"{prefix}{name}.") if isinstance(value, dict) else [(prefix + name, value)]
+    return rows
+
+
+def _show(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "-"
+    return str(value) if value != "" else "-"
+
+
 def _health(args: argparse.Namespace) -> int:
     """Prints the status (stdout) and exits 0 only for SERVING; an unreachable server is 1 too."""
     with Eagle3Client(args.server, timeout_s=args.timeout_s) as client:
@@ -159,6 +228,4 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _print_error(err: ClientError) -> None:
-    print(f"error: {err.code}: {err.message}", file=sys.stderr)
-    for name, description in err.field_violations:
-        print(f"  {name}: {description}", file=sys.stderr)
+    print(f"error: {err}", file=sys.stderr)  # one line: code, message, field violations it does not repeat

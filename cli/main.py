@@ -3,24 +3,35 @@
     eagle3 fetch-default                       # SmolLM2-135M-Instruct -> ~/.cache/eagle3
     eagle3 generate "What is the capital of France?"
     eagle3 generate --model /path/to/hf-model --raw "Once upon a time" --temperature 0.8
+
+Parsing needs no torch: ``--help``, ``eagle3 health`` and ``eagle3 client`` run on a client-only
+install. The engine verbs import what they need when they run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
+from pathlib import Path
 
 from common.errors import EagleError, InvalidRequestError
 from common.sampling_params import SamplingParams
-from common.tree_settings import DEFAULT_EVAL_CONFIGS, add_tree_arguments
+from common.devices import device_type
+from common.tree_settings import DEFAULT_EVAL_CONFIGS, add_tree_arguments, tree_settings_from_args
 from verify_service.config import EngineConfig
 from verify_service.server_config import add_kernel_argument
 
+# The `engine` extra: a verb that needs one of these says how to install it when it is missing.
+ENGINE_PACKAGES = ("torch", "numpy", "safetensors", "tokenizers", "jinja2", "tqdm")
+
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", help="the user message (or the raw prompt text with --raw)")
+    p.add_argument("prompt", nargs="?", help="the user message (or the raw prompt text with --raw)")
+    p.add_argument("--prompt-file", default=None, metavar="FILE",
+                   help="read the prompt from FILE ('-': standard input) instead of the argument (long prompts)")
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
@@ -29,7 +40,9 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="makes sampled output reproducible; with --draft the sampled text differs from plain "
+                        "decoding with the same seed (the same distribution, not the same tokens)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
@@ -47,22 +60,27 @@ def _generate(args: argparse.Namespace) -> None:
     from hub.default_model import ensure_default_model
     from tools.inprocess import build_engine
 
+    prompt = read_prompt(args.prompt, args.prompt_file)
+    cfg = EngineConfig(args.model or "<embedded SmolLM2>", dtype=args.dtype, device=args.device,
+                       max_model_len=args.max_model_len, max_num_seqs=1, kernels=args.kernels)  # checks --device
     spec = None
     if args.draft:  # validated before the (slow) model load
-        spec = SpecConfig(args.draft, tree=args.tree, depth=args.tree_depth, top_k=args.tree_top_k,
-                          max_nodes=args.tree_nodes, static_tree_file=args.static_tree)
-    model_dir = args.model or str(ensure_default_model())
-    cfg = EngineConfig(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                       max_num_seqs=1, kernels=args.kernels)
+        tree = tree_settings_from_args(args, device_type(args.device))
+        spec = SpecConfig(args.draft, tree.tree, tree.depth, tree.top_k, tree.max_nodes,
+                          static_tree_file=args.static_tree)
+    else:
+        _warn_unused_tree_flags(args)
+    if args.model is None:
+        cfg = dataclasses.replace(cfg, model_dir=str(ensure_default_model()))
     engine = build_engine(cfg, spec)
     target = engine.target
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     if args.raw:
-        ids = target.encode(prompt=args.prompt)
+        ids = target.encode(prompt=prompt)
     else:
         system = [{"role": "system", "content": args.system}] if args.system else []
-        ids = target.encode(messages=[*system, {"role": "user", "content": args.prompt}])
+        ids = target.encode(messages=[*system, {"role": "user", "content": prompt}])
     start, n, last = time.perf_counter(), 0, None
     for event in engine.stream(ids, params):
         sys.stdout.write(event.text)
@@ -76,11 +94,42 @@ def _generate(args: argparse.Namespace) -> None:
         reason = last.finish_reason.value if last and last.finish_reason else "none"
         print(f"[{len(ids)} prompt tokens, {n} generated in {secs:.2f}s ({n / secs:.1f} tok/s), "
               f"finish: {reason}]", file=sys.stderr)
-        if last is not None and last.speculation is not None:
+        if spec is None:
+            print("[speculation: off (no --draft)]", file=sys.stderr)
+        elif last is not None and last.speculation is not None:
             m = last.speculation
-            print(f"[speculation: {m.steps} steps, tau {m.tau:.2f}, acceptance {m.acceptance_rate:.1%}, "
+            print(f"[speculation: {spec.settings.describe()}, {m.steps} steps, tau {m.tau:.2f}, "
+                  f"acceptance {m.acceptance_rate:.1%}, "
                   f"{m.draft_tokens} draft / {m.accepted_tokens} accepted / {m.rewound_tokens} rewound tokens, "
                   f"per depth {m.accepted_per_depth}]", file=sys.stderr)
+
+
+def read_prompt(text: str | None, path: str | None) -> str:
+    """The prompt from the argument or from ``path`` (``-``: standard input); exactly one of them."""
+    if (text is None) == (path is None):
+        raise InvalidRequestError("prompt", "give the prompt as an argument or with --prompt-file"
+                                            + (", not both" if text is not None else ""))
+    if text is not None:
+        return text
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise InvalidRequestError("prompt_file", f"cannot read {path!r}: {exc.strerror}") from None
+
+
+def _warn_unused_tree_flags(args: argparse.Namespace) -> None:
+    """Tree flags only shape a draft's trees: say so when they are given without --draft."""
+    given = [flag for flag, value in (("--tree", args.tree), ("--tree-depth", args.tree_depth),
+                                      ("--tree-top-k", args.tree_top_k), ("--tree-nodes", args.tree_nodes),
+                                      ("--static-tree", args.static_tree)) if value is not None]
+    if given:
+        print(f"warning: {', '.join(given)} ignored without --draft (no speculation)", file=sys.stderr)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LONG_WORK = ("train-draft", "self-prompts")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start both services, wait until healthy, stream an answer")
     _add_up_args(up)
     client_cli.add_subcommands(sub)
+    for name, verb in sub.choices.items():
+        default = "info" if name in LONG_WORK else "warning"  # long work logs its progress
+        verb.add_argument("--log-level", default=default, choices=LOG_LEVELS,
+                          help=f"logging threshold (default: {default}; info shows the services' progress)")
     return parser
 
 
@@ -232,7 +285,8 @@ def _eval(args: argparse.Namespace) -> None:
 def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="What is the capital of France?")
     p.add_argument("--draft", default="default",
-                   help="EAGLE-3 head for the draft service (default: the head shipped for SmolLM2)")
+                   help="EAGLE-3 head for the draft service (default: the head shipped for SmolLM2); the services "
+                        "use the device's default tree: a chain of 3 on a CPU, the dynamic tree on a GPU")
     p.add_argument("--no-draft", action="store_true", help="start only the verify service (one token per step)")
     p.add_argument("--device", default="auto")
     p.add_argument("--listen", default="127.0.0.1:50051")
@@ -270,13 +324,19 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    verbose = args.command.startswith("serve") or args.command in ("train-draft", "self-prompts")
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return _run(args)
     except EagleError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").partition(".")[0]
+        if package not in ENGINE_PACKAGES:
+            raise
+        print(f"error: eagle3 {args.command} needs the engine extra ({package} is not installed): "
+              f"pip install 'eagle3-serve[engine]'", file=sys.stderr)
         return 2
 
 

@@ -1,13 +1,15 @@
 """``eagle3 up``: both services as child processes, a health wait, then a streamed answer.
 
-The embedded default target is used (fetched and converted on first use) with the EAGLE-3
-head shipped for it (``--draft`` names another). With ``--no-draft`` only the verify service
-starts: it decodes one token per step and says so.
+The embedded default target is used (fetched and converted on first use) with the EAGLE-3 head
+shipped for it (``--draft`` names another), and the device's default tree (a chain of 3 on a CPU,
+the dynamic tree on a GPU: what was measured faster on each). With ``--no-draft`` only the verify
+service starts. Children print warnings and errors only; their status lines stay quiet.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,14 +17,17 @@ import time
 from pathlib import Path
 
 from client.eagle3_client import Eagle3Client
+from common.devices import device_type
+from common.tree_settings import default_tree
 from hub.default_model import ensure_default_model
 
 
-def spawn(args: list[str], log: Path | None = None) -> subprocess.Popen:
-    """``eagle3 ARGS`` as a child process (output to ``log`` when given)."""
-    out = open(log, "w") if log is not None else None
+def spawn(args: list[str], log: Path | None = None, quiet: bool = False) -> subprocess.Popen:
+    """``eagle3 ARGS`` as a child process: output to ``log`` when given; ``quiet`` drops its
+    stdout (status lines) and keeps its stderr (warnings and errors)."""
+    out = open(log, "w") if log is not None else (subprocess.DEVNULL if quiet else None)
     return subprocess.Popen([sys.executable, "-m", "cli.main", *args], stdout=out,
-                            stderr=subprocess.STDOUT if out else None)
+                            stderr=subprocess.STDOUT if log is not None else None)
 
 
 def wait_healthy(client: Eagle3Client, service: str, proc: subprocess.Popen, what: str,
@@ -43,36 +48,49 @@ def wait_healthy(client: Eagle3Client, service: str, proc: subprocess.Popen, wha
 
 def up(args: argparse.Namespace) -> int:
     model = str(ensure_default_model())
-    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="eagle3-"))
+    draft = None if args.no_draft else args.draft
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="eagle3-"))
     internal = f"unix:{run_dir}/draft.sock"
     procs = [spawn(["serve-verify", "--model", model, "--listen", args.listen, "--internal", internal,
-                     "--device", args.device])]
+                     "--device", args.device], quiet=True)]
     try:
         with Eagle3Client(args.listen, timeout_s=600) as client:
             wait_healthy(client, "", procs[0], "verify service")
-            if not args.no_draft:
-                procs.append(spawn(["serve-draft", "--draft", args.draft, "--verify", internal,
-                                     "--listen", f"unix:{run_dir}/draft-health.sock", "--device", args.device]))
+            if draft is not None:
+                procs.append(spawn(["serve-draft", "--draft", draft, "--verify", internal, "--listen",
+                                    f"unix:{run_dir}/draft-health.sock", "--device", args.device], quiet=True))
                 wait_healthy(client, "eagle3.speculation", procs[1], "draft service")
-                print("[verify + draft services healthy; speculating]", file=sys.stderr)
-            else:
-                print("[verify service healthy; --no-draft: decoding one token per "
-                      "step, health reports eagle3.speculation NOT_SERVING]", file=sys.stderr)
-            _answer(client, args.prompt)
+            last = _answer(client, args.prompt)
+            print(_status(args, draft, last), file=sys.stderr)
             if not args.once:
                 print(f"[serving on {args.listen}; Ctrl-C stops both services]", file=sys.stderr)
                 procs[0].wait()
     except KeyboardInterrupt:
         pass
     finally:
-        for p in reversed(procs):
+        for p in reversed(procs):  # the draft first: it closes its link, a normal shutdown for the verify side
             p.terminate()
-        for p in procs:
             p.wait(30)
+        if not args.run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
     return 0
 
 
-def _answer(client: Eagle3Client, prompt: str) -> None:
+def _status(args: argparse.Namespace, draft: str | None, last) -> str:
+    """The one status line: what ran, and how speculation did on the answer."""
+    if draft is None:
+        return "[verify service only (--no-draft): one token per step]"
+    kind = device_type(args.device)
+    line = f"[verify + draft services; {default_tree(kind).describe()} (the {kind.upper()} default)"
+    s = last.speculation if last is not None else None
+    if s and s.get("speculated"):
+        line += (f": tau {s['mean_acceptance_length']:.2f}, {s['accepted_tokens']} of {s['draft_tokens']} "
+                 "draft tokens accepted")
+    return line + "]"
+
+
+def _answer(client: Eagle3Client, prompt: str):
+    """Stream the answer to stdout; returns the last event (with the speculation summary)."""
     print(f"> {prompt}", flush=True)
     last = None
     for event in client.generate([{"role": "user", "content": prompt}], max_tokens=256):
@@ -80,7 +98,4 @@ def _answer(client: Eagle3Client, prompt: str) -> None:
         sys.stdout.flush()
         last = event
     print(flush=True)
-    if last is not None and last.speculation and last.speculation.get("speculated"):
-        s = last.speculation
-        print(f"[speculation: tau {s['mean_acceptance_length']:.2f}, {s['accepted_tokens']} of "
-              f"{s['draft_tokens']} draft tokens accepted]", file=sys.stderr)
+    return last

@@ -11,6 +11,7 @@ Every call carries a deadline; every gRPC error becomes a ``ClientError`` whose
 
 from __future__ import annotations
 
+import numbers
 import re
 import struct
 import time
@@ -26,6 +27,7 @@ from grpc_status import rpc_status
 from protos.eagle3.v1 import generation_pb2, generation_pb2_grpc, speculation_pb2
 
 Prompt = str | Sequence[int] | Sequence[dict]
+UINT32_MAX, UINT64_MAX = (1 << 32) - 1, (1 << 64) - 1
 
 TREE_KINDS = {
     "dynamic": speculation_pb2.TREE_KIND_DYNAMIC,
@@ -38,10 +40,17 @@ class ClientError(Exception):
     """A failed RPC: ``code`` is the grpc.StatusCode name ("INVALID_ARGUMENT", ...)."""
 
     def __init__(self, code: str, message: str, field_violations: list[tuple[str, str]] | None = None):
-        super().__init__(f"{code}: {message}")
+        super().__init__(code, message, field_violations)
         self.code = code
         self.message = message
         self.field_violations = field_violations or []
+
+    def __str__(self) -> str:
+        """One line: the code, the message, then the field violations the message does not already say
+        (the server's message for one bad field is that violation: "temperature: must be ...")."""
+        extra = [f"{name}: {text}" for name, text in self.field_violations if f"{name}: {text}" not in self.message]
+        line = f"{self.code}: {self.message}" if self.message else self.code
+        return " ".join((line + (f" ({'; '.join(extra)})" if extra else "")).split())
 
     @classmethod
     def from_rpc_error(cls, err: grpc.RpcError) -> ClientError:
@@ -119,10 +128,16 @@ class Eagle3Client:
                  tree_top_k: int | None = None, max_nodes: int | None = None,
                  timeout_s: float | None = None) -> Iterator[StreamEvent]:
         """Streams the answer. The request is built (and checked) now, sent on the first ``next``;
-        closing the iterator early (``break`` then ``close()``, or ``contextlib.closing``) cancels it."""
+        closing the iterator early (``break`` then ``close()``, or ``contextlib.closing``) cancels it.
+        A value no request can carry (a negative ``max_tokens``, ...) raises ValueError naming it."""
+        stop_token_ids = list(stop_token_ids)
+        _check_unsigned({"max_tokens": (max_tokens, UINT32_MAX), "top_k": (top_k, UINT32_MAX),
+                         "seed": (seed, UINT64_MAX), "depth": (depth, UINT32_MAX),
+                         "tree_top_k": (tree_top_k, UINT32_MAX), "max_nodes": (max_nodes, UINT32_MAX),
+                         **{f"stop_token_ids[{i}]": (t, UINT32_MAX) for i, t in enumerate(stop_token_ids)}})
         request = generation_pb2.GenerateRequest(
             max_tokens=max_tokens, stop=[stop] if isinstance(stop, str) else list(stop),
-            stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
             sampling=_sampling(temperature, top_p, top_k, seed),
             speculation=_speculation(speculate, tree, depth, tree_top_k, max_nodes))
         _set_prompt(request, prompt)
@@ -204,12 +219,25 @@ def _set_prompt(request: generation_pb2.GenerateRequest, prompt: Prompt) -> None
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        _check_unsigned({f"prompt[{i}]": (t, UINT32_MAX) for i, t in enumerate(prompt)})
         request.token_ids.ids.extend(prompt)
     elif prompt and all(isinstance(m, dict) for m in prompt):
         request.chat.messages.extend(generation_pb2.ChatMessage(role=m["role"], content=m["content"])
                                      for m in prompt)
     else:
         raise ValueError("prompt must be a string, a non-empty list of token ids or of chat message dicts")
+
+
+def _check_unsigned(fields: dict[str, tuple[int | None, int]]) -> None:
+    """``fields``: name -> (value or None, the most it may be). protobuf refuses an unsigned field's
+    value out of range without naming the field ("Value out of range: -1"); this names it."""
+    for name, (value, most) in fields.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy ints pass
+            raise TypeError(f"{name}: must be an integer, got {value!r}")
+        if not 0 <= value <= most:
+            raise ValueError(f"{name}: must be {'>= 0' if value < 0 else f'<= {most}'}, got {value}")
 
 
 def _sampling(temperature, top_p, top_k, seed) -> generation_pb2.SamplingParameters:

@@ -61,3 +61,15 @@ class SharedBufferError(EagleError):
     hosts or GPUs, mismatched backends, a vanished (restarted) exporter, or cupy missing."""
 
     grpc_code = "FAILED_PRECONDITION"
+
+
+class AddressInUseError(EagleError):
+    """A service cannot listen where it was told to: the address is taken or not available."""
+
+    grpc_code = "UNAVAILABLE"
+
+
+class MissingExtraError(EagleError):
+    """An optional feature was asked for, but the extra that provides it is not installed."""
+
+    grpc_code = "FAILED_PRECONDITION"

@@ -55,6 +55,13 @@ class TreeSettings:
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= hi:
                 raise InvalidRequestError(name, f"must be an integer in [1, {hi}], got {value!r}")
 
+    def describe(self) -> str:
+        """"a chain of 3", "a dynamic tree 7/10/59" (depth / top-k / nodes), "a static tree"."""
+        if self.tree == "chain":
+            return f"a chain of {self.depth}"
+        return "a static tree" if self.tree == "static" else \
+            f"a dynamic tree {self.depth}/{self.top_k}/{self.max_nodes} (depth/top-k/nodes)"
+
     @property
     def node_budget(self) -> int:
         """Most nodes one tree of this shape holds."""
@@ -105,19 +112,39 @@ class TreeSettings:
         return TreeSettings(kind, **chosen)
 
 
+# The default tree by device: what was measured faster there. On a CPU (SmolLM2, fp32, batch 1,
+# MT-bench) a chain of 3 gave 1.10x target-only in one process and 1.27x through the services,
+# the dynamic tree 0.64x and 0.80x (benchmarks/results/cpu_speculation_*).
+CPU_DEFAULT_TREE = TreeSettings("chain", 3)
+
+
+def default_tree(device_type: str) -> TreeSettings:
+    """The default tree for a device type ("cuda", "cpu")."""
+    return TreeSettings() if device_type == "cuda" else CPU_DEFAULT_TREE
+
+
 def add_tree_arguments(p, limits: bool = False, static_file: bool = True) -> None:
-    """``--tree``, ``--tree-depth``, ``--tree-top-k``, ``--tree-nodes`` with the defaults above, and
-    ``--static-tree`` where ``static_file`` (the side that builds trees reads it). ``limits``: the
-    values are also the most a request may ask for (the verify service's)."""
+    """``--tree``, ``--tree-depth``, ``--tree-top-k``, ``--tree-nodes`` (unset: the device's default
+    tree), and ``--static-tree`` where ``static_file`` (the side that builds trees reads it).
+    ``limits``: the values are also the most a request may ask for (the verify service's)."""
     also = " (default and most a request may ask for)" if limits else ""
-    p.add_argument("--tree", default=DEFAULT_TREE, choices=list(TREE_KINDS), help="tree kind" + also)
-    p.add_argument("--tree-depth", type=int, default=DEFAULT_DEPTH, help="tree depth (chain length)" + also)
-    p.add_argument("--tree-top-k", type=int, default=DEFAULT_TOP_K, help="children per expanded node" + also)
-    p.add_argument("--tree-nodes", type=int, default=DEFAULT_NODES, help="nodes verified per step, root excluded" + also)
+    gpu = f"{DEFAULT_TREE} {DEFAULT_DEPTH}/{DEFAULT_TOP_K}/{DEFAULT_NODES}"
+    p.add_argument("--tree", default=None, choices=list(TREE_KINDS),
+                   help=f"tree kind{also}. Without any tree flag: {gpu} (depth/top-k/nodes) on a GPU, a chain "
+                        f"of {CPU_DEFAULT_TREE.depth} on a CPU (measured fastest there); with some, {gpu} for "
+                        "the rest")
+    p.add_argument("--tree-depth", type=int, default=None, help="tree depth (chain length)" + also)
+    p.add_argument("--tree-top-k", type=int, default=None, help="children per expanded node" + also)
+    p.add_argument("--tree-nodes", type=int, default=None, help="nodes verified per step, root excluded" + also)
     if static_file:
         p.add_argument("--static-tree", default=None, help='JSON file {"paths": [[0], [1], [0, 0], ...]} (tree "static")')
 
 
-def tree_settings_from_args(args) -> TreeSettings:
-    """The ``add_tree_arguments`` flags as validated settings."""
-    return TreeSettings(args.tree, args.tree_depth, args.tree_top_k, args.tree_nodes)
+def tree_settings_from_args(args, device_type: str) -> TreeSettings:
+    """The ``add_tree_arguments`` flags as validated settings. With no tree flag given, the device's
+    default tree; otherwise the flags given, and the GPU defaults (above) for the rest."""
+    given = {field: getattr(args, attr) for field, attr in
+             (("tree", "tree"), ("depth", "tree_depth"), ("top_k", "tree_top_k"), ("max_nodes", "tree_nodes"))}
+    if all(v is None for v in given.values()):
+        return default_tree(device_type)
+    return TreeSettings(**{k: v for k, v in given.items() if v is not None})

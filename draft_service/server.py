@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -27,8 +28,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.config import ModelConfig
+from common.listen import NO_PORT_SHARING, bind
+from common.metrics_http import metrics_host
 from draft_service.drafter import EagleDrafter
 from draft_service.eagle_config import DraftConfig
+from draft_service.metrics import DraftMetrics
 from draft_service.server_config import DraftServerConfig
 from link.convert import descriptor_from_proto, settings_from_proto
 from link.protocol import DraftFeed, ProposeRequest
@@ -49,7 +53,9 @@ def _device(name: str) -> torch.device:
 class DraftWorker:
     """One session at a time with the verify service; ``run`` reconnects until ``stop``."""
 
-    def __init__(self, cfg: DraftServerConfig, status: health.HealthServicer, make_drafter=None):
+    def __init__(self, cfg: DraftServerConfig, status: health.HealthServicer, make_drafter=None,
+                 on_step=lambda compute_s: None):
+        """``on_step(compute_s)``: called after every answered step with its draft compute time (metrics)."""
         self.cfg = cfg
         self.device = _device(cfg.device)
         self.status = status
@@ -57,17 +63,32 @@ class DraftWorker:
         self.draft_cfg = DraftConfig.from_dir(cfg.spec.draft_path)  # fail fast on a bad head
         self._stop = threading.Event()
         self._responses = None  # the live session's response stream, cancelled by stop()
-        self.steps = 0
+        self._outgoing: queue.Queue | None = None  # the live session's request stream
+        self._was_connected = False
+        self._on_step = on_step
+        self.connected = False  # a session is live
+        self.sessions_opened = 0
+        self.steps = 0  # steps answered
+        self.trees_proposed = 0
 
-    def stop(self) -> None:
-        """End the current session (if any) and the reconnect loop."""
+    def stop(self, grace_s: float = 2.0) -> None:
+        """End the current session (if any) and the reconnect loop.
+
+        The link is closed from this side first (the request stream ends), so the verify service
+        sees a normal shutdown rather than a lost draft; it is cut after ``grace_s`` regardless.
+        """
         self._stop.set()
-        responses = self._responses
+        outgoing, responses = self._outgoing, self._responses
+        if outgoing is not None:
+            outgoing.put(None)
         if responses is not None:
-            responses.cancel()
+            timer = threading.Timer(grace_s, responses.cancel)
+            timer.daemon = True
+            timer.start()
 
     def run(self) -> None:
         backoff = 0.1
+        print(f"draft service: waiting for the verify service at {self.cfg.verify}", flush=True)
         while not self._stop.is_set():
             started = time.monotonic()
             try:
@@ -75,14 +96,26 @@ class DraftWorker:
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     break
-                log.warning("verify service unavailable (%s): %s", exc.code().name, exc.details())
+                self._unavailable(exc)
             except Exception:
                 log.exception("draft session failed")
             self._set_serving(False)
             backoff = 0.1 if time.monotonic() - started > 10 else min(backoff * 2, self.cfg.reconnect_max_s)
             self._stop.wait(backoff)
 
+    def _unavailable(self, exc: grpc.RpcError) -> None:
+        """Not reachable while it starts is expected (INFO); losing it after a session is a warning."""
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and not self._was_connected:
+            log.info("verify service at %s not reachable yet: %s", self.cfg.verify, exc.details())
+        elif exc.code() == grpc.StatusCode.UNAVAILABLE:
+            log.warning("lost the verify service at %s; reconnecting", self.cfg.verify)
+            self._was_connected = False
+        else:
+            log.warning("verify service at %s refused the draft (%s): %s", self.cfg.verify, exc.code().name,
+                        exc.details())
+
     def _set_serving(self, up: bool) -> None:
+        self.connected = up
         state = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE):
             self.status.set(name, state)
@@ -112,22 +145,33 @@ class DraftWorker:
     def _stream(self, stub, hello, bufs, drafter) -> None:
         outgoing: queue.Queue = queue.Queue()
         outgoing.put(pb.DraftMessage(open=pb.SessionOpen(session_id=hello.session_id, generation=hello.generation)))
+        self._outgoing = outgoing
         responses = self._responses = stub.Session(iter(outgoing.get, None))
         if self._stop.is_set():
             responses.cancel()
         self._set_serving(True)
+        self.sessions_opened += 1
+        self._was_connected = True
+        print(f"draft service: connected to the verify service at {self.cfg.verify} (session {hello.session_id})",
+              flush=True)
         log.info("draft session %d open (target %s, %d buffers)", hello.session_id, hello.target.fingerprint,
                  len(hello.buffers))
         try:
             for msg in responses:
                 if self._stop.is_set():
                     break
-                outgoing.put(pb.DraftMessage(result=self._answer(msg, bufs, drafter)))
-                self.steps += 1
+                result = self._answer(msg, bufs, drafter)
+                self._count(result)  # before the answer: once the verify side has it, the counters show it
+                outgoing.put(pb.DraftMessage(result=result))
         finally:
             outgoing.put(None)
             responses.cancel()
-            self._responses = None
+            self._responses = self._outgoing = None
+
+    def _count(self, result: pb.StepResult) -> None:
+        self.steps += 1
+        self.trees_proposed += len(result.trees)
+        self._on_step(result.draft_compute_ns / 1e9)
 
     def _answer(self, msg: pb.VerifyMessage, bufs, drafter) -> pb.StepResult:
         start = time.perf_counter_ns()
@@ -156,22 +200,42 @@ class DraftWorker:
         return result
 
 
-def create_server(cfg: DraftServerConfig, make_drafter=None) -> tuple[grpc.Server, DraftWorker, int]:
+@dataclass
+class DraftServer:
+    server: grpc.Server  # health and reflection
+    worker: DraftWorker
+    port: int
+    metrics: DraftMetrics | None = None  # Prometheus /metrics (metrics.endpoint.port: the bound port)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self.worker.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
+        self.server.stop(grace_s).wait()
+
+
+def create_server(cfg: DraftServerConfig, make_drafter=None) -> DraftServer:
+    """Bind the health endpoint (and /metrics) and return; ``worker.run()`` then dials the verify service."""
+    metrics = DraftMetrics(metrics_host(cfg.listen), cfg.metrics_port) if cfg.metrics_port is not None else None
     status = health.HealthServicer()
-    worker = DraftWorker(cfg, status, make_drafter)
+    worker = DraftWorker(cfg, status, make_drafter, metrics.compute_seconds.observe if metrics else lambda s: None)
     worker._set_serving(False)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    if metrics is not None:
+        metrics.attach(worker)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[NO_PORT_SHARING])
     health_pb2_grpc.add_HealthServicer_to_server(status, server)
     reflection.enable_server_reflection((health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(cfg.listen)
+    port = bind(server, cfg.listen)
     server.start()
-    return server, worker, port
+    return DraftServer(server, worker, port, metrics)
 
 
 def serve(cfg: DraftServerConfig) -> None:
-    server, worker, _ = create_server(cfg)
+    srv = create_server(cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: worker.stop())
+        signal.signal(sig, lambda *_: srv.worker.stop())
     print(f"draft service dialing {cfg.verify}; health on {cfg.listen}", flush=True)
-    worker.run()
-    server.stop(2).wait()
+    if srv.metrics is not None:
+        print(f"draft service metrics on {srv.metrics.endpoint.url}", flush=True)
+    srv.worker.run()
+    srv.stop()

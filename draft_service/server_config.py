@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from common.devices import check_device, device_type
 from common.errors import InvalidRequestError
-from common.tree_settings import add_tree_arguments
-from draft_service.spec_config import SpecConfig
+from common.tree_settings import add_tree_arguments, tree_settings_from_args
+
+if TYPE_CHECKING:  # spec_config reaches hub (numpy); the flags are parsed without it
+    from draft_service.spec_config import SpecConfig
 
 DEFAULT_VERIFY = "unix:/tmp/eagle3/draft.sock"
 DEFAULT_HEALTH = "127.0.0.1:50052"
@@ -21,10 +25,14 @@ class DraftServerConfig:
     device: str = "auto"  # must be the verify service's GPU (checked at the handshake)
     reconnect_max_s: float = 5.0  # backoff cap between reconnection attempts
     max_message_bytes: int = 4 << 20
+    metrics_port: int | None = None  # Prometheus /metrics on the --listen host (None: off; 0: any free port)
 
     def __post_init__(self):
+        check_device(self.device)
         if self.reconnect_max_s <= 0:
             raise InvalidRequestError("reconnect_max_s", f"must be > 0, got {self.reconnect_max_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise InvalidRequestError("metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,10 +44,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_tree_arguments(p)
     p.add_argument("--reconnect-max-s", type=float, default=5.0)
     p.add_argument("--max-message-bytes", type=int, default=4 << 20)
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus /metrics on PORT, on the --listen host (127.0.0.1 for a unix socket; "
+                        "0: any free port); needs eagle3-serve[metrics]")
 
 
 def from_args(args: argparse.Namespace) -> DraftServerConfig:
-    spec = SpecConfig(args.draft, tree=args.tree, depth=args.tree_depth, top_k=args.tree_top_k,
-                      max_nodes=args.tree_nodes, static_tree_file=args.static_tree)
+    from draft_service.spec_config import SpecConfig
+
+    check_device(args.device)
+    tree = tree_settings_from_args(args, device_type(args.device))
+    spec = SpecConfig(args.draft, tree.tree, tree.depth, tree.top_k, tree.max_nodes, static_tree_file=args.static_tree)
     return DraftServerConfig(spec, verify=args.verify, listen=args.listen, device=args.device,
-                             reconnect_max_s=args.reconnect_max_s, max_message_bytes=args.max_message_bytes)
+                             reconnect_max_s=args.reconnect_max_s, max_message_bytes=args.max_message_bytes,
+                             metrics_port=args.metrics_port)

@@ -58,8 +58,7 @@ def main() -> None:
         return FaultyDrafter(EagleDrafter.from_checkpoint(spec, target, embedding, max_seqs, max_len), mode,
                              target.vocab_size)
 
-    srv, worker, _ = server.create_server(cfg, make)
-    worker.run()
+    server.create_server(cfg, make).worker.run()
 
 
 if __name__ == "__main__":

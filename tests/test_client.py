@@ -4,6 +4,7 @@ The fake ``Generation`` servicer answers by prompt text: "invalid" aborts with a
 INVALID_ARGUMENT, "forever" streams until cancelled, anything else streams "Hello, world".
 """
 
+import io
 import threading
 import time
 from concurrent import futures
@@ -209,9 +210,96 @@ def test_cli_chat(server, capsys):
 
 def test_cli_error_prints_violations(server, capsys):
     assert cli.main(["client", "generate", "--server", server[0], "invalid"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: INVALID_ARGUMENT: invalid request\n")
-    assert "  sampling.temperature: must be >= 0\n" in err and "  max_tokens: too many\n" in err
+    assert capsys.readouterr().err == ("error: INVALID_ARGUMENT: invalid request "
+                                       "(sampling.temperature: must be >= 0; max_tokens: too many)\n")
+
+
+def test_client_error_is_one_line_without_repeats():
+    # The server's message for one bad field is that field's violation: said once.
+    err = ClientError("INVALID_ARGUMENT", "temperature: must be >= 0, got -1.0",
+                      [("temperature", "must be >= 0, got -1.0")])
+    assert str(err) == "INVALID_ARGUMENT: temperature: must be >= 0, got -1.0"
+    err = ClientError("INVALID_ARGUMENT", "a: x", [("a", "x"), ("b", "y")])
+    assert str(err) == "INVALID_ARGUMENT: a: x (b: y)"
+    assert str(ClientError("UNAVAILABLE", "failed\n  to connect")) == "UNAVAILABLE: failed to connect"
+    assert str(ClientError("UNKNOWN", "")) == "UNKNOWN"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=-1), "max_tokens: must be >= 0, got -1"),
+    (dict(max_tokens=2**32), f"max_tokens: must be <= {2**32 - 1}, got {2**32}"),
+    (dict(top_k=-1), "top_k: must be >= 0, got -1"),
+    (dict(seed=-5), "seed: must be >= 0, got -5"),
+    (dict(seed=2**64), f"seed: must be <= {2**64 - 1}, got {2**64}"),
+    (dict(depth=-1), "depth: must be >= 0, got -1"),
+    (dict(tree_top_k=-2), "tree_top_k: must be >= 0, got -2"),
+    (dict(max_nodes=-3), "max_nodes: must be >= 0, got -3"),
+    (dict(stop_token_ids=[2, -1]), "stop_token_ids\\[1\\]: must be >= 0, got -1"),
+])
+def test_unsigned_fields_are_checked_by_name(client, kwargs, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        client.generate("x", **kwargs)
+
+
+def test_prompt_token_ids_and_integer_types_are_checked(client):
+    with pytest.raises(ValueError, match=r"^prompt\[1\]: must be >= 0, got -2$"):
+        client.generate([1, -2])
+    with pytest.raises(TypeError, match="^top_k: must be an integer, got 1.5$"):
+        client.generate("x", top_k=1.5)
+    assert client.complete("x", seed=2**64 - 1, max_tokens=2**32 - 1).text == "Hello, world"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-tokens", "-1"], "max_tokens: must be >= 0, got -1"),
+    (["--top-k", "-1"], "top_k: must be >= 0, got -1"),
+    (["--seed", "-1"], "seed: must be >= 0, got -1"),
+    (["--tree-depth", "-1"], "depth: must be >= 0, got -1"),
+    (["--tree-top-k", "-1"], "tree_top_k: must be >= 0, got -1"),
+    (["--tree-nodes", "-1"], "max_nodes: must be >= 0, got -1"),
+])
+def test_cli_refuses_negative_unsigned_values(server, capsys, flags, message):
+    sent = len(server[1].requests)
+    assert cli.main(["client", "chat", "--server", server[0], "Hi", *flags]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+    assert len(server[1].requests) == sent  # refused before sending
+
+
+def test_cli_prompt_file(server, capsys, tmp_path):
+    long_prompt = "word " * 50_000 + "\nend\n"  # 250 KB: more than one shell argument may hold
+    path = tmp_path / "prompt.txt"
+    path.write_text(long_prompt)
+    assert cli.main(["client", "generate", "--server", server[0], "--prompt-file", str(path)]) == 0
+    assert capsys.readouterr().out == "Hello, world\n"
+    assert server[1].requests[-1].text == long_prompt
+    assert cli.main(["client", "chat", "--server", server[0], "--system", "S", "--prompt-file", str(path)]) == 0
+    messages = server[1].requests[-1].chat.messages
+    assert [(m.role, m.content) for m in messages] == [("system", "S"), ("user", long_prompt)]
+
+
+def test_cli_prompt_file_from_stdin(server, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("from stdin\n"))
+    assert cli.main(["client", "generate", "--server", server[0], "--prompt-file", "-"]) == 0
+    assert server[1].requests[-1].text == "from stdin\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO("a question"))
+    assert cli.main(["client", "chat", "--server", server[0], "--message", "user:Hi", "--prompt-file", "-"]) == 0
+    messages = server[1].requests[-1].chat.messages
+    assert [(m.role, m.content) for m in messages] == [("user", "Hi"), ("user", "a question")]
+    assert capsys.readouterr().out == "Hello, world\n" * 2
+
+
+def test_cli_prompt_file_errors(server, capsys, tmp_path):
+    missing = tmp_path / "missing.txt"
+    assert cli.main(["client", "generate", "--server", server[0], "--prompt-file", str(missing)]) == 2
+    assert capsys.readouterr().err == f"error: --prompt-file: cannot read {str(missing)!r}: No such file or directory\n"
+    (tmp_path / "bin").write_bytes(b"\xff\xfe")
+    assert cli.main(["client", "chat", "--server", server[0], "--prompt-file", str(tmp_path / "bin")]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err
+    for argv in (["generate", "x", "--prompt-file", "f"], ["generate", "--token-ids", "1", "--prompt-file", "f"],
+                 ["generate"], ["chat", "x", "--prompt-file", "f"]):
+        with pytest.raises(SystemExit) as info:  # argparse: exactly one prompt
+            cli.main(["client", *argv, "--server", server[0]])
+        assert info.value.code == 2
+        assert "--prompt-file" in capsys.readouterr().err
 
 
 def test_cli_health(server, capsys, tmp_path):

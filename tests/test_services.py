@@ -140,7 +140,13 @@ def test_killing_the_draft_keeps_outputs_exact_and_restart_resumes(dirs, tmp_pat
         s.start_draft()
         again = s.client.complete(PROMPTS[0], max_tokens=6, ignore_eos=True)
         assert again.speculation["speculated"] and again.token_ids == plain.token_ids
-        assert s.client.metrics()["draft_sessions"] == 2
+        metrics = s.client.metrics()
+        assert metrics["draft_sessions"] == 2 and metrics["draft_errors"] == 1  # the session lost mid-traffic
+        s.draft.kill()  # while idle: no step was waiting on it, and the loss still counts
+        deadline = time.monotonic() + 30
+        while s.client.health("eagle3.speculation") == "SERVING" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s.client.metrics()["draft_errors"] == 2
     finally:
         s.close()
 

@@ -1,4 +1,4 @@
-"""Public API conversions: GenerateRequest -> engine inputs, engine events -> responses."""
+"""Public API conversions: GenerateRequest -> engine inputs, engine events and stats -> responses."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from protos.eagle3.v1 import generation_pb2 as pb
 from protos.eagle3.v1 import speculation_pb2 as spec_pb
 from verify_service.engine import TokenEvent
 from verify_service.sequence import FinishReason, SpeculationMetrics
+from verify_service.stats import VerifyStats
 from verify_service.target import Target
 
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
@@ -68,3 +69,13 @@ def speculation_metrics(m: SpeculationMetrics | None) -> pb.SpeculationMetrics:
         speculated=True, steps=m.steps, draft_tokens=m.draft_tokens, accepted_tokens=m.accepted_tokens,
         rewound_tokens=m.rewound_tokens, acceptance_rate=m.acceptance_rate, mean_acceptance_length=m.tau,
         accepted_per_depth=m.accepted_per_depth)
+
+
+def server_metrics(s: VerifyStats) -> pb.ServerMetrics:
+    return pb.ServerMetrics(
+        running_requests=s.running_requests, waiting_requests=s.waiting_requests,
+        kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used, draft_connected=s.draft_connected,
+        draft_sessions=s.draft_sessions, speculative_steps=s.speculative_steps, plain_steps=s.plain_steps,
+        draft_tokens=s.speculation.draft_tokens, accepted_tokens=s.speculation.accepted_tokens,
+        draft_errors=s.draft_errors, completed_requests=s.completed_requests, cancelled_requests=s.cancelled_requests,
+        control_plane_p50_us=s.control_plane_p50_us, control_plane_p99_us=s.control_plane_p99_us)

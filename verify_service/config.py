@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from common.devices import check_device
 from common.errors import InvalidRequestError
-from kernels import KERNEL_CHOICES
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# Names only: the flags that take these are parsed without importing torch (the client commands
+# share the parser). KERNEL_CHOICES equals kernels.KERNEL_CHOICES (a test compares them).
+DTYPES = ("float32", "float16", "bfloat16")
+KERNEL_CHOICES = ("auto", "triton", "reference")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +40,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidRequestError("dtype", f"must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_device(self.device)
         if self.kernels not in KERNEL_CHOICES:
             raise InvalidRequestError("kernels", f"must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         checks = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
@@ -50,11 +56,15 @@ class EngineConfig:
             raise InvalidRequestError("kv_cache_gib", f"must be > 0, got {self.kv_cache_gib}")
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)

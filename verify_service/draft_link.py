@@ -49,11 +49,13 @@ class Session:
 
 class RemoteDraft:
     def __init__(self, exporter: BufferExporter, buffers: dict[str, torch.Tensor], capture_layers: tuple[int, ...],
-                 timeout_s: float, on_change=lambda connected: None):
+                 timeout_s: float, on_change=lambda connected: None, on_overhead=lambda seconds: None):
+        """``on_change(connected)``: a session came or went. ``on_overhead(seconds)``: each step's
+        control-plane overhead (round trip minus the draft's compute), on the engine thread."""
         self.exporter, self.buffers = exporter, buffers
         self.capture_layers = capture_layers
         self.timeout_s = timeout_s
-        self._on_change = on_change
+        self._on_change, self._on_overhead = on_change, on_overhead
         self._lock = threading.Lock()
         self._session: Session | None = None
         self._ids = itertools.count(1)
@@ -61,7 +63,7 @@ class RemoteDraft:
         self._finished: list[int] = []
         self._rejected: list[tuple[int, str]] = []
         self.sessions_opened = 0
-        self.errors = 0  # timeouts, lost sessions, unusable tree references
+        self.errors = 0  # sessions lost (crash, timeout, broken stream; not a clean close), unusable tree references
         self.overhead_ns: deque[int] = deque(maxlen=1024)  # round trip minus the draft's compute
 
     @property
@@ -85,14 +87,19 @@ class RemoteDraft:
         log.info("draft session %d connected", session.session_id)
         self._on_change(True)
 
-    def drop(self, session: Session, reason: str) -> None:
+    def drop(self, session: Session, reason: str, clean: bool = False) -> None:
+        """End ``session``. ``clean``: the draft closed the link itself (its normal shutdown), which
+        is no warning; any other end (a crash, a timeout, a broken stream) is."""
         with self._lock:
             if self._session is session:
                 self._session = None
             was_alive, session.alive = session.alive, False
         self._end(session)
+        if was_alive and not clean:
+            self.errors += 1  # a lost session: the draft crashed, hung or broke its stream
         if was_alive:
-            log.warning("draft session %d ended: %s; decoding without speculation", session.session_id, reason)
+            log.log(logging.INFO if clean else logging.WARNING, "draft session %d ended: %s; decoding without "
+                    "speculation", session.session_id, reason)
             self._on_change(self.connected)
 
     @staticmethod
@@ -132,11 +139,12 @@ class RemoteDraft:
         except queue.Empty:
             result = None
         if result is None or result.step_id != msg.step_id:
-            self.errors += 1
             self.drop(s, "no answer in time" if result is None else "answered another step")
             return {}
         trees = self._read_trees(result, asked)
-        self.overhead_ns.append(time.perf_counter_ns() - start - result.draft_compute_ns)
+        overhead_ns = time.perf_counter_ns() - start - result.draft_compute_ns
+        self.overhead_ns.append(overhead_ns)
+        self._on_overhead(overhead_ns / 1e9)
         return trees
 
     def overhead_percentiles_us(self) -> tuple[float, float]:

@@ -75,8 +75,7 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self.draft_errors = 0  # invalid trees refused (each fell back to one plain step)
         self.last_step_verified_trees = False
-        self.total_draft_tokens = 0  # over finished and aborted sequences
-        self.total_accepted_tokens = 0
+        self.released_speculation = SpeculationMetrics()  # totals over finished and aborted sequences
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True,
                     tree: TreeSettings | None = None) -> int:
@@ -109,11 +108,17 @@ class Engine:
             self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.total_draft_tokens += seq.speculation.draft_tokens
-        self.total_accepted_tokens += seq.speculation.accepted_tokens
+        self.released_speculation.merge(seq.speculation)
         self.scheduler.release(seq)
         if seq.speculate:
             self.drafter.release(seq.seq_id)
+
+    def speculation_totals(self) -> SpeculationMetrics:
+        """Speculation counters over every request since start: released ones and those in flight."""
+        total = SpeculationMetrics()
+        for m in (self.released_speculation, *(seq.speculation for seq in self.sequences.values())):
+            total.merge(m)
+        return total
 
     @property
     def has_work(self) -> bool:

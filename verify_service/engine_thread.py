@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 from common.sampling_params import SamplingParams
 from common.tree_settings import TreeSettings
@@ -30,13 +32,16 @@ class EngineFailure:
 
 
 class EngineThread:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, on_step: Callable[[float], None] = lambda seconds: None):
+        """``on_step(seconds)``: called on this thread after every step with its duration (metrics)."""
         self.engine = engine
+        self._on_step = on_step
         self._commands: queue.Queue = queue.Queue()  # (callable, Future | None)
         self._queues: dict[int, queue.Queue] = {}
         self._stopped = False
         self.completed = 0
         self.cancelled = 0
+        self.generated_tokens = 0
         self.steps_with_trees = 0
         self.plain_steps = 0
         self._thread = threading.Thread(target=self._run, name="engine-thread", daemon=True)
@@ -49,11 +54,12 @@ class EngineThread:
         self._commands.put((lambda: None, None))  # wake the loop
         self._thread.join(timeout=30)
 
-    def _call(self, fn):
-        """Run ``fn()`` on the engine thread between steps; returns its result or raises its error."""
+    def _call(self, fn, timeout_s: float | None = None):
+        """Run ``fn()`` on the engine thread between steps; returns its result or raises its error
+        (concurrent.futures.TimeoutError after ``timeout_s``)."""
         done: Future = Future()
         self._commands.put((fn, done))
-        return done.result()
+        return done.result(timeout_s)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, speculate: bool,
                tree: TreeSettings | None) -> tuple[int, queue.Queue]:
@@ -76,9 +82,9 @@ class EngineThread:
             self.cancelled += 1
             log.info("request %d cancelled; its KV is free", seq_id)
 
-    def read(self, fn):
+    def read(self, fn, timeout_s: float | None = None):
         """``fn(engine)`` evaluated on the engine thread (metrics and info snapshots)."""
-        return self._call(lambda: fn(self.engine))
+        return self._call(lambda: fn(self.engine), timeout_s)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -106,23 +112,26 @@ class EngineThread:
             self._drain(block=not self.engine.has_work)
             if self._stopped or not self.engine.has_work:
                 continue
+            start = time.perf_counter()
             try:
                 events = self.engine.step()
             except Exception as exc:  # a bug: fail the requests in flight, keep serving
                 log.exception("engine step failed; aborting %d requests", len(self._queues))
                 self._fail_all(exc)
                 continue
-            self._count_step()
+            self._count_step(time.perf_counter() - start)
             self._dispatch(events)
 
-    def _count_step(self) -> None:
+    def _count_step(self, seconds: float) -> None:
         if self.engine.last_step_verified_trees:
             self.steps_with_trees += 1
         else:
             self.plain_steps += 1
+        self._on_step(seconds)
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for ev in events:
+            self.generated_tokens += len(ev.token_ids)
             q = self._queues.get(ev.seq_id)
             if q is None:
                 continue

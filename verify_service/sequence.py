@@ -47,6 +47,16 @@ class SpeculationMetrics:
         for d in range(accepted):
             self.accepted_per_depth[d] += 1
 
+    def merge(self, other: SpeculationMetrics) -> None:
+        """Add ``other``'s counters to these (totals over many requests)."""
+        self.steps += other.steps
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        self.rewound_tokens += other.rewound_tokens
+        self.accepted_per_depth.extend([0] * (len(other.accepted_per_depth) - len(self.accepted_per_depth)))
+        for d, n in enumerate(other.accepted_per_depth):
+            self.accepted_per_depth[d] += n
+
 
 @dataclass(eq=False)
 class Sequence:

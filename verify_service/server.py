@@ -20,13 +20,17 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.listen import NO_PORT_SHARING, bind
+from common.metrics_http import metrics_host
 from link.shared_buffers import BufferExporter
 from protos.eagle3.v1 import draft_link_pb2_grpc, generation_pb2, generation_pb2_grpc
 from verify_service.draft_link import RemoteDraft
 from verify_service.engine import Engine
 from verify_service.engine_thread import EngineThread
+from verify_service.metrics import VerifyMetrics
 from verify_service.server_config import VerifyServerConfig
 from verify_service.servicers import DraftLinkServicer, GenerationServicer
+from verify_service.stats import read_stats
 from verify_service.target import Target
 
 log = logging.getLogger(__name__)
@@ -42,8 +46,11 @@ class VerifyServer:
     health: health.HealthServicer
     public_port: int
     exporter: BufferExporter | None
+    metrics: VerifyMetrics | None = None  # Prometheus /metrics (metrics.endpoint.port: the bound port)
 
     def stop(self, grace_s: float = 5.0) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
         self.health.enter_graceful_shutdown()
         for server in (self.public, self.internal):
             if server is not None:
@@ -56,7 +63,8 @@ class VerifyServer:
 def _grpc_server(cfg: VerifyServerConfig) -> grpc.Server:
     limit = cfg.max_message_bytes
     return grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers),
-                       options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
+                       options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+                                NO_PORT_SHARING])
 
 
 def _export_buffers(target: Target, cfg: VerifyServerConfig, capture_layers) -> tuple[BufferExporter, dict]:
@@ -78,31 +86,31 @@ def _export_buffers(target: Target, cfg: VerifyServerConfig, capture_layers) -> 
 
 
 def create_server(cfg: VerifyServerConfig) -> VerifyServer:
-    """Load the model, bind both servers and start them (port 0 / temp sockets work for tests)."""
+    """Bind both servers, load the model and start them (port 0 / temp sockets work for tests).
+
+    The addresses are claimed first, so an address in use fails at once, not after the model load.
+    """
+    public = _grpc_server(cfg)
+    port = bind(public, cfg.listen)
+    internal = _grpc_server(cfg) if cfg.limits is not None else None
+    if internal is not None:
+        bind(internal, cfg.internal)
+    metrics = VerifyMetrics(metrics_host(cfg.listen), cfg.metrics_port) if cfg.metrics_port is not None else None
     target = Target.from_config(cfg.engine)
     status = health.HealthServicer()
-    remote, exporter = None, None
-    if cfg.limits is not None:
-        capture = target.model_config.default_capture_layers()
-        exporter, buffers = _export_buffers(target, cfg, capture)
-        on_change = lambda up: status.set(SPECULATION_HEALTH, health_pb2.HealthCheckResponse.SERVING if up  # noqa: E731
-                                          else health_pb2.HealthCheckResponse.NOT_SERVING)
-        remote = RemoteDraft(exporter, buffers, capture, cfg.draft_timeout_s, on_change)
-    loop = EngineThread(Engine(target, remote, cfg.limits) if remote else Engine(target))
-    public = _grpc_server(cfg)
+    remote, exporter = _remote_draft(target, cfg, status, metrics)
+    on_step = metrics.step_seconds.observe if metrics else lambda seconds: None
+    loop = EngineThread(Engine(target, remote, cfg.limits) if remote else Engine(target), on_step)
+    if metrics is not None:
+        metrics.attach(lambda timeout_s: read_stats(loop, remote, timeout_s))
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(loop, cfg.limits, remote, cfg.max_tokens_default, Path(cfg.engine.model_dir).name), public)
     health_pb2_grpc.add_HealthServicer_to_server(status, public)
     reflection.enable_server_reflection((GENERATION, health.SERVICE_NAME, reflection.SERVICE_NAME), public)
-    port = public.add_insecure_port(cfg.listen)
-    internal = None
-    if remote is not None:
-        internal = _grpc_server(cfg)
+    if internal is not None:
         draft_link_pb2_grpc.add_DraftLinkServicer_to_server(
             DraftLinkServicer(remote, target, cfg.limits, cfg.engine.model_dir), internal)
         health_pb2_grpc.add_HealthServicer_to_server(status, internal)
-        _prepare_unix_socket(cfg.internal)
-        internal.add_insecure_port(cfg.internal)
     for name in ("", GENERATION):
         status.set(name, health_pb2.HealthCheckResponse.SERVING)
     status.set(SPECULATION_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -110,19 +118,23 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
     public.start()
     if internal is not None:
         internal.start()
-    log.info("verify service: public %s (port %d), internal %s, speculation %s", cfg.listen, port,
-             cfg.internal if internal else "-", "waiting for a draft" if remote else "off")
-    return VerifyServer(public, internal, loop, status, port, exporter)
+    log.info("verify service: public %s (port %d), internal %s, speculation %s, metrics %s", cfg.listen, port,
+             cfg.internal if internal else "-", "waiting for a draft" if remote else "off",
+             metrics.endpoint.url if metrics else "off")
+    return VerifyServer(public, internal, loop, status, port, exporter, metrics)
 
 
-def _prepare_unix_socket(address: str) -> None:
-    """Create the socket's folder (owner-only) and remove a stale socket file."""
-    if not address.startswith("unix:"):
-        return
-    path = Path(address.removeprefix("unix:").removeprefix("//"))
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if path.exists():
-        path.unlink()
+def _remote_draft(target: Target, cfg: VerifyServerConfig, status: health.HealthServicer,
+                  metrics: VerifyMetrics | None) -> tuple[RemoteDraft | None, BufferExporter | None]:
+    """The draft service behind the DraftProvider interface, and its shared buffers (none without speculation)."""
+    if cfg.limits is None:
+        return None, None
+    capture = target.model_config.default_capture_layers()
+    exporter, buffers = _export_buffers(target, cfg, capture)
+    on_change = lambda up: status.set(SPECULATION_HEALTH, health_pb2.HealthCheckResponse.SERVING if up  # noqa: E731
+                                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+    on_overhead = metrics.draft_overhead_seconds.observe if metrics else lambda seconds: None
+    return RemoteDraft(exporter, buffers, capture, cfg.draft_timeout_s, on_change, on_overhead), exporter
 
 
 def serve(cfg: VerifyServerConfig) -> None:
@@ -131,6 +143,8 @@ def serve(cfg: VerifyServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     print(f"verify service ready on {cfg.listen}", flush=True)
+    if server.metrics is not None:
+        print(f"verify service metrics on {server.metrics.endpoint.url}", flush=True)
     done.wait()
     log.info("shutting down (pid %d)", os.getpid())
     server.stop()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from common.devices import device_type
 from common.errors import InvalidRequestError
 from common.tree_settings import TreeSettings, add_tree_arguments, tree_settings_from_args
-from kernels import KERNEL_CHOICES
-from verify_service.config import EngineConfig
+from verify_service.config import KERNEL_CHOICES, EngineConfig
 
 DEFAULT_PUBLIC = "127.0.0.1:50051"  # loopback unless configured otherwise
 DEFAULT_INTERNAL = "unix:/tmp/eagle3/draft.sock"  # the draft channel never leaves the host
@@ -25,6 +25,7 @@ class VerifyServerConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_tokens_default: int = 256
     workers: int = 32
+    metrics_port: int | None = None  # Prometheus /metrics on the --listen host (None: off; 0: any free port)
 
     def __post_init__(self):
         if self.draft_timeout_s <= 0:
@@ -33,6 +34,8 @@ class VerifyServerConfig:
             raise InvalidRequestError("max_message_bytes", f"must be in [1 KiB, 1 GiB], got {self.max_message_bytes}")
         if self.max_tokens_default <= 0:
             raise InvalidRequestError("max_tokens_default", f"must be > 0, got {self.max_tokens_default}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise InvalidRequestError("metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-timeout-s", type=float, default=10.0)
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     p.add_argument("--max-tokens-default", type=int, default=256)
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus /metrics on PORT, on the --listen host (127.0.0.1 for a unix socket; "
+                        "0: any free port); needs eagle3-serve[metrics]")
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
@@ -72,7 +78,8 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
 
 
 def from_args(args: argparse.Namespace, model_dir: str) -> VerifyServerConfig:
-    limits = None if args.no_speculation else tree_settings_from_args(args)
-    return VerifyServerConfig(engine_config(args, model_dir), limits, listen=args.listen, internal=args.internal,
+    engine = engine_config(args, model_dir)  # checks --device first
+    limits = None if args.no_speculation else tree_settings_from_args(args, device_type(args.device))
+    return VerifyServerConfig(engine, limits, listen=args.listen, internal=args.internal,
                               draft_timeout_s=args.draft_timeout_s, max_message_bytes=args.max_message_bytes,
-                              max_tokens_default=args.max_tokens_default)
+                              max_tokens_default=args.max_tokens_default, metrics_port=args.metrics_port)

@@ -23,6 +23,7 @@ from protos.eagle3.v1 import speculation_pb2 as spec_pb
 from verify_service import api_convert
 from verify_service.draft_link import RemoteDraft
 from verify_service.engine_thread import EngineFailure, EngineThread
+from verify_service.stats import read_stats
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -83,21 +84,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                              max_tokens_default=self.max_tokens_default, version=VERSION)
 
     def GetMetrics(self, request, context):
-        def snapshot(engine):
-            totals = [s.speculation for s in engine.sequences.values()]
-            p50, p99 = self.remote.overhead_percentiles_us() if self.remote else (0.0, 0.0)
-            return pb.ServerMetrics(
-                running_requests=len(engine.scheduler.running), waiting_requests=len(engine.scheduler.waiting),
-                kv_blocks_total=engine.target.blocks.num_blocks, kv_blocks_used=engine.target.blocks.num_used_blocks,
-                draft_connected=bool(self.remote and self.remote.connected),
-                draft_sessions=self.remote.sessions_opened if self.remote else 0,
-                speculative_steps=self.loop.steps_with_trees, plain_steps=self.loop.plain_steps,
-                draft_tokens=engine.total_draft_tokens + sum(t.draft_tokens for t in totals),
-                accepted_tokens=engine.total_accepted_tokens + sum(t.accepted_tokens for t in totals),
-                draft_errors=engine.draft_errors + (self.remote.errors if self.remote else 0),
-                completed_requests=self.loop.completed, cancelled_requests=self.loop.cancelled,
-                control_plane_p50_us=p50, control_plane_p99_us=p99)
-        return self.loop.read(snapshot)
+        return api_convert.server_metrics(read_stats(self.loop, self.remote))
 
 
 def model_identity(target, capture_layers: tuple[int, ...], config_json: str) -> link_pb.ModelIdentity:
@@ -177,8 +164,10 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
                 if msg.HasField("result"):
                     session.results.put(msg.result)
         except grpc.RpcError:
-            pass  # the peer went away; drop() below says so
+            self.remote.drop(session, "draft disconnected")  # the peer went away without closing
         except Exception:
             log.exception("draft session %d: bad message", session.session_id)
-        self.remote.drop(session, "draft disconnected")
+            self.remote.drop(session, "bad message from the draft")
+        else:  # the draft ended its request stream: its own shutdown
+            self.remote.drop(session, "the draft closed the link", clean=True)
 

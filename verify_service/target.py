@@ -14,6 +14,7 @@ from hub.tokenizer import Tokenizer, validate_messages
 from kernels import select_kernels
 from runtime.block_manager import BlockManager, blocks_for
 from runtime.kv_cache import PagedKVCache
+from runtime.memory import check_fits, rope_table_bytes
 from verify_service.config import EngineConfig
 from verify_service.loader import build_model
 from verify_service.model import CausalLM
@@ -35,6 +36,8 @@ class Target:
         self.dtype = model.model.norm.weight.dtype
         self.max_model_len = model.cos.shape[0]
         num_blocks = self._num_kv_blocks()
+        per_block = PagedKVCache.bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        check_fits(f"KV cache of {num_blocks} blocks of {cfg.block_size} tokens", num_blocks * per_block, self.device)
         self.kv_cache = PagedKVCache.for_model(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.runner = ModelRunner(model, self.kv_cache, select_kernels(self.device, cfg.kernels), capture_layers)
@@ -47,6 +50,7 @@ class Target:
         model_cfg = ModelConfig.from_dir(cfg.model_dir)
         device = cfg.torch_device()
         max_len = cfg.max_model_len or model_cfg.max_position_embeddings
+        check_fits(f"max_model_len {max_len} (RoPE tables)", rope_table_bytes(model_cfg.head_dim, max_len), device)
         model = build_model(model_cfg, iter_tensors(cfg.model_dir), cfg.torch_dtype(device), device, max_len)
         has_tokenizer = (Path(cfg.model_dir) / "tokenizer.json").is_file()
         return cls(cfg, model, Tokenizer(cfg.model_dir) if has_tokenizer else None, capture_layers)

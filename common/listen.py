@@ -1,0 +1,68 @@
+"""Binding a gRPC server to its address, exclusively.
+
+gRPC servers set SO_REUSEPORT by default, so a second server on a port already in use starts
+and the two split the requests between them. Ours turn it off and refuse an address in use;
+a unix socket file that a live server still answers on is refused too, a stale one removed.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import grpc
+
+from common.errors import AddressInUseError
+
+NO_PORT_SHARING = ("grpc.so_reuseport", 0)
+
+
+def bind(server: grpc.Server, address: str) -> int:
+    """``server.add_insecure_port(address)``; raises AddressInUseError instead of sharing or failing late."""
+    if address.startswith("unix:"):
+        _claim_unix_socket(address)
+    else:
+        _probe_tcp(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise AddressInUseError(f"cannot listen on {address}: the address is in use or not available")
+    return port
+
+
+def _probe_tcp(address: str) -> None:
+    """Bind the address once ourselves, so a port in use is reported before gRPC logs its own error."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return  # port 0 (any free port) or a form gRPC resolves itself
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return  # gRPC reports an address it cannot resolve
+    for family, kind, proto, _, where in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
+            try:
+                probe.bind(where)
+            except OSError as exc:
+                raise AddressInUseError(f"cannot listen on {address}: {exc.strerror.lower()}") from None
+
+
+def _claim_unix_socket(address: str) -> None:
+    """Create the socket's folder (owner-only); remove a stale socket file, refuse a live one."""
+    path = Path(address.removeprefix("unix:").removeprefix("//"))
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:  # nobody answers: a socket file left by a process that is gone
+        path.unlink()
+        return
+    finally:
+        probe.close()
+    raise AddressInUseError(f"cannot listen on {address}: another server is listening on that socket")

@@ -1,0 +1,53 @@
+"""The verify service's counters as one snapshot, read by GetMetrics and by Prometheus' /metrics.
+
+The snapshot is taken on the engine thread between two steps (``EngineThread.read``): it is
+consistent, the engine never waits for a reader, and a reader waits at most one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from verify_service.sequence import SpeculationMetrics
+
+if TYPE_CHECKING:
+    from verify_service.draft_link import RemoteDraft
+    from verify_service.engine import Engine
+    from verify_service.engine_thread import EngineThread
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyStats:
+    running_requests: int
+    waiting_requests: int
+    completed_requests: int
+    cancelled_requests: int
+    generated_tokens: int  # committed tokens over every request since start
+    kv_blocks_used: int
+    kv_blocks_total: int
+    speculative_steps: int  # engine steps that verified at least one tree
+    plain_steps: int  # engine steps without any tree
+    speculation: SpeculationMetrics  # totals over every request since start (steps: trees verified)
+    draft_connected: bool
+    draft_sessions: int
+    draft_errors: int  # refused trees, timeouts, lost sessions
+    control_plane_p50_us: float
+    control_plane_p99_us: float
+
+
+def read_stats(loop: EngineThread, remote: RemoteDraft | None, timeout_s: float | None = None) -> VerifyStats:
+    """The counters as of the last step (concurrent.futures.TimeoutError after ``timeout_s``)."""
+    def snapshot(engine: Engine) -> VerifyStats:
+        blocks = engine.target.blocks
+        p50, p99 = remote.overhead_percentiles_us() if remote else (0.0, 0.0)
+        return VerifyStats(
+            running_requests=len(engine.scheduler.running), waiting_requests=len(engine.scheduler.waiting),
+            completed_requests=loop.completed, cancelled_requests=loop.cancelled,
+            generated_tokens=loop.generated_tokens, kv_blocks_used=blocks.num_used_blocks,
+            kv_blocks_total=blocks.num_blocks, speculative_steps=loop.steps_with_trees, plain_steps=loop.plain_steps,
+            speculation=engine.speculation_totals(), draft_connected=bool(remote and remote.connected),
+            draft_sessions=remote.sessions_opened if remote else 0,
+            draft_errors=engine.draft_errors + (remote.errors if remote else 0),
+            control_plane_p50_us=p50, control_plane_p99_us=p99)
+    return loop.read(snapshot, timeout_s)
