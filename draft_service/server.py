@@ -104,8 +104,10 @@ class DraftWorker:
             self._stop.wait(backoff)
 
     def _unavailable(self, exc: grpc.RpcError) -> None:
-        """Not reachable while it starts is expected (INFO); losing it after a session is a warning."""
-        if exc.code() == grpc.StatusCode.UNAVAILABLE and not self._was_connected:
+        """Not reachable (or not answering: its socket is bound before its model loads) while it starts
+        is expected (INFO); losing it after a session is a warning."""
+        waiting = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        if waiting and not self._was_connected:
             log.info("verify service at %s not reachable yet: %s", self.cfg.verify, exc.details())
         elif exc.code() == grpc.StatusCode.UNAVAILABLE:
             log.warning("lost the verify service at %s; reconnecting", self.cfg.verify)
