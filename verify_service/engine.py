@@ -33,7 +33,7 @@ from verify_service.sampler import Sampler
 from verify_service.scheduler import Scheduler
 from verify_service.sequence import FinishReason, Sequence, SpeculationMetrics
 from verify_service.target import Target
-from verify_service.verification import TreeVerifier, tree_chunk
+from verify_service.verification import TreeVerifier, tree_chunks
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,7 @@ class Engine:
         plan = self.scheduler.schedule(lambda s: 1 + s.tree.num_nodes if s.tree else 1)
         if not plan:
             return []
-        blocks = self.target.blocks
-        chunks = [tree_chunk(s, blocks.block_table(s.seq_id)) if s.tree else self._chunk(s, n) for s, n in plan]
+        chunks = self._chunks(plan)
         out = self.target.runner.step(chunks)
         logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
         plain, trees = [], []
@@ -143,6 +142,13 @@ class Engine:
             events += self._tree_step(trees, out, logits_at, feeds)
         self._draft(feeds)
         return events
+
+    def _chunks(self, plan: list[tuple[Sequence, int]]) -> list[SeqChunk]:
+        """The step's inputs in plan order: tree chunks (built together) and plain chunks."""
+        tables = self.target.blocks.block_table
+        with_tree = [s for s, _ in plan if s.tree]
+        trees = iter(tree_chunks(with_tree, [tables(s.seq_id) for s in with_tree]) if with_tree else ())
+        return [next(trees) if s.tree else self._chunk(s, n) for s, n in plan]
 
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
         start = seq.num_cached

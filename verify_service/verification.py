@@ -37,15 +37,26 @@ class Verified:
     feed: DraftFeed  # features of r, a_1..a_k paired with a_1..a_k, b
 
 
-def tree_chunk(seq: Sequence, block_table: list[int]) -> SeqChunk:
-    """The verification input of ``seq``: its newest token followed by the tree nodes."""
-    tree, n = seq.tree, seq.num_cached
-    # The step layout is built on the host, so are the mask and positions: reference kernels, host tensors.
-    num_nodes = torch.tensor([tree.num_nodes])
-    mask = tree_mask_ref(torch.from_numpy(tree.parents)[None], num_nodes)[0]  # (N+1, N+1)
-    positions = tree_positions_ref(torch.from_numpy(tree.depths)[None], num_nodes, torch.tensor([n]))[0]  # (N+1,)
-    return SeqChunk(np.concatenate(([seq.output_ids[-1]], tree.tokens)), n, block_table,
-                    logits_rows=np.arange(tree.num_nodes + 1), positions=positions.numpy(), custom_mask=mask.numpy())
+def tree_chunks(seqs: list[Sequence], tables: list[list[int]]) -> list[SeqChunk]:
+    """The verification inputs of ``seqs``: each newest token followed by its tree's nodes.
+
+    The step layout is built on the host, so are the masks and positions: the reference kernels
+    on host tensors, one batched call each for every tree of the step.
+    """
+    trees = [s.tree for s in seqs]
+    width = max(t.num_nodes for t in trees)
+    parents = np.full((len(trees), width), -1, dtype=np.int64)
+    depths = np.zeros((len(trees), width), dtype=np.int64)
+    for i, t in enumerate(trees):
+        parents[i, :t.num_nodes], depths[i, :t.num_nodes] = t.parents, t.depths
+    num_nodes = torch.tensor([t.num_nodes for t in trees])
+    masks = tree_mask_ref(torch.from_numpy(parents), num_nodes).numpy()  # (B, N+1, N+1)
+    starts = torch.tensor([s.num_cached for s in seqs])
+    positions = tree_positions_ref(torch.from_numpy(depths), num_nodes, starts).numpy()  # (B, N+1)
+    return [SeqChunk(np.concatenate(([s.output_ids[-1]], t.tokens)), s.num_cached, table,
+                     logits_rows=np.arange(t.num_nodes + 1), positions=positions[i, :t.num_nodes + 1],
+                     custom_mask=masks[i, :t.num_nodes + 1, :t.num_nodes + 1])
+            for i, (s, t, table) in enumerate(zip(seqs, trees, tables))]
 
 
 class TreeVerifier:
