@@ -6,6 +6,7 @@ import hashlib
 import logging
 import queue
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -150,7 +151,7 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
             abort(context, SharedBufferError("unknown session or stale buffer generation: handshake again"))
         self.remote.activate(session)
         context.add_callback(lambda: self.remote.drop(session, "stream closed"))
-        threading.Thread(target=self._read, args=(request_iterator, session), daemon=True,
+        threading.Thread(target=self._read, args=(request_iterator, session, context), daemon=True,
                          name=f"draft-session-{session.session_id}").start()
         while True:
             msg = session.outgoing.get()
@@ -158,7 +159,7 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
                 return
             yield msg
 
-    def _read(self, request_iterator, session) -> None:
+    def _read(self, request_iterator, session, context) -> None:
         try:
             for msg in request_iterator:
                 if msg.HasField("result"):
@@ -168,6 +169,22 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
         except Exception:
             log.exception("draft session %d: bad message", session.session_id)
             self.remote.drop(session, "bad message from the draft")
-        else:  # the draft ended its request stream: its own shutdown
-            self.remote.drop(session, "the draft closed the link", clean=True)
+        else:
+            if _closed_by_peer(context):
+                self.remote.drop(session, "the draft closed the link", clean=True)
+            else:
+                self.remote.drop(session, "draft disconnected")
 
+
+def _closed_by_peer(context, wait_s: float = 0.5) -> bool:
+    """After a draft's requests end: True if it closed its link (its shutdown), False if it vanished.
+
+    A draft that closes its link keeps the RPC open until this side answers (it waits for that);
+    the RPC of one that died (kill -9) ends within moments, sometimes just after its requests do.
+    """
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if not context.is_active():
+            return False
+        time.sleep(0.02)
+    return True
