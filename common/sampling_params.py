@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
 
+# Below this a temperature scales float32 logits past what softmax can take (inf / inf = NaN):
+# 1e-37 gave NaN probabilities and token 0 repeated. Greedy is temperature 0.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -29,6 +33,9 @@ class SamplingParams:
             raise InvalidRequestError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be finite and >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise InvalidRequestError("temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                                                     f"got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
+from common.errors import InvalidRequestError
+from common.sampling_params import MIN_TEMPERATURE, SamplingParams
 from kernels.sampling import logits_to_probs_ref, mix_seed, sample_ref
 from tiny_models import target_for, make_model_dir
 from verify_service.engine import Engine
@@ -90,3 +91,11 @@ def test_sampled_first_token_follows_the_model_distribution(model_dir):
     assert greedy[0].token_ids[0] == int(row.argmax())
     # Sampling noise alone gives about 0.06 here; sampling at T=1 instead of T=2 gives 0.31.
     assert tv < 0.1, tv
+
+
+def test_tiny_temperatures_are_refused_and_the_smallest_allowed_gives_finite_probabilities():
+    with pytest.raises(InvalidRequestError, match="temperature: must be 0 .greedy. or at least"):
+        SamplingParams(temperature=1e-37)
+    logits = torch.tensor([[100.0, -100.0, 99.9999, 0.0]])
+    probs = logits_to_probs_ref(logits, torch.tensor([MIN_TEMPERATURE]), torch.tensor([1.0]), torch.tensor([0]))
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(1))

@@ -89,6 +89,7 @@ def test_cancel_mid_stream_frees_the_kv(stack):
     ({"prompt": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ({"prompt": [5, 97]}, "prompt_token_ids"),
     ({"prompt": [5], "temperature": -1.0}, "temperature"),
+    ({"prompt": [5], "temperature": 1e-37}, "temperature"),  # would scale logits to inf: NaN probabilities
     ({"prompt": [5], "top_p": 1.5}, "top_p"),
     ({"prompt": [5], "depth": 9}, "speculation.depth"),
     ({"prompt": [5], "max_nodes": 500}, "speculation.max_nodes"),
@@ -176,3 +177,44 @@ def test_per_request_speculation_settings(stack, dirs):
     assert not off.speculation["speculated"]
     s = chain.speculation
     assert s["speculated"] and s["draft_tokens"] <= 2 * s["steps"]  # chains of at most 2 nodes
+
+
+@pytest.mark.parametrize("kind", [99, -1])
+def test_an_unknown_tree_kind_is_invalid_argument(stack, kind):
+    """Enum values the server does not know are refused, not replaced by the server's tree."""
+    import grpc
+
+    from protos.eagle3.v1 import generation_pb2, generation_pb2_grpc
+
+    request = generation_pb2.GenerateRequest(max_tokens=2)
+    request.token_ids.ids.extend([5, 6])
+    request.speculation.tree = kind
+    with grpc.insecure_channel(stack.public) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "speculation.tree" in err.value.details()
+
+
+def test_an_error_quoting_a_huge_input_is_cut_not_replaced(stack):
+    """A 200,000-character role: the real error (INVALID_ARGUMENT naming the field), cut short."""
+    with pytest.raises(ClientError) as err:
+        stack.client.complete([{"role": "r" * 200_000, "content": "hi"}], max_tokens=2)
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert [f for f, _ in err.value.field_violations] == ["messages[0].role"]
+    assert len(err.value.message) < 1200 and "more characters" in err.value.message
+
+
+@pytest.mark.parametrize("raw", [
+    b"\xff\xff\xff\xff",  # not a protobuf message
+    bytes([(1 << 3) | 2, 2]) + b"\xff\xfe",  # GenerateRequest.text = invalid UTF-8
+])
+def test_a_malformed_request_is_invalid_argument(stack, raw):
+    import grpc
+
+    with grpc.insecure_channel(stack.public) as channel:
+        generate = channel.unary_stream("/eagle3.v1.Generation/Generate")  # raw bytes, no serializer
+        with pytest.raises(grpc.RpcError) as err:
+            list(generate(raw, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert "not a valid GenerateRequest" in err.value.details()
+    assert stack.client.complete([5, 6], max_tokens=2).token_ids  # still serving

@@ -47,7 +47,9 @@ def speculation(req: pb.GenerateRequest, limits: TreeSettings | None) -> tuple[b
             raise InvalidRequestError("speculation.enabled", "this server runs without speculation")
         return False, None
     opt = lambda name: getattr(o, name) if o.HasField(name) else None  # noqa: E731
-    tree = TREE_FROM_PROTO.get(o.tree) if o.tree != spec_pb.TREE_KIND_UNSPECIFIED else None
+    if o.tree != spec_pb.TREE_KIND_UNSPECIFIED and o.tree not in TREE_FROM_PROTO:  # an enum value we do not know
+        raise InvalidRequestError("speculation.tree", f"unknown tree kind {o.tree}")
+    tree = TREE_FROM_PROTO.get(o.tree)
     return wanted, limits.request(tree, opt("depth"), opt("top_k"), opt("max_nodes"))
 
 

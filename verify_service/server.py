@@ -23,13 +23,13 @@ from grpc_reflection.v1alpha import reflection
 from common.listen import NO_PORT_SHARING, bind
 from common.metrics_http import metrics_host
 from link.shared_buffers import BufferExporter
-from protos.eagle3.v1 import draft_link_pb2_grpc, generation_pb2, generation_pb2_grpc
+from protos.eagle3.v1 import draft_link_pb2_grpc, generation_pb2
 from verify_service.draft_link import RemoteDraft
 from verify_service.engine import Engine
 from verify_service.engine_thread import EngineThread
 from verify_service.metrics import VerifyMetrics
 from verify_service.server_config import VerifyServerConfig
-from verify_service.servicers import DraftLinkServicer, GenerationServicer
+from verify_service.servicers import DraftLinkServicer, GenerationServicer, add_generation_servicer
 from verify_service.stats import read_stats
 from verify_service.target import Target
 
@@ -103,7 +103,7 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
     loop = EngineThread(Engine(target, remote, cfg.limits) if remote else Engine(target), on_step)
     if metrics is not None:
         metrics.attach(lambda timeout_s: read_stats(loop, remote, timeout_s))
-    generation_pb2_grpc.add_GenerationServicer_to_server(
+    add_generation_servicer(
         GenerationServicer(loop, cfg.limits, remote, cfg.max_tokens_default, Path(cfg.engine.model_dir).name), public)
     health_pb2_grpc.add_HealthServicer_to_server(status, public)
     reflection.enable_server_reflection((GENERATION, health.SERVICE_NAME, reflection.SERVICE_NAME), public)

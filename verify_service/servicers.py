@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from common.errors import InvalidRequestError, SharedBufferError
 from common.grpc_errors import abort
@@ -188,3 +189,37 @@ def _closed_by_peer(context, wait_s: float = 0.5) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def add_generation_servicer(servicer: GenerationServicer, server: grpc.Server) -> None:
+    """Register ``servicer`` as eagle3.v1.Generation, each request parsed by ``_parsed`` (not by
+    gRPC's deserializer, which answers a malformed request with INTERNAL)."""
+    methods = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            _parsed(servicer.Generate, pb.GenerateRequest, streaming=True),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            _parsed(servicer.GetServerInfo, pb.GetServerInfoRequest, streaming=False),
+            response_serializer=pb.ServerInfo.SerializeToString),
+        "GetMetrics": grpc.unary_unary_rpc_method_handler(
+            _parsed(servicer.GetMetrics, pb.GetMetricsRequest, streaming=False),
+            response_serializer=pb.ServerMetrics.SerializeToString),
+    }
+    name = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, methods),))
+
+
+def _parsed(method, request_type, streaming: bool):
+    """``method`` taking the raw request bytes: a corrupt message, or a string field that is not
+    UTF-8, gets INVALID_ARGUMENT naming the request."""
+    def parse(raw: bytes, context):
+        try:
+            return request_type.FromString(raw)
+        except DecodeError as exc:
+            abort(context, InvalidRequestError("request", f"not a valid {request_type.DESCRIPTOR.name}: {exc}"))
+
+    if streaming:
+        def stream(raw, context):
+            yield from method(parse(raw, context), context)
+        return stream
+    return lambda raw, context: method(parse(raw, context), context)
