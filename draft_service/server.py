@@ -25,10 +25,10 @@ import grpc
 import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from common.config import ModelConfig
 from common.listen import NO_PORT_SHARING, bind
+from common.reflection import enable_reflection
 from common.metrics_http import metrics_host
 from draft_service.drafter import EagleDrafter
 from draft_service.eagle_config import DraftConfig
@@ -226,7 +226,7 @@ def create_server(cfg: DraftServerConfig, make_drafter=None) -> DraftServer:
         metrics.attach(worker)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[NO_PORT_SHARING])
     health_pb2_grpc.add_HealthServicer_to_server(status, server)
-    reflection.enable_server_reflection((health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    enable_reflection((health.SERVICE_NAME,), server)
     port = bind(server, cfg.listen)
     server.start()
     return DraftServer(server, worker, port, metrics)

@@ -218,3 +218,18 @@ def test_a_malformed_request_is_invalid_argument(stack, raw):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert "not a valid GenerateRequest" in err.value.details()
     assert stack.client.complete([5, 6], max_tokens=2).token_ids  # still serving
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_answers_under_both_names(stack, version):
+    """grpcurl asks grpc.reflection.v1 first; older clients v1alpha. Both list the services."""
+    import grpc
+    from grpc_reflection.v1alpha import reflection_pb2 as pb
+
+    with grpc.insecure_channel(stack.public) as channel:
+        info = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                                     request_serializer=pb.ServerReflectionRequest.SerializeToString,
+                                     response_deserializer=pb.ServerReflectionResponse.FromString)
+        [answer] = list(info(iter([pb.ServerReflectionRequest(list_services="")]), timeout=30))
+    names = {s.name for s in answer.list_services_response.service}
+    assert {"eagle3.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} <= names

@@ -18,9 +18,9 @@ from pathlib import Path
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from common.listen import NO_PORT_SHARING, bind
+from common.reflection import enable_reflection
 from common.metrics_http import metrics_host
 from link.shared_buffers import BufferExporter
 from protos.eagle3.v1 import draft_link_pb2_grpc, generation_pb2
@@ -106,7 +106,7 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
     add_generation_servicer(
         GenerationServicer(loop, cfg.limits, remote, cfg.max_tokens_default, Path(cfg.engine.model_dir).name), public)
     health_pb2_grpc.add_HealthServicer_to_server(status, public)
-    reflection.enable_server_reflection((GENERATION, health.SERVICE_NAME, reflection.SERVICE_NAME), public)
+    enable_reflection((GENERATION, health.SERVICE_NAME), public)
     if internal is not None:
         draft_link_pb2_grpc.add_DraftLinkServicer_to_server(
             DraftLinkServicer(remote, target, cfg.limits, cfg.engine.model_dir), internal)
