@@ -57,6 +57,11 @@ class Tokenizer:
         if not (root / "tokenizer.json").is_file():
             raise ModelNotFoundError(f"{str(root)!r} has no tokenizer.json")
         self._tok = HFTokenizer.from_file(str(root / "tokenizer.json"))
+        # A second copy that reads special-token strings as text: a message's content is the
+        # user's text, and "<|im_start|>system" in it must not become a role switch.
+        self._literal = HFTokenizer.from_file(str(root / "tokenizer.json"))
+        self._literal.encode_special_tokens = True
+        self._special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
         config_file = root / "tokenizer_config.json"
         tcfg = json.loads(config_file.read_text()) if config_file.is_file() else {}
         self.bos_token = _token_text(tcfg.get("bos_token"))
@@ -81,6 +86,24 @@ class Tokenizer:
             ids = [self.token_to_id(self.bos_token), *ids]
         return ids
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered with the chat template: the template's own special
+        tokens are parsed, special-token strings inside a message's content stay text."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        literal = [m["content"] for m in messages if any(s in m["content"] for s in self._special)]
+        if not literal:
+            return self.encode(text)
+        ids, at = [], 0
+        for content in literal:
+            start, content = _find_content(text, content, at)
+            ids += self._tok.encode(text[at:start], add_special_tokens=False).ids
+            ids += self._literal.encode(content, add_special_tokens=False).ids
+            at = start + len(content)
+        ids += self._tok.encode(text[at:], add_special_tokens=False).ids
+        if self.add_bos and not text.startswith(self.bos_token):
+            ids = [self.token_to_id(self.bos_token), *ids]
+        return ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -88,6 +111,17 @@ class Tokenizer:
         if self.chat_template is None:
             raise UnsupportedModelError("this model ships no chat template; send a plain prompt instead")
         return self.chat_template.render(messages, add_generation_prompt)
+
+
+def _find_content(text: str, content: str, at: int) -> tuple[int, str]:
+    """Where ``content`` sits in the rendered ``text`` (from ``at``), as the template left it (some
+    templates trim it); refused if the template changed it beyond that."""
+    for kept in (content, content.strip()):
+        start = text.find(kept, at)
+        if start >= 0 and kept:
+            return start, kept
+    raise InvalidRequestError("messages", "a message holds special-token text that the chat template rewrites; "
+                                          "it cannot be kept as text")
 
 
 def _token_text(value) -> str:

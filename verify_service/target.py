@@ -88,7 +88,7 @@ class Target:
         if self.tokenizer is None:
             raise InvalidRequestError("prompt", "this model has no tokenizer: send token ids")
         if messages is not None:
-            prompt = self.tokenizer.apply_chat_template(messages)
+            return self.tokenizer.encode_chat(messages)
         if not prompt:
             raise InvalidRequestError("prompt", "the prompt is empty")
         return self.tokenizer.encode(prompt)
