@@ -63,6 +63,12 @@ class SharedBufferError(EagleError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class UnsafeSocketFolderError(EagleError):
+    """A unix socket's folder that another user could write to or owns: refused, never trusted."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
 class AddressInUseError(EagleError):
     """A service cannot listen where it was told to: the address is taken or not available."""
 

@@ -7,12 +7,14 @@ a unix socket file that a live server still answers on is refused too, a stale o
 
 from __future__ import annotations
 
+import os
 import socket
+import stat
 from pathlib import Path
 
 import grpc
 
-from common.errors import AddressInUseError
+from common.errors import AddressInUseError, UnsafeSocketFolderError
 
 NO_PORT_SHARING = ("grpc.so_reuseport", 0)
 
@@ -51,10 +53,30 @@ def _probe_tcp(address: str) -> None:
                 raise AddressInUseError(f"cannot listen on {address}: {exc.strerror.lower()}") from None
 
 
+def default_internal_address() -> str:
+    """The internal draft link's default socket, in a folder only this user can enter:
+    ``$XDG_RUNTIME_DIR/eagle3/`` (a per-user runtime folder), else ``/tmp/eagle3-UID/``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    folder = Path(runtime) / "eagle3" if runtime else Path("/tmp") / f"eagle3-{os.getuid()}"
+    return f"unix:{folder}/draft.sock"
+
+
+def check_socket_folder(folder: Path) -> None:
+    """Refuse a folder another user owns or may write to: they could replace the socket."""
+    info = folder.stat()
+    if info.st_uid != os.getuid():
+        raise UnsafeSocketFolderError(f"{folder} belongs to uid {info.st_uid}, not to this user ({os.getuid()})")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeSocketFolderError(f"{folder} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}); "
+                                      "use a folder only this user can write to")
+
+
 def _claim_unix_socket(address: str) -> None:
-    """Create the socket's folder (owner-only); remove a stale socket file, refuse a live one."""
+    """Create the socket's folder (owner-only) or check an existing one; remove a stale socket
+    file, refuse a live one."""
     path = Path(address.removeprefix("unix:").removeprefix("//"))
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_socket_folder(path.parent)
     if not path.exists():
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING
 
 from common.devices import check_device, device_type
 from common.errors import InvalidRequestError
+from common.listen import default_internal_address
 from common.tree_settings import add_tree_arguments, tree_settings_from_args
 
 if TYPE_CHECKING:  # spec_config reaches hub (numpy); the flags are parsed without it
     from draft_service.spec_config import SpecConfig
 
-DEFAULT_VERIFY = "unix:/tmp/eagle3/draft.sock"
+DEFAULT_VERIFY = default_internal_address()
 DEFAULT_HEALTH = "127.0.0.1:50052"
 
 

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 from common.devices import device_type
 from common.errors import InvalidRequestError
+from common.listen import default_internal_address
 from common.tree_settings import TreeSettings, add_tree_arguments, tree_settings_from_args
 from verify_service.config import KERNEL_CHOICES, EngineConfig
 
 DEFAULT_PUBLIC = "127.0.0.1:50051"  # loopback unless configured otherwise
-DEFAULT_INTERNAL = "unix:/tmp/eagle3/draft.sock"  # the draft channel never leaves the host
+DEFAULT_INTERNAL = default_internal_address()  # the draft channel never leaves the host, nor this user
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 
 
