@@ -22,7 +22,7 @@ from common.sampling_params import SamplingParams
 from common.devices import device_type
 from common.tree_settings import DEFAULT_EVAL_CONFIGS, add_tree_arguments, tree_settings_from_args
 from verify_service.config import EngineConfig
-from verify_service.server_config import add_kernel_argument
+from verify_service.server_config import add_kernel_arguments
 
 # The `engine` extra: a verb that needs one of these says how to install it when it is missing.
 ENGINE_PACKAGES = ("torch", "numpy", "safetensors", "tokenizers", "jinja2", "tqdm")
@@ -47,7 +47,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
     p.add_argument("--max-model-len", type=int, default=None)
-    add_kernel_argument(p)
+    add_kernel_arguments(p)
     p.add_argument("--stats", action="store_true", help="print token counts, speed and speculation metrics to stderr")
     spec = p.add_argument_group("speculative decoding (EAGLE-3)")
     spec.add_argument("--draft", default=None,
@@ -62,7 +62,8 @@ def _generate(args: argparse.Namespace) -> None:
 
     prompt = read_prompt(args.prompt, args.prompt_file)
     cfg = EngineConfig(args.model or "<embedded SmolLM2>", dtype=args.dtype, device=args.device,
-                       max_model_len=args.max_model_len, max_num_seqs=1, kernels=args.kernels)  # checks --device
+                       max_model_len=args.max_model_len, max_num_seqs=1, kernels=args.kernels,
+                       enforce_eager=args.enforce_eager)  # checks --device
     spec = None
     if args.draft:  # validated before the (slow) model load
         tree = tree_settings_from_args(args, device_type(args.device))

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from kernels import acceptance, attention, kv_compaction, rope, sampling, tree
+from kernels import acceptance, attention, kv_compaction, norm, rope, sampling, tree
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,9 @@ class KernelSet:
     write_kv: Callable
     paged_attention: Callable
     apply_rope: Callable
+    rope_write_kv: Callable  # RoPE on q/k + the KV write, fused
+    rms_norm: Callable  # with the residual add
+    silu_mul: Callable
     logits_to_probs: Callable
     exponential_noise: Callable
     uniform_noise: Callable
@@ -44,6 +47,9 @@ REFERENCE = KernelSet(
     write_kv=attention.write_kv_ref,
     paged_attention=attention.paged_attention_ref,
     apply_rope=rope.apply_rope_ref,
+    rope_write_kv=rope.rope_write_kv_ref,
+    rms_norm=norm.rms_norm_ref,
+    silu_mul=norm.silu_mul_ref,
     logits_to_probs=sampling.logits_to_probs_ref,
     exponential_noise=sampling.exponential_noise_ref,
     uniform_noise=sampling.uniform_noise_ref,
@@ -62,10 +68,8 @@ REFERENCE = KernelSet(
 KERNEL_CHOICES = ("auto", "triton", "reference")
 
 
-# Whether ``auto`` picks the Triton set on CUDA. Off while the Triton kernels have passed their
-# parity tests only in Triton's CPU interpreter: they become the CUDA default once the same tests
-# pass natively on a GPU. Until then they run only where asked for (``--kernels triton``).
-TRITON_BY_DEFAULT = False
+# Whether ``auto`` picks the Triton set on CUDA (their parity tests pass natively on H100).
+TRITON_BY_DEFAULT = True
 
 
 def select_kernels(device: torch.device | str, kind: str = "auto") -> KernelSet:

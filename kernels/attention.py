@@ -21,7 +21,11 @@ from kernels.metadata import AttentionMetadata
 
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values [T, kv_heads, head_dim] at flat slots [T]. Mutates the caches."""
+    """Store new keys/values [T, kv_heads, head_dim] at flat slots [T] (a negative slot: a padding
+    token, not written). Mutates the caches."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 

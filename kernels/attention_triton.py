@@ -6,7 +6,8 @@ folded into the tile's rows) and one split of the KV length::
 
     grid = (sequences * query tiles, kv_heads, splits)
     rows of a tile:  token qi, head gi  ->  row qi * g + gi            (BLOCK_M rows)
-    keys of a split: [split * keys_per_split, (split + 1) * keys_per_split) within the sequence
+    keys of a split: [split * keys_per_split, (split + 1) * keys_per_split) within the sequence,
+                     keys_per_split = ceil(seq_len / splits), rounded up to whole key tiles
 
 Keys are read straight from the paged cache through the block table. Visibility is computed in
 the kernel: every key before ``mask_start`` is visible; after it, causal by default, or bit
@@ -38,7 +39,8 @@ _MASK_BITS = 32  # keys per packed mask word
 
 def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values [T, kv_heads, head_dim] at flat slots [T]. Mutates the caches."""
+    """Store new keys/values [T, kv_heads, head_dim] at flat slots [T] (a negative slot: a padding
+    token, not written). Mutates the caches."""
     T = k.shape[0]
     if T == 0:
         return
@@ -54,7 +56,7 @@ def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_ptr, stride_k,
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    ok = cols < width
+    ok = cols < tl.where(slot >= 0, width, 0)  # a padding token writes nothing
     k = tl.load(k_ptr + t * stride_k + cols, mask=ok)
     v = tl.load(v_ptr + t * stride_v + cols, mask=ok)
     tl.store(k_cache_ptr + slot * width + cols, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
@@ -81,7 +83,10 @@ def prepare_attention_triton(meta: AttentionMetadata) -> AttentionMetadata:
 
 
 def _num_splits(meta: AttentionMetadata, kv_heads: int, q_tiles: int, block_n: int) -> int:
-    """Enough programs to fill the GPU when few (sequence, tile, head) triples exist."""
+    """Enough programs to fill the GPU when few (sequence, tile, head) triples exist.
+
+    Depends only on host-side sizes (a graphed step passes its bucket's capacity as
+    ``max_seq_len``); each sequence divides its own length among the splits, in the kernel."""
     programs = meta.num_seqs * q_tiles * kv_heads
     sms = torch.cuda.get_device_properties(meta.seq_lens.device).multi_processor_count \
         if meta.seq_lens.is_cuda else 8
@@ -89,22 +94,42 @@ def _num_splits(meta: AttentionMetadata, kv_heads: int, q_tiles: int, block_n: i
     return max(1, min(triton.cdiv(2 * sms, programs), by_length, 64))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    """Tile sizes and launch shape of one attention launch."""
+
+    block_m: int  # query rows per program (tokens x the query heads sharing a KV head)
+    block_n: int  # keys per loop iteration
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def attention_config(max_query_len: int, group: int, head_dim: int) -> AttentionConfig:
+    """Decode-sized steps take small row tiles; tree and prefill steps large ones, so fewer tiles
+    re-read each sequence's KV."""
+    rows = max_query_len * group
+    if rows <= 16:
+        return AttentionConfig(16, 64 if head_dim <= 64 else 32)
+    if rows <= 64 or head_dim > 128:
+        return AttentionConfig(64, 64 if head_dim <= 64 else 32)
+    return AttentionConfig(128, 64 if head_dim <= 64 else 32, num_warps=8)
+
+
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                           meta: AttentionMetadata, scale: float, config: AttentionConfig | None = None) -> torch.Tensor:
     """Attention of new queries [T, heads, head_dim] over their sequences' cached KV -> [T, heads, head_dim].
 
-    ``meta.custom_mask`` must be packed (``prepare_attention_triton``).
+    ``meta.custom_mask`` must be packed (``prepare_attention_triton``). ``config``: tile sizes
+    (default ``attention_config``; benchmarks sweep others).
     """
     T, H, D = q.shape
     _, block_size, kvh, _ = k_cache.shape
     g = H // kvh
-    block_m = 16 if meta.max_query_len * g <= 16 else 64
-    block_q = block_m // g  # tokens per tile: g rows each
-    assert block_q >= 1, f"{g} query heads per KV head exceed a tile of {block_m} rows"
-    block_n = 64 if D <= 64 else 32
+    cfg = config or attention_config(meta.max_query_len, g, D)
+    block_q = cfg.block_m // g  # tokens per tile: g rows each
+    assert block_q >= 1, f"{g} query heads per KV head exceed a tile of {cfg.block_m} rows"
     q_tiles = triton.cdiv(meta.max_query_len, block_q)
-    splits = _num_splits(meta, kvh, q_tiles, block_n)
-    keys_per_split = triton.cdiv(triton.cdiv(meta.max_seq_len, splits), block_n) * block_n
+    splits = _num_splits(meta, kvh, q_tiles, cfg.block_n)
     out = torch.empty_like(q)
     if splits == 1:
         part, lse = out, out  # written directly, normalised; no log-sum-exp needed
@@ -120,11 +145,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         meta.block_tables.stride(0), mask.stride(0) if has_mask else 0, mask.shape[1] if has_mask else 0,
         part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
         lse.stride(0) if splits > 1 else 0, lse.stride(-2) if splits > 1 else 0,
-        q_tiles, keys_per_split,
-        G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=splits > 1,
+        q_tiles, splits,
+        G=g, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=splits > 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32))
+        DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         _combine_kernel[(T, H)](part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2),
                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), D,
@@ -133,10 +159,48 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 @triton.jit
+def _attend_keys(acc, m_i, l_i, q, lo, hi, b, t, qi, row_ok, m_start, first_kv, k_cache_ptr, v_cache_ptr,
+                 tables_ptr, mask_ptr, scale_log2, stride_kb, stride_ks, stride_kh, stride_bt, stride_mask,
+                 mask_words, kvh, d, d_ok, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+                 HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Online softmax over keys [lo, hi). MASKED False: every key is visible to every row."""
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < hi
+        block = tl.load(tables_ptr + b * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        addr = block * stride_kb + (keys % BLOCK_SIZE) * stride_ks + kvh * stride_kh  # (N,)
+        k = tl.load(k_cache_ptr + addr[None, :] + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+        s = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2  # (M, N), log2 units
+        if MASKED:
+            if HAS_MASK:
+                rel = keys[None, :] - m_start  # column in the token's mask row
+                word_idx = tl.maximum(rel, 0) // 32
+                in_mask = (rel >= 0) & (word_idx < mask_words)
+                word = tl.load(mask_ptr + t[:, None] * stride_mask + word_idx, mask=row_ok[:, None] & in_mask,
+                               other=0)
+                visible = (rel < 0) | (((word >> (tl.maximum(rel, 0) % 32)) & 1) != 0)
+            else:
+                visible = keys[None, :] <= (first_kv + qi)[:, None]
+            visible = visible & key_ok[None, :] & row_ok[:, None]
+        else:
+            visible = key_ok[None, :] & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + addr[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, qsl_ptr, seq_lens_ptr, tables_ptr,
                       mask_ptr, mask_start_ptr, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                       stride_bt, stride_mask, mask_words, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                      q_tiles, keys_per_split,
+                      q_tiles, splits,
                       G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
@@ -162,39 +226,27 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, qsl_ptr
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (M, D)
     if HAS_MASK:
         m_start = tl.load(mask_start_ptr + b)
+        open_end = m_start  # keys before the mask: visible to every token
         key_end = seq_len
-    else:  # causal: no token of this tile sees past the tile's last token
+    else:  # causal: keys before the tile's first token are visible to all its tokens; none past its last
+        m_start = first_kv
+        open_end = first_kv + tile * BLOCK_Q
         key_end = tl.minimum(seq_len, first_kv + (tile + 1) * BLOCK_Q)
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N  # this sequence's share
     lo = split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, key_end)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_ok = keys < hi
-        block = tl.load(tables_ptr + b * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        addr = block * stride_kb + (keys % BLOCK_SIZE) * stride_ks + kvh * stride_kh  # (N,)
-        k = tl.load(k_cache_ptr + addr[None, :] + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2  # (M, N), log2 units
-        if HAS_MASK:
-            rel = keys[None, :] - m_start  # column in the token's mask row
-            word_idx = tl.maximum(rel, 0) // 32
-            in_mask = (rel >= 0) & (word_idx < mask_words)
-            word = tl.load(mask_ptr + t[:, None] * stride_mask + word_idx, mask=row_ok[:, None] & in_mask, other=0)
-            visible = (rel < 0) | (((word >> (tl.maximum(rel, 0) % 32)) & 1) != 0)
-        else:
-            visible = keys[None, :] <= (first_kv + qi)[:, None]
-        visible = visible & key_ok[None, :] & row_ok[:, None]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + addr[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
-        m_i = m_new
+    mid = tl.maximum(tl.minimum(hi, open_end), lo)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, lo, mid, b, t, qi, row_ok, m_start, first_kv, k_cache_ptr,
+                                 v_cache_ptr, tables_ptr, mask_ptr, scale_log2, stride_kb, stride_ks, stride_kh,
+                                 stride_bt, stride_mask, mask_words, kvh, d, d_ok, BLOCK_N, BLOCK_SIZE, False,
+                                 HAS_MASK, PRECISION, DOT_DTYPE)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, mid, hi, b, t, qi, row_ok, m_start, first_kv, k_cache_ptr,
+                                 v_cache_ptr, tables_ptr, mask_ptr, scale_log2, stride_kb, stride_ks, stride_kh,
+                                 stride_bt, stride_mask, mask_words, kvh, d, d_ok, BLOCK_N, BLOCK_SIZE, True,
+                                 HAS_MASK, PRECISION, DOT_DTYPE)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     ok = row_ok[:, None] & d_ok[None, :]

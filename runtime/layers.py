@@ -1,8 +1,9 @@
 """Layers both models are built from: the target decoder and the EAGLE-3 draft head.
 
 Module attribute names are checkpoint names (``gate_proj``, ``weight``), so either model
-loads name by name. Attention layers call ``paged_attend`` with an explicit ``StepContext``
-(no hidden globals): the step's metadata, the model's own paged cache, RoPE tables, kernels.
+loads name by name. Attention layers take an explicit ``StepContext`` (no hidden globals):
+the step's metadata, the model's own paged cache, RoPE tables, kernels. For serving, the
+projections that read the same input fuse into one matmul (``fuse_projections``).
 """
 
 from __future__ import annotations
@@ -43,17 +44,6 @@ class StepContext:
     kernels: KernelSet
 
 
-def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int,
-                 scale: float) -> torch.Tensor:
-    """RoPE on q/k, K/V into the paged cache, attention over it: [T, h, d] -> [T, h * d]."""
-    q = ctx.kernels.apply_rope(q, ctx.meta.positions, ctx.cos, ctx.sin)
-    k = ctx.kernels.apply_rope(k, ctx.meta.positions, ctx.cos, ctx.sin)
-    k_cache, v_cache = ctx.kv_cache.layer(layer)
-    ctx.kernels.write_kv(k_cache, v_cache, k, v, ctx.meta.slot_mapping)
-    out = ctx.kernels.paged_attention(q, k_cache, v_cache, ctx.meta, scale)
-    return out.reshape(q.shape[0], -1)
-
-
 class Attention(nn.Module):
     """Grouped-query attention over the paged cache: q/k/v read ``in_features``, o_proj writes
     ``out_features``. ``qk_norm_eps``: Qwen3's per-head RMSNorm on q and k, before RoPE."""
@@ -71,15 +61,29 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.scale = head_dim ** -0.5
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse_projections
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """One [q; k; v] matmul instead of three (inference only): the three weights become views
+        of the fused one, so loading and memory stay as they were."""
+        self.qkv_weight, self.qkv_bias = _fuse(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, h, d)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, kvh, d)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        """RoPE on q/k, K/V into the paged cache, attention over it, o_proj: [T, in] -> [T, out]."""
+        T, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([h * d, kvh * d, kvh * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(T, h, d), k.view(T, kvh, d), v.view(T, kvh, d)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(paged_attend(q, k, v, ctx, self.layer_idx, self.scale))
+        k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx)
+        q = ctx.kernels.rope_write_kv(q, k, v, ctx.meta.positions, ctx.cos, ctx.sin, k_cache, v_cache,
+                                      ctx.meta.slot_mapping)
+        out = ctx.kernels.paged_attention(q, k_cache, v_cache, ctx.meta, self.scale)
+        return self.o_proj(out.reshape(T, -1))
 
 
 class MLP(nn.Module):
@@ -90,6 +94,27 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse_projections
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fuse_projections(self) -> None:
+        """One [gate; up] matmul instead of two (inference only), as ``Attention.fuse_projections``."""
+        self.gate_up_weight, _ = _fuse(self.gate_proj, self.up_proj)
+
+    def forward(self, x: torch.Tensor, kernels: KernelSet | None = None) -> torch.Tensor:
+        if self.gate_up_weight is not None and kernels is not None:
+            return self.down_proj(kernels.silu_mul(F.linear(x, self.gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fuse(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the linears' weights (and biases) along the output axis; each linear's own
+    parameters become views of the result, so no memory is held twice."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
+    rows = [lin.weight.shape[0] for lin in linears]
+    for lin, w in zip(linears, weight.split(rows)):
+        lin.weight = nn.Parameter(w, requires_grad=False)
+    if bias is not None:
+        for lin, b in zip(linears, bias.split(rows)):
+            lin.bias = nn.Parameter(b, requires_grad=False)
+    return weight, bias

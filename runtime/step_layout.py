@@ -134,3 +134,126 @@ def _custom_mask(chunks: list[SeqChunk]) -> tuple[np.ndarray | None, np.ndarray 
     cols = max(m.shape[1] for m in masks)
     stacked = np.concatenate([np.pad(m, ((0, 0), (0, cols - m.shape[1]))) for m in masks])
     return stacked, np.asarray(starts, dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """The shape a graphed step is captured for: up to ``seqs`` sequences of up to ``tokens`` new
+    tokens each; ``tree``: with a packed ancestor mask (verification), else one decode token each."""
+
+    seqs: int
+    tokens: int
+    tree: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seqs * self.tokens
+
+    @property
+    def mask_words(self) -> int:
+        return -(-self.tokens // 32) if self.tree else 0
+
+
+class StaticLayout:
+    """A graphed step's inputs at fixed device addresses, sized for one ``Bucket``.
+
+    One int64 device buffer holds every input (ids, positions, slots, tables, lengths and the
+    packed mask); ``fill`` writes a step into its pinned host twin and sends it in one copy.
+    Padding: sequences past the step's own have no tokens (``query_start_loc`` repeats) and
+    length 0; token rows past the step's own write no KV (slot -1). Outputs of padding rows
+    are garbage that no one reads. ``meta.max_seq_len`` is the cache's capacity, so the
+    attention kernel's grid never depends on a step's lengths.
+    """
+
+    def __init__(self, bucket: Bucket, table_width: int, max_seq_len: int, block_size: int, device: torch.device):
+        self.bucket, self.block_size, self.table_width = bucket, block_size, table_width
+        B, T, W = bucket.seqs, bucket.num_tokens, table_width
+        mask_int64 = -(-T * bucket.mask_words // 2)  # int32 words, two to an int64
+        shapes = {"qsl": (B + 1,), "seq_lens": (B,), "tables": (B, W), "slots": (T,), "positions": (T,),
+                  "token_seq": (T,), "q_idx": (T,), "ids": (T,), "mask_start": (B,), "mask": (mask_int64,)}
+        total = sum(int(np.prod(s)) for s in shapes.values())
+        self.device_buffer = torch.zeros(total, dtype=torch.int64, device=device)
+        self.host_buffer = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+        host = self.host_buffer.numpy()
+        self.host: dict[str, np.ndarray] = {}
+        dev: dict[str, torch.Tensor] = {}
+        at = 0
+        for name, shape in shapes.items():
+            n = int(np.prod(shape))
+            self.host[name] = host[at:at + n].reshape(shape)
+            dev[name] = self.device_buffer[at:at + n].view(shape)
+            at += n
+        words = bucket.mask_words
+        self._mask_bytes = self.host["mask"].view(np.uint8)[:T * words * 4].reshape(T, words * 4) if words else None
+        mask = dev["mask"].view(torch.int32)[:T * words].view(T, words) if words else None
+        self.input_ids = dev["ids"]
+        self.meta = AttentionMetadata(
+            query_start_loc=dev["qsl"], seq_lens=dev["seq_lens"], block_tables=dev["tables"],
+            slot_mapping=dev["slots"], positions=dev["positions"], token_seq=dev["token_seq"],
+            token_q_idx=dev["q_idx"], max_query_len=bucket.tokens, max_seq_len=max_seq_len,
+            custom_mask=mask, mask_start=dev["mask_start"] if words else None)
+        self.fill_placeholder()
+
+    def fits(self, chunks: list[SeqChunk]) -> bool:
+        return len(chunks) <= self.bucket.seqs and all(len(c.block_table) <= self.table_width for c in chunks)
+
+    def fill_placeholder(self) -> None:
+        """Every sequence full, reading block 0 and writing nothing: the inputs a capture runs on."""
+        h, B, Q = self.host, self.bucket.seqs, self.bucket.tokens
+        h["qsl"][:] = np.arange(B + 1) * Q
+        h["seq_lens"][:] = Q
+        h["tables"][:] = 0
+        h["slots"][:] = -1
+        h["positions"][:] = np.tile(np.arange(Q), B)
+        h["token_seq"][:] = np.repeat(np.arange(B), Q)
+        h["q_idx"][:] = np.tile(np.arange(Q), B)
+        h["ids"][:] = 0
+        h["mask_start"][:] = 0
+        if self._mask_bytes is not None:
+            tril = np.packbits(np.tril(np.ones((Q, Q), dtype=bool)), axis=1, bitorder="little")
+            self._mask_bytes[:] = 0
+            self._mask_bytes[:, :tril.shape[1]] = np.tile(tril, (B, 1))
+        self.device_buffer.copy_(self.host_buffer)
+
+    def fill(self, chunks: list[SeqChunk]) -> np.ndarray:
+        """Write ``chunks`` (which ``fits``) and copy them to the device (asynchronously, one copy).
+
+        Returns the step's ``query_start_loc`` on the host. The caller's step ends in a
+        device-to-host sync, so the host buffer is free again before the next ``fill``.
+        """
+        h, bs = self.host, self.block_size
+        q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+        starts = np.array([c.kv_start for c in chunks], dtype=np.int64)
+        n, T = len(chunks), int(q_lens.sum())
+        qsl = np.concatenate(([0], np.cumsum(q_lens)))
+        h["qsl"][:n + 1] = qsl
+        h["qsl"][n + 1:] = T
+        h["seq_lens"][:n] = starts + q_lens
+        h["seq_lens"][n:] = 0
+        tables = h["tables"]
+        tables[:] = 0
+        for i, c in enumerate(chunks):
+            tables[i, :len(c.block_table)] = c.block_table
+        token_seq = np.repeat(np.arange(n), q_lens)
+        q_idx = np.arange(T) - qsl[token_seq]
+        kv_idx = starts[token_seq] + q_idx
+        h["slots"][:T] = tables[token_seq, kv_idx // bs] * bs + kv_idx % bs
+        h["slots"][T:] = -1
+        h["positions"][:T] = np.concatenate([np.asarray(c.positions) if c.positions is not None else
+                                             np.arange(c.kv_start, c.kv_start + len(c.token_ids)) for c in chunks])
+        h["positions"][T:] = 0
+        h["token_seq"][:T], h["token_seq"][T:] = token_seq, 0
+        h["q_idx"][:T], h["q_idx"][T:] = q_idx, 0
+        h["ids"][:T] = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks])
+        h["ids"][T:] = 0
+        if self._mask_bytes is not None:
+            masks = [np.ones((1, 1), dtype=bool) if c.custom_mask is None else np.asarray(c.custom_mask, dtype=bool)
+                     for c in chunks]
+            h["mask_start"][:n] = [c.kv_start if c.mask_start is None else c.mask_start for c in chunks]
+            h["mask_start"][n:] = 0
+            self._mask_bytes[:] = 0
+            for m, at in zip(masks, qsl[:-1]):
+                packed = np.packbits(m, axis=1, bitorder="little")  # bit j of byte b: column 8 b + j
+                self._mask_bytes[at:at + m.shape[0], :packed.shape[1]] = packed
+        self.device_buffer.copy_(self.host_buffer, non_blocking=True)
+        return qsl

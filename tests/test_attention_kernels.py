@@ -81,6 +81,26 @@ def test_paged_attention_matches_reference(kvh, g, d, dtype, batch):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("block_m, block_n", [(16, 32), (64, 64), (128, 32), (128, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_tile_config_matches_reference(block_m, block_n, dtype):
+    """Prefill, tree and long decode rows under each tile shape: the split of the keys into an
+    open prefix and a masked tail, and the row tiling, never change the result."""
+    from kernels.attention_triton import AttentionConfig
+    kvh, g, d = 2, 4, 64
+    cases = [(0, 40, None, None), (90, 9, None, None), (20, 8, tree_mask(TREE), 20), (700, 1, None, None)]
+    k_cache, v_cache, chunks = build(cases, kvh, d, dtype, seed=7)
+    q = torch.randn(sum(len(c.token_ids) for c in chunks), kvh * g, d, generator=torch.Generator().manual_seed(2))
+    q = q.to(dtype).to(DEVICE)
+    want = paged_attention_ref(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0),
+                               layout_step(chunks, BLOCK, torch.device(DEVICE), REFERENCE).meta, d ** -0.5)
+    got = paged_attention_triton(q, k_cache, v_cache, layout_step(chunks, BLOCK, torch.device(DEVICE), TRITON_SET).meta,
+                                 d ** -0.5, AttentionConfig(block_m, block_n))
+    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 def test_long_decode_uses_several_splits():
     """The flash-decoding path (partials + combine) is what the long case above exercised."""
     from kernels.attention_triton import _num_splits
@@ -95,11 +115,16 @@ def test_write_kv_matches_reference(dtype):
     k_cache = torch.randn(6, BLOCK, 2, 8, generator=gen).to(dtype).to(DEVICE)
     v_cache = torch.randn(6, BLOCK, 2, 8, generator=gen).to(dtype).to(DEVICE)
     k, v = (torch.randn(9, 2, 8, generator=gen).to(dtype).to(DEVICE) for _ in range(2))  # the model's dtype
-    slots = torch.randperm(6 * BLOCK, generator=gen)[:9].to(DEVICE)
+    slots = torch.randperm(6 * BLOCK, generator=gen)[:9]
+    slots[[2, 7]] = -1  # padding tokens of a graphed step: not written
+    slots = slots.to(DEVICE)
+    before = k_cache.clone()
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     write_kv_ref(ref_k, ref_v, k, v, slots)
     write_kv_triton(k_cache, v_cache, k, v, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    changed = (k_cache != before).flatten(2).any(-1).flatten().nonzero().flatten().cpu()
+    assert set(changed.tolist()) <= set(slots[slots >= 0].cpu().tolist()) and len(changed) > 0
 
 
 def test_pack_mask_bits():

@@ -9,7 +9,7 @@ from common.sampling_params import SamplingParams
 from draft_service.spec_config import SpecConfig
 from draft_service.drafter import EagleDrafter
 from tiny_eagle import make_eagle_dir
-from tiny_models import target_for, make_model_dir, tiny_config
+from tiny_models import TRITON_DEVICE, target_for, make_model_dir, tiny_config
 from verify_service.engine import Engine
 
 PROMPTS = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2]]
@@ -120,9 +120,9 @@ def test_triton_kernels_give_the_reference_tokens(dirs, tree):
     pytest.importorskip("triton")
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 9, 4)]
     prompts = PROMPTS[:3]
-    triton_only = target_only(dirs[0], prompts, params, kernels="triton")
-    assert triton_only == target_only(dirs[0], prompts, params, kernels="reference")
-    engine = eagle_engine(dirs, tree, kernels="triton")
+    triton_only = target_only(dirs[0], prompts, params, kernels="triton", device=TRITON_DEVICE)
+    assert triton_only == target_only(dirs[0], prompts, params, kernels="reference", device=TRITON_DEVICE)
+    engine = eagle_engine(dirs, tree, kernels="triton", device=TRITON_DEVICE)
     assert engine.target.runner.kernels.name == engine.drafter.kernels.name == "triton"
     results = engine.generate(prompts, params)
     assert [r.token_ids for r in results] == triton_only

@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from common.config import ModelConfig
@@ -62,6 +63,8 @@ def make_model_dir(root: Path, variant: str = "llama3", seed: int = 0, std: floa
 # and EAGLE3_TEST_DTYPE=bfloat16 to run the same tests there (tolerances follow the dtype).
 TEST_DEVICE = os.environ.get("EAGLE3_TEST_DEVICE", "cpu")
 TEST_DTYPE = os.environ.get("EAGLE3_TEST_DTYPE", "float32")
+# Where the Triton kernels run: natively on a GPU, else on the CPU through Triton's interpreter.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _TOLERANCES = {"float32": (2e-5, 1e-4), "float16": (2e-2, 2e-2), "bfloat16": (8e-2, 5e-2)}
 
 

@@ -36,6 +36,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_batch_tokens: int = 2048
     kernels: str = "auto"  # "triton", "reference", or "auto" (kernels.select_kernels decides)
+    enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the Triton kernels)
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -59,6 +59,13 @@ class GenerationResult:
     speculation: SpeculationMetrics | None = None
 
 
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]``; a view when the rows are consecutive (a decode batch: no index copy, no launch)."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1 and all(b - a == 1 for a, b in zip(rows, rows[1:])):
+        return t[rows[0]:rows[-1] + 1]
+    return t[rows]
+
+
 class Engine:
     def __init__(self, target: Target, drafter: DraftProvider | None = None, limits: TreeSettings | None = None):
         """``limits``: with a drafter, the default tree and the most a request may ask for."""
@@ -167,7 +174,7 @@ class Engine:
             elif seq.speculate:
                 self._feed_rows(seq, out, i, start, n, None, feeds)
         rows = [int(logits_at[i]) for i, *_ in due]
-        tokens = self.sampler(out.logits[rows], [seq for _, seq, *_ in due]) if due else []
+        tokens = self.sampler(take_rows(out.logits, rows), [seq for _, seq, *_ in due]) if due else []
         events = []
         for (i, seq, start, n), token in zip(due, tokens):
             if seq.speculate:

@@ -44,6 +44,7 @@ def build_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], d
     with torch.device("meta"):
         model = CausalLM(cfg)
     load_weights(model, tensors, dtype, device)
+    model.fuse_projections()
     model.init_rope(max_positions)
     return model.eval().requires_grad_(False)
 

@@ -32,9 +32,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, normed: torch.Tensor, residual: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """``normed``: input_layernorm(residual), computed by the caller (which also reads the
+        residual stream entering the layer). Returns (MLP output, residual stream): their sum,
+        the stream leaving the layer, is formed by the next norm (the add fused into it)."""
+        x = self.self_attn(normed, ctx)
+        norm = self.post_attention_layernorm
+        normed, residual = ctx.kernels.rms_norm(x, norm.weight, norm.eps, residual)
+        return self.mlp(normed, ctx.kernels), residual
 
 
 class Decoder(nn.Module):
@@ -73,14 +78,23 @@ class CausalLM(nn.Module):
                 kernels: KernelSet, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
         assert self.cos is not None, "call init_rope() before forward()"
         ctx = StepContext(meta, kv_cache, self.cos, self.sin, kernels)
-        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        x, residual = self.model.embed_tokens(input_ids), None  # (T, hidden)
         captured = {}
         for i, layer in enumerate(self.model.layers):
+            norm = layer.input_layernorm
+            normed, residual = kernels.rms_norm(x, norm.weight, norm.eps, residual)  # residual: the stream entering layer i
             if i in capture_layers:
-                captured[i] = x
-            x = layer(x, ctx)
+                captured[i] = residual
+            x, residual = layer(normed, residual, ctx)
+        hidden, _ = kernels.rms_norm(x, self.model.norm.weight, self.model.norm.eps, residual)
         feats = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
-        return ForwardOutput(self.model.norm(x), feats)
+        return ForwardOutput(hidden, feats)
+
+    def fuse_projections(self) -> None:
+        """Serving layout: one matmul for q/k/v and one for gate/up in every layer."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

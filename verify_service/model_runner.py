@@ -1,41 +1,90 @@
 """One forward step of the target over a batch of sequence chunks.
 
-The scheduler decides *what* runs (``SeqChunk`` per sequence); ``layout_step`` turns it into
-flat device tensors plus ``AttentionMetadata``; the runner runs the model and returns logits
-only for the rows that need them.
+The scheduler decides *what* runs (``SeqChunk`` per sequence); the runner lays it out as
+device tensors plus ``AttentionMetadata``, runs the model and returns logits only for the
+rows that need them.
+
+Decode steps (one token per sequence) and verification steps (a candidate tree per sequence,
+logits for every node) replay CUDA graphs, captured on first use per ``Bucket`` of sequence
+count and tokens per sequence; their inputs live in a ``StaticLayout`` filled with one
+host-to-device copy. Prefill chunks, mixed steps and steps larger than every bucket run
+eagerly (``layout_step``), as does everything off CUDA, with the reference kernels (their
+shapes follow each step's lengths) or with ``enforce_eager``.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.errors import UnsupportedModelError
 from kernels import KernelSet
+from runtime.block_manager import blocks_for
 from runtime.kv_cache import PagedKVCache
-from runtime.step_layout import SeqChunk, Staging, layout_step
+from runtime.step_layout import Bucket, SeqChunk, Staging, StaticLayout, layout_step
 from verify_service.model import CausalLM
 
-__all__ = ["ModelRunner", "SeqChunk", "StepOutput"]
+__all__ = ["ModelRunner", "SeqChunk", "StepOutput", "graph_buckets"]
+
+log = logging.getLogger(__name__)
+
+# Most tokens a graphed step holds: its logits ([tokens, vocab] float32) live in the graph pool.
+MAX_GRAPH_TOKENS = 512
 
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
+    """A step's results. After a graphed step, ``logits`` and ``hidden`` are views of the graph's
+    outputs, valid until the next step; ``captured`` is always the caller's own."""
+
     logits: torch.Tensor  # [sum(len(logits_rows)), vocab] float32, in chunk order
     hidden: torch.Tensor  # [T, hidden] final-normed hidden of every new token
     captured: torch.Tensor | None  # [T, k * hidden] EAGLE-3 features, when capture layers are set
     query_start_loc: list[int]  # chunk i owns rows query_start_loc[i]:query_start_loc[i+1]
 
 
+def graph_buckets(max_num_seqs: int, max_tree_tokens: int) -> list[Bucket]:
+    """Decode buckets for 1, 2, 4, 8, then every multiple of 8 sequences up to ``max_num_seqs``;
+    tree buckets for 2, 4, 8, ... tokens per sequence up to ``max_tree_tokens``, as far as
+    ``MAX_GRAPH_TOKENS`` allows."""
+    seqs = sorted({n for n in (1, 2, 4, 8) if n < max_num_seqs} | set(range(8, max_num_seqs, 8)) | {max_num_seqs})
+    out = [Bucket(b, 1, False) for b in seqs if b <= MAX_GRAPH_TOKENS]
+    tokens, q = [], 2
+    while q < 2 * max_tree_tokens:
+        tokens.append(min(q, max_tree_tokens))
+        q *= 2
+    return out + [Bucket(b, q, True) for q in sorted(set(tokens)) for b in seqs if b * q <= MAX_GRAPH_TOKENS]
+
+
+class _Graph:
+    """One captured forward: its static inputs, the graph, and its outputs."""
+
+    def __init__(self, layout: StaticLayout, graph: torch.cuda.CUDAGraph, logits: torch.Tensor,
+                 hidden: torch.Tensor, captured: torch.Tensor | None):
+        self.layout, self.graph = layout, graph
+        self.logits, self.hidden, self.captured = logits, hidden, captured
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, kernels: KernelSet,
-                 capture_layers: tuple[int, ...] = ()):
+                 capture_layers: tuple[int, ...] = (), cuda_graphs: bool = False, max_num_seqs: int = 1):
+        """``cuda_graphs``: replay captured graphs for decode and verification steps (CUDA with the
+        Triton kernels only; the caller decides)."""
         self.model = model
         self.kv_cache = kv_cache
         self.kernels = kernels
         self.device = kv_cache.data.device
         self.staging = Staging(self.device)  # one host-to-device copy per step, reused buffers
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = model.cos.shape[0]
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self._graphs: dict[Bucket, _Graph | None] = {}  # None: capture failed, that bucket runs eagerly
+        self._pool = None
+        self.graph_steps = 0  # steps that replayed a graph (a metric; tests read it)
         self.set_capture_layers(capture_layers)
 
     def set_capture_layers(self, layers: tuple[int, ...]) -> None:
@@ -43,11 +92,85 @@ class ModelRunner:
         bad = [i for i in layers if not 0 <= i < self.model.config.num_layers]
         if bad:
             raise UnsupportedModelError(f"capture layers {bad} outside [0, {self.model.config.num_layers})")
+        if tuple(layers) != getattr(self, "capture_layers", None):
+            self._graphs.clear()  # captured with other outputs
         self.capture_layers = tuple(layers)
 
     @torch.inference_mode()
     def step(self, chunks: list[SeqChunk]) -> StepOutput:
+        bucket = self._bucket(chunks) if self.cuda_graphs else None
+        graph = self._graph(bucket) if bucket is not None else None
+        if graph is not None and graph.layout.fits(chunks):
+            return self._replay(graph, chunks)
         lay = layout_step(chunks, self.kv_cache.block_size, self.device, self.kernels, self.staging)
         out = self.model(lay.input_ids, lay.meta, self.kv_cache, self.kernels, self.capture_layers)
         logits = self.model.compute_logits(out.hidden[lay.logits_rows])
         return StepOutput(logits, out.hidden, out.captured, lay.query_start_loc.tolist())
+
+    def capture(self, buckets: list[Bucket]) -> None:
+        """Capture ``buckets`` now (server start-up) rather than on their first step."""
+        if self.cuda_graphs:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for b in buckets:
+                    self._graph(b)
+            log.info("captured %d CUDA graphs in %.1f s", sum(g is not None for g in self._graphs.values()),
+                     time.perf_counter() - t0)
+
+    def _bucket(self, chunks: list[SeqChunk]) -> Bucket | None:
+        """The smallest bucket that holds this step, if it is a decode or verification step."""
+        tree, most = False, 1
+        for c in chunks:
+            n = len(c.token_ids)
+            if c.custom_mask is None:
+                if n != 1 or len(c.logits_rows) != 1:  # a prefill chunk
+                    return None
+            else:
+                if c.custom_mask.shape != (n, n) or (c.mask_start is not None and c.mask_start != c.kv_start) \
+                        or not np.array_equal(c.logits_rows, np.arange(n)):
+                    return None
+                tree, most = True, max(most, n)
+        fitting = [b for b in self._buckets() if b.tree == tree and b.seqs >= len(chunks) and b.tokens >= most]
+        return min(fitting, key=lambda b: (b.num_tokens, b.tokens)) if fitting else None
+
+    def _buckets(self) -> list[Bucket]:
+        return graph_buckets(self.max_num_seqs, min(MAX_GRAPH_TOKENS, self.max_model_len))
+
+    def _graph(self, bucket: Bucket) -> _Graph | None:
+        if bucket not in self._graphs:
+            try:
+                self._graphs[bucket] = self._capture(bucket)
+            except torch.OutOfMemoryError:  # results stay exact: this bucket's steps run eagerly
+                log.warning("no GPU memory to capture a CUDA graph for %s: those steps run eagerly", bucket)
+                self._graphs[bucket] = None
+                torch.cuda.empty_cache()
+        return self._graphs[bucket]
+
+    def _capture(self, bucket: Bucket) -> _Graph:
+        # A tree's nodes sit past the sequence's committed tokens: the table holds those too.
+        width = blocks_for(self.max_model_len + bucket.tokens, self.kv_cache.block_size)
+        layout = StaticLayout(bucket, width, self.max_model_len, self.kv_cache.block_size, self.device)
+
+        def forward():
+            out = self.model(layout.input_ids, layout.meta, self.kv_cache, self.kernels, self.capture_layers)
+            return self.model.compute_logits(out.hidden), out.hidden, out.captured
+
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            forward()  # compiles the kernels and settles the allocator before capture
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, hidden, captured = forward()
+        return _Graph(layout, graph, logits, hidden, captured)
+
+    def _replay(self, graph: _Graph, chunks: list[SeqChunk]) -> StepOutput:
+        qsl = graph.layout.fill(chunks)
+        graph.graph.replay()
+        self.graph_steps += 1
+        T = int(qsl[-1])
+        captured = graph.captured[:T].clone() if graph.captured is not None else None  # outlives the step
+        return StepOutput(graph.logits[:T], graph.hidden[:T], captured, qsl.tolist())

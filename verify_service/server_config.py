@@ -48,13 +48,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache budget (default: 90%% of free GPU memory)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides --kv-cache-gib)")
-    add_kernel_argument(p)
+    add_kernel_arguments(p)
 
 
-def add_kernel_argument(p: argparse.ArgumentParser) -> None:
+def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
-                   help="triton: the Triton kernels (CUDA); reference: the pure-torch references; auto: "
-                        "the references for now (the Triton set is opt-in until validated on a GPU)")
+                   help="triton: the Triton kernels; reference: the pure-torch references (eager, for "
+                        "debugging and parity checks); auto: Triton on CUDA, the references on the CPU")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every step runs eagerly (graphs need CUDA and the Triton kernels)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,7 +77,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     return EngineConfig(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
                         kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks,
-                        kernels=args.kernels)
+                        kernels=args.kernels, enforce_eager=args.enforce_eager)
 
 
 def from_args(args: argparse.Namespace, model_dir: str) -> VerifyServerConfig:

@@ -40,10 +40,12 @@ class Target:
         check_fits(f"KV cache of {num_blocks} blocks of {cfg.block_size} tokens", num_blocks * per_block, self.device)
         self.kv_cache = PagedKVCache.for_model(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
-        self.runner = ModelRunner(model, self.kv_cache, select_kernels(self.device, cfg.kernels), capture_layers)
-        log.info("target engine: %s on %s/%s, %d KV blocks of %d tokens, context %d",
+        kernels = select_kernels(self.device, cfg.kernels)
+        graphs = self.device.type == "cuda" and kernels.name == "triton" and not cfg.enforce_eager
+        self.runner = ModelRunner(model, self.kv_cache, kernels, capture_layers, graphs, cfg.max_num_seqs)
+        log.info("target engine: %s on %s/%s, %d KV blocks of %d tokens, context %d, %s kernels, %s",
                  self.model_config.architecture, self.device, self.dtype, num_blocks, cfg.block_size,
-                 self.max_model_len)
+                 self.max_model_len, kernels.name, "CUDA graphs" if graphs else "eager")
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, capture_layers: tuple[int, ...] = ()) -> "Target":

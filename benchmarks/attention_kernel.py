@@ -1,0 +1,98 @@
+"""Paged attention kernel alone: time per call against tree size and context, for tile configs.
+
+Llama-3-8B geometry by default (32 query heads, 8 KV heads, head_dim 128), one sequence, bf16.
+For each (context, tokens) every config in the sweep is timed (CUDA events, median), next to
+the time to read the sequence's KV once at the measured copy bandwidth::
+
+    python benchmarks/attention_kernel.py --context 4096 --context 32768 --tokens 1 --tokens 64 --sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.decode_baseline import copy_bandwidth_gbs  # noqa: E402
+from kernels.attention_triton import AttentionConfig, attention_config, pack_mask, paged_attention_triton  # noqa: E402
+from kernels.metadata import AttentionMetadata  # noqa: E402
+
+SWEEP = [AttentionConfig(m, n, w, s) for m in (16, 64, 128) for n in (32, 64) for w in (4, 8) for s in (2, 3)]
+
+
+def setup(context: int, tokens: int, heads: int, kv_heads: int, head_dim: int, block: int = 16):
+    dev = torch.device("cuda")
+    total = context + tokens
+    nblocks = -(-total // block)
+    k_cache = torch.randn(nblocks, block, kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(tokens, heads, head_dim, device=dev, dtype=torch.bfloat16)
+    tree = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=dev))
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, tokens], device=dev), seq_lens=torch.tensor([total], device=dev),
+        block_tables=torch.randperm(nblocks, device=dev)[None], slot_mapping=torch.arange(tokens, device=dev),
+        positions=torch.arange(tokens, device=dev), token_seq=torch.zeros(tokens, dtype=torch.long, device=dev),
+        token_q_idx=torch.arange(tokens, device=dev), max_query_len=tokens, max_seq_len=total,
+        custom_mask=pack_mask(tree) if tokens > 1 else None,
+        mask_start=torch.tensor([context], device=dev) if tokens > 1 else None)
+    return q, k_cache, v_cache, meta
+
+
+def time_us(fn, reps: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--context", type=int, action="append", required=True)
+    ap.add_argument("--tokens", type=int, action="append", required=True)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--sweep", action="store_true", help="time every config of the sweep, not just the default")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    bw = copy_bandwidth_gbs(torch.device("cuda"))
+    g = args.heads // args.kv_heads
+    results = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": round(bw, 1), "cases": []}
+    for context in args.context:
+        for tokens in args.tokens:
+            q, k, v, meta = setup(context, tokens, args.heads, args.kv_heads, args.head_dim)
+            read_us = 2 * k[:, :, :, :].numel() * k.element_size() / (bw * 1e9) * 1e6
+            default = attention_config(tokens, g, args.head_dim)
+            configs = [default] + ([c for c in SWEEP if c != default and c.block_m >= g] if args.sweep else [])
+            for cfg in configs:
+                try:
+                    us = time_us(lambda: paged_attention_triton(q, k, v, meta, args.head_dim ** -0.5, cfg))
+                except Exception as exc:  # a config the compiler refuses (e.g. out of shared memory)
+                    print(f"ctx {context} tokens {tokens} {cfg}: {type(exc).__name__}", flush=True)
+                    continue
+                r = {"context": context, "tokens": tokens, "config": [cfg.block_m, cfg.block_n, cfg.num_warps,
+                                                                      cfg.num_stages],
+                     "default": cfg == default, "us": round(us, 1), "kv_read_us": round(read_us, 1)}
+                results["cases"].append(r)
+                print(f"ctx {context:>6} tokens {tokens:>3} m{cfg.block_m:>3} n{cfg.block_n:>3} w{cfg.num_warps} "
+                      f"s{cfg.num_stages}{' *' if r['default'] else '  '}: {us:8.1f} us  (KV read {read_us:.1f} us)",
+                      flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

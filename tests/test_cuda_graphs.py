@@ -1,0 +1,103 @@
+"""Graphed steps: a static, padded layout gives the eager layout's results (on any device,
+through the Triton kernels), and on CUDA replayed graphs give the eager path's tokens."""
+
+import numpy as np
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from kernels import select_kernels
+from kernels.attention_triton import pack_mask
+from runtime.step_layout import Bucket, SeqChunk, StaticLayout, layout_step
+from tiny_models import TRITON_DEVICE, make_model_dir, target_for
+from verify_service.engine import Engine
+from verify_service.model_runner import MAX_GRAPH_TOKENS, graph_buckets
+
+triton = pytest.importorskip("triton")
+
+TREE = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], bool)
+
+
+def chunks_for(target, lengths):
+    """A verification-shaped step: a 5-node tree, a decode token, a 3-node chain."""
+    tables = []
+    for sid, n in enumerate(lengths):
+        target.blocks.ensure_capacity(sid, n + 8)
+        tables.append(target.blocks.block_table(sid))
+    chain = np.tril(np.ones((3, 3), bool))
+    return [SeqChunk([4, 9, 11, 3, 7], lengths[0], tables[0], logits_rows=np.arange(5),
+                     positions=lengths[0] + np.array([0, 1, 1, 2, 2]), custom_mask=TREE),
+            SeqChunk([8], lengths[1], tables[1], logits_rows=(0,)),
+            SeqChunk([1, 2, 3], lengths[2], tables[2], logits_rows=np.arange(3),
+                     positions=lengths[2] + np.arange(3), custom_mask=chain)]
+
+
+def test_static_layout_pads_and_packs():
+    chunks = [SeqChunk([1, 2, 3, 4, 5], 20, [3, 7], logits_rows=np.arange(5), positions=[20, 21, 21, 22, 22],
+                       custom_mask=TREE),
+              SeqChunk([6], 9, [2], logits_rows=(0,))]
+    lay = StaticLayout(Bucket(4, 8, True), table_width=3, max_seq_len=64, block_size=16, device=torch.device("cpu"))
+    assert lay.fits(chunks) and not lay.fits(chunks * 3)
+    qsl = lay.fill(chunks)
+    m = lay.meta
+    assert qsl.tolist() == [0, 5, 6] and m.query_start_loc.tolist() == [0, 5, 6, 6, 6]
+    assert m.seq_lens.tolist() == [25, 10, 0, 0] and m.block_tables.tolist()[:2] == [[3, 7, 0], [2, 0, 0]]
+    slots = m.slot_mapping.tolist()
+    assert slots[:6] == [7 * 16 + 4 + i for i in range(5)] + [2 * 16 + 9] and set(slots[6:]) == {-1}
+    assert lay.input_ids.tolist()[:6] == [1, 2, 3, 4, 5, 6] and m.positions.tolist()[:6] == [20, 21, 21, 22, 22, 9]
+    want = np.zeros((32, 5), bool)
+    want[:5] = TREE
+    want[5, 0] = True  # the decode token sees itself
+    assert torch.equal(m.custom_mask, pack_mask(torch.from_numpy(want)))
+    assert m.mask_start.tolist() == [20, 9, 0, 0] and m.max_query_len == 8 and m.max_seq_len == 64
+
+
+def test_graph_buckets():
+    buckets = graph_buckets(max_num_seqs=20, max_tree_tokens=24)
+    decode = [b.seqs for b in buckets if not b.tree]
+    assert decode == [1, 2, 4, 8, 16, 20]
+    assert {b.tokens for b in buckets if b.tree} == {2, 4, 8, 16, 24}
+    assert all(b.num_tokens <= MAX_GRAPH_TOKENS for b in buckets)
+
+
+@pytest.mark.parametrize("bucket", [Bucket(4, 8, True), Bucket(3, 16, True)])
+def test_static_layout_forward_equals_eager_layout(tmp_path, bucket):
+    """The model on a padded static layout (as a graph replays it) matches the eager layout row by
+    row: padding rows read nothing, write nothing and disturb no real row."""
+    target = target_for(make_model_dir(tmp_path / "m", "llama3", seed=2, std=0.3), kernels="triton",
+                        max_model_len=96, device=TRITON_DEVICE, enforce_eager=True)
+    kernels, runner = target.runner.kernels, target.runner
+    assert kernels.name == "triton"
+    prompts = [list(range(3, 30)), list(range(40, 51)), list(range(7, 20))]
+    for sid, p in enumerate(prompts):  # prefill the three sequences
+        target.blocks.ensure_capacity(sid, len(p))
+        runner.step([SeqChunk(p, 0, target.blocks.block_table(sid), logits_rows=(len(p) - 1,))])
+    chunks = chunks_for(target, [len(p) for p in prompts])
+    saved = target.kv_cache.data.clone()
+    eager = layout_step(chunks, target.kv_cache.block_size, target.device, kernels)
+    with torch.inference_mode():
+        want = target.model.compute_logits(
+            target.model(eager.input_ids, eager.meta, target.kv_cache, kernels).hidden[eager.logits_rows])
+        kv_after = target.kv_cache.data.clone()
+        target.kv_cache.data.copy_(saved)
+        static = StaticLayout(bucket, 8, target.max_model_len, target.kv_cache.block_size, target.device)
+        qsl = static.fill(chunks)
+        got = target.model.compute_logits(target.model(static.input_ids, static.meta, target.kv_cache, kernels).hidden)
+    torch.testing.assert_close(got[:qsl[-1]], want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(target.kv_cache.data, kv_after, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphed_engine_gives_the_eager_tokens(tmp_path, dtype):
+    model_dir = make_model_dir(tmp_path / "m", "llama3", seed=4, std=0.3)
+    prompts = [list(range(3, 40)), [5, 6, 7], list(range(60, 75)), [9] * 21]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 30, 7, 20)]
+    runs = {}
+    for eager in (False, True):
+        target = target_for(model_dir, device="cuda", dtype=dtype, kernels="triton", enforce_eager=eager)
+        engine = Engine(target)
+        runs[eager] = [r.token_ids for r in engine.generate(prompts, params)]
+        assert (target.runner.graph_steps > 0) != eager
+    assert runs[False] == runs[True]
