@@ -1,7 +1,7 @@
 """Paged attention kernel alone: time per call against tree size and context, for tile configs.
 
 Llama-3-8B geometry by default (32 query heads, 8 KV heads, head_dim 128), one sequence, bf16.
-For each (context, tokens) every config in the sweep is timed (CUDA events, median), next to
+For each (context, tokens) every config in the sweep is timed (CUDA graph replays, median), next to
 the time to read the sequence's KV once at the measured copy bandwidth::
 
     python benchmarks/attention_kernel.py --context 4096 --context 32768 --tokens 1 --tokens 64 --sweep
@@ -23,7 +23,8 @@ from benchmarks.decode_baseline import copy_bandwidth_gbs  # noqa: E402
 from kernels.attention_triton import AttentionConfig, attention_config, pack_mask, paged_attention_triton  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 
-SWEEP = [AttentionConfig(m, n, w, s) for m in (16, 64, 128) for n in (32, 64) for w in (4, 8) for s in (2, 3)]
+SWEEP = [AttentionConfig(m, n, w, s) for m in (16, 64, 128) for n in (32, 64) for w in (4, 8) for s in (2, 3)] + \
+    [AttentionConfig(m, n, 8, s) for m, n in ((128, 128), (256, 32), (256, 64)) for s in (2, 3)]
 
 
 def setup(context: int, tokens: int, heads: int, kv_heads: int, head_dim: int, block: int = 16):
@@ -44,17 +45,27 @@ def setup(context: int, tokens: int, heads: int, kv_heads: int, head_dim: int, b
     return q, k_cache, v_cache, meta
 
 
-def time_us(fn, reps: int = 50) -> float:
-    for _ in range(3):
-        fn()
+def time_us(fn, reps: int = 20, calls: int = 10) -> float:
+    """Device time of one call: ``calls`` calls captured in a CUDA graph (no host launch cost
+    between them), the replay timed with CUDA events, median over ``reps``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+        times.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(times)
 
 

@@ -137,7 +137,7 @@ def main() -> None:
         r = run_case(case, args.steps, bandwidth, device, kernels)
         results["cases"].append(r)
         print(f"{r['case']:>24} {r['kernels']:>9}: {r['ms_per_step']:8.3f} ms/step  floor {r['floor_ms']:7.3f} ms  "
-              f"x{r['floor_ratio']:<6} {r['tokens_per_s']:9.1f} tok/s  (prefill {r['prefill_s']} s)", flush=True)
+              f"x{r['floor_ratio']:<6} {r['tokens_per_s']:9.1f} tok/s  p90 {r['p90_ms']} ms  (prefill {r['prefill_s']} s)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -84,7 +84,8 @@ def test_static_layout_forward_equals_eager_layout(tmp_path, bucket):
         qsl = static.fill(chunks)
         got = target.model.compute_logits(target.model(static.input_ids, static.meta, target.kv_cache, kernels).hidden)
     torch.testing.assert_close(got[:qsl[-1]], want, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(target.kv_cache.data, kv_after, atol=1e-5, rtol=1e-5, equal_nan=True)
+    # (GEMMs of 9 and of 32 rows block their sums differently on a GPU: a few ulps apart)
+    torch.testing.assert_close(target.kv_cache.data, kv_after, atol=1e-4, rtol=1e-4, equal_nan=True)
 
 
 @pytest.mark.gpu
