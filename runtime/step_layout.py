@@ -58,25 +58,25 @@ class Staging:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
-        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._buffers: list[tuple[torch.Tensor, np.ndarray] | None] = [None, None]  # tensor + its numpy view
         self._turn = 0
 
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """int64 arrays -> device tensors of the same shapes, through one copy."""
         sizes = [a.size for a in arrays]
         total = sum(sizes)
-        buf = self._buffer(total)
-        np.concatenate([a.reshape(-1) for a in arrays], out=buf[:total].numpy())
+        buf, host = self._buffer(total)
+        np.concatenate([a.reshape(-1) for a in arrays], out=host[:total])
         moved = buf[:total].to(self.device, non_blocking=True) if self._pin else buf[:total].clone()
         return [part.view(a.shape) for part, a in zip(moved.split(sizes), arrays)]
 
-    def _buffer(self, n: int) -> torch.Tensor:
+    def _buffer(self, n: int) -> tuple[torch.Tensor, np.ndarray]:
         self._turn ^= 1
-        buf = self._buffers[self._turn]
-        if buf is None or buf.shape[0] < n:
+        entry = self._buffers[self._turn]
+        if entry is None or entry[0].shape[0] < n:
             buf = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=self._pin)
-            self._buffers[self._turn] = buf
-        return buf
+            entry = self._buffers[self._turn] = (buf, buf.numpy())
+        return entry
 
 
 def layout_step(chunks: list[SeqChunk], block_size: int, device: torch.device, kernels: KernelSet,

@@ -144,9 +144,24 @@ class Engine:
             (trees if seq.tree else plain).append((i, seq, n))
         feeds: dict[int, DraftFeed] = {}
         self.last_step_verified_trees = bool(trees)
-        events = self._plain_step(plain, out, logits_at, feeds)
-        if trees:
-            events += self._tree_step(trees, out, logits_at, feeds)
+        due = self._advance_plain(plain, out, feeds)
+        # Device work for every sequence first (sampling, acceptance, compaction), then the
+        # step's ONE device-to-host copy: the plain tokens and what acceptance chose, together.
+        sampled = self.sampler.sample(take_rows(out.logits, [int(logits_at[i]) for i, *_ in due]),
+                                      [seq for _, seq, *_ in due]) if due else None
+        pending = self.verifier.accept([seq for _, seq, _ in trees], [int(logits_at[i]) for i, *_ in trees],
+                                       [out.query_start_loc[i] for i, *_ in trees], out) if trees else None
+        parts = [t for t in (sampled, pending.device_values() if pending else None) if t is not None]
+        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
+        events = []
+        for (i, seq, start, n), token in zip(due, host[:len(due)]):
+            if seq.speculate:
+                self._feed_rows(seq, out, i, start, n, token, feeds)
+            events.append(self._commit(seq, [token]))
+        if pending:
+            for v in self.verifier.finish(pending, host[len(due):]):
+                feeds[v.seq.seq_id] = v.feed
+                events.append(self._commit(v.seq, v.tokens))
         self._draft(feeds)
         return events
 
@@ -163,8 +178,9 @@ class Engine:
         return SeqChunk(seq.token_slice(start, start + n), start, self.target.blocks.block_table(seq.seq_id),
                         logits_rows=(n - 1,) if completes else ())
 
-    def _plain_step(self, plain, out: StepOutput, logits_at, feeds) -> list[TokenEvent]:
-        """Prefill chunks and one-token decodes: sample where a token is due."""
+    def _advance_plain(self, plain, out: StepOutput, feeds) -> list[tuple[int, Sequence, int, int]]:
+        """Prefill chunks and one-token decodes ran: advance their caches; returns those that draw a
+        token now (the others' features wait for their successors)."""
         due = []
         for i, seq, n in plain:
             start = seq.num_cached
@@ -173,14 +189,7 @@ class Engine:
                 due.append((i, seq, start, n))
             elif seq.speculate:
                 self._feed_rows(seq, out, i, start, n, None, feeds)
-        rows = [int(logits_at[i]) for i, *_ in due]
-        tokens = self.sampler(take_rows(out.logits, rows), [seq for _, seq, *_ in due]) if due else []
-        events = []
-        for (i, seq, start, n), token in zip(due, tokens):
-            if seq.speculate:
-                self._feed_rows(seq, out, i, start, n, token, feeds)
-            events.append(self._commit(seq, [token]))
-        return events
+        return due
 
     def _feed_rows(self, seq: Sequence, out: StepOutput, chunk: int, start: int, n: int,
                    sampled: int | None, feeds: dict[int, DraftFeed]) -> None:
@@ -203,16 +212,6 @@ class Engine:
             seq.pending_feature = None
         if feats.shape[0]:
             feeds[seq.seq_id] = DraftFeed(seq.seq_id, first, feats, np.asarray(successors, dtype=np.int64))
-
-    def _tree_step(self, trees, out: StepOutput, logits_at, feeds) -> list[TokenEvent]:
-        seqs = [seq for _, seq, _ in trees]
-        verified = self.verifier.verify(seqs, [int(logits_at[i]) for i, *_ in trees],
-                                          [out.query_start_loc[i] for i, *_ in trees], out)
-        events = []
-        for v in verified:
-            feeds[v.seq.seq_id] = v.feed
-            events.append(self._commit(v.seq, v.tokens))
-        return events
 
     def _draft(self, feeds: dict[int, DraftFeed]) -> None:
         """Send the draft what became final; ask for trees for every decoding sequence."""

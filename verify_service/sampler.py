@@ -22,13 +22,15 @@ class Sampler:
             as_tensor([p.top_p for p in params], torch.float32),
             as_tensor([p.top_k for p in params], torch.int64))
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """Next token of each sequence; row n of ``logits`` belongs to ``seqs[n]``."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Next token of each sequence, int64 [N] on the device (no sync); row n is ``seqs[n]``'s."""
         if all(s.params.greedy for s in seqs):
-            tokens = logits.argmax(dim=-1)
-        else:
-            # Noise keyed by (seed, index of the token being drawn): batch-independent.
-            noise = self.kernels.exponential_noise([s.seed for s in seqs], [s.num_tokens for s in seqs],
-                                                   logits.shape[-1], self.device)
-            tokens = self.kernels.sample(self.probs(logits, seqs), noise)
-        return tokens.tolist()  # the step's one device-to-host sync: the host needs the ids
+            return logits.argmax(dim=-1)
+        # Noise keyed by (seed, index of the token being drawn): batch-independent.
+        noise = self.kernels.exponential_noise([s.seed for s in seqs], [s.num_tokens for s in seqs],
+                                               logits.shape[-1], self.device)
+        return self.kernels.sample(self.probs(logits, seqs), noise)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """``sample`` on the host (a device-to-host copy)."""
+        return self.sample(logits, seqs).tolist()

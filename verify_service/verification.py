@@ -23,7 +23,7 @@ import torch
 
 from kernels.tree import tree_mask_ref, tree_positions_ref
 from link.protocol import DraftFeed
-from runtime.step_layout import SeqChunk
+from runtime.step_layout import SeqChunk, Staging
 from verify_service.model_runner import StepOutput
 from verify_service.sampler import Sampler
 from verify_service.sequence import Sequence
@@ -59,34 +59,68 @@ def tree_chunks(seqs: list[Sequence], tables: list[list[int]]) -> list[SeqChunk]
             for i, (s, t, table) in enumerate(zip(seqs, trees, tables))]
 
 
+@dataclass(frozen=True, slots=True)
+class PendingVerification:
+    """Acceptance launched on the device, waiting for the step's one device-to-host copy."""
+
+    seqs: list[Sequence]
+    result: object  # kernels.acceptance.AcceptResult
+    features: torch.Tensor  # [B, max_depth + 1, k * hidden]: the captured rows along each accepted path
+
+    def device_values(self) -> torch.Tensor:
+        """What the host needs, flat: every path, then the accepted counts, then the bonus tokens."""
+        r = self.result
+        return torch.cat([r.path.flatten(), r.num_accepted, r.bonus])
+
+
 class TreeVerifier:
     def __init__(self, target: Target, sampler: Sampler):
         self.target = target
         self.sampler = sampler
         self.kernels = target.runner.kernels
+        self.staging = Staging(target.device)  # the acceptance inputs: one host-to-device copy
 
     def verify(self, seqs: list[Sequence], logits_start: list[int], row_start: list[int],
                out: StepOutput) -> list[Verified]:
-        """Accept along each sequence's tree. ``logits_start[i]``/``row_start[i]``: where
-        sequence i's rows begin in ``out.logits`` and in the flat batch (``out.captured``)."""
-        dev = self.target.device
+        """Accept along each sequence's tree (``accept``, then ``finish`` on its own copy)."""
+        pending = self.accept(seqs, logits_start, row_start, out)
+        return self.finish(pending, pending.device_values().tolist())
+
+    def accept(self, seqs: list[Sequence], logits_start: list[int], row_start: list[int],
+               out: StepOutput) -> PendingVerification:
+        """Launch acceptance, KV compaction and the gather of the draft's features, all on the
+        device; nothing waits. ``logits_start[i]``/``row_start[i]``: where sequence i's rows begin
+        in ``out.logits`` and in the flat batch (``out.captured``)."""
+        eng = self.target
         sizes = [s.tree.num_nodes + 1 for s in seqs]
         width = max(sizes)
         tokens, parents, num_nodes = self._padded_trees(seqs, width)
         cols = np.minimum(np.arange(width)[None, :], np.asarray(sizes)[:, None] - 1)
-        idx = torch.from_numpy(np.asarray(logits_start)[:, None] + cols).to(dev)  # (B, N+1); padding repeats a row
-        logits = out.logits[idx]  # (B, N+1, V)
+        idx = np.asarray(logits_start)[:, None] + cols  # (B, N+1); padding repeats a row
+        tables = [eng.blocks.block_table(s.seq_id) for s in seqs]
+        table = np.zeros((len(seqs), max(len(t) for t in tables)), dtype=np.int64)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = t
+        prefix = np.array([s.num_cached for s in seqs], dtype=np.int64)
+        rows = np.asarray(row_start, dtype=np.int64)
+        idx, tokens, parents, num_nodes, table, prefix, rows = self.staging.upload(
+            [idx, tokens, parents, num_nodes, table, prefix, rows])
         max_depth = max(s.tree.max_depth for s in seqs)
-        tokens, parents, num_nodes = (torch.from_numpy(a).to(dev) for a in (tokens, parents, num_nodes))
-        result = self._accept(seqs, logits, tokens, parents, num_nodes, max_depth)
-        # The step's one device-to-host copy: the host must know the committed tokens.
-        host = torch.cat([result.path.flatten(), result.num_accepted, result.bonus]).tolist()
-        B, D1 = result.path.shape
-        paths = [host[i * D1:(i + 1) * D1] for i in range(B)]
-        accepted, bonus = host[B * D1:B * D1 + B], host[B * D1 + B:]
-        self._compact(seqs, result)
-        return [self._finish_one(seq, path[:k + 1], b, row, out)
-                for seq, path, k, b, row in zip(seqs, paths, accepted, bonus, row_start)]
+        result = self._accept(seqs, out.logits[idx], tokens, parents, num_nodes, max_depth)
+        src, dst = self.kernels.compaction_slots(result.path, result.num_accepted, prefix, table,
+                                                 eng.kv_cache.block_size)
+        self.kernels.compact_kv(eng.kv_cache.data, src, dst)
+        features = out.captured[rows[:, None] + result.path.clamp(min=0)] if out.captured is not None else None
+        return PendingVerification(seqs, result, features)
+
+    def finish(self, pending: PendingVerification, host: list[int]) -> list[Verified]:
+        """Commit what acceptance chose; ``host`` is ``pending.device_values()`` on the host."""
+        B, D1 = pending.result.path.shape
+        out = []
+        for i, seq in enumerate(pending.seqs):
+            path, k, bonus = host[i * D1:(i + 1) * D1], host[B * D1 + i], host[B * D1 + B + i]
+            out.append(self._finish_one(seq, path[:k + 1], bonus, pending.features, i))
+        return out
 
     @staticmethod
     def _padded_trees(seqs: list[Sequence], width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -113,18 +147,8 @@ class TreeVerifier:
         noise = k.exponential_noise(seeds, offsets, V, logits.device)
         return k.sampling_accept(probs, tokens, parents, num_nodes, max_depth, uniforms, noise)
 
-    def _compact(self, seqs: list[Sequence], result) -> None:
-        eng = self.target
-        dev = eng.device
-        tables = [eng.blocks.block_table(s.seq_id) for s in seqs]
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
-        prefix = torch.tensor([s.num_cached for s in seqs], device=dev)
-        src, dst = self.kernels.compaction_slots(result.path, result.num_accepted, prefix, table,
-                                                 eng.kv_cache.block_size)
-        self.kernels.compact_kv(eng.kv_cache.data, src, dst)
-
-    def _finish_one(self, seq: Sequence, path: list[int], bonus: int, row: int, out: StepOutput) -> Verified:
+    def _finish_one(self, seq: Sequence, path: list[int], bonus: int, features: torch.Tensor | None,
+                    i: int) -> Verified:
         k = len(path) - 1
         node_tokens = [int(seq.tree.tokens[c - 1]) for c in path[1:]]
         seq.speculation.record(seq.tree.num_nodes, k)
@@ -132,7 +156,7 @@ class TreeVerifier:
         seq.num_cached = start + k + 1
         self.target.blocks.truncate(seq.seq_id, seq.num_cached)
         committed = node_tokens + [bonus]
-        features = out.captured[torch.tensor([row + c for c in path], device=out.captured.device)]
-        feed = DraftFeed(seq.seq_id, start, features, np.asarray(committed, dtype=np.int64))
+        feats = features[i, :k + 1] if features is not None else None  # a view: gathered before the copy
+        feed = DraftFeed(seq.seq_id, start, feats, np.asarray(committed, dtype=np.int64))
         seq.tree = None
         return Verified(seq, committed, feed)
