@@ -63,6 +63,14 @@ class SharedBufferError(EagleError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class LinkProtocolError(EagleError):
+    """The peer on the internal draft link broke its protocol: sizes or shapes outside what the
+    link allows, buffers that do not match their description, messages nobody asked for, or a
+    second draft while one is connected."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
 class UnsafeSocketFolderError(EagleError):
     """A unix socket's folder that another user could write to or owns: refused, never trusted."""
 

@@ -23,6 +23,7 @@ import torch
 
 from common.config import ModelConfig
 from common.tree_settings import TreeSettings
+from draft_service.eagle_config import DraftConfig
 from draft_service.eagle_loader import load_eagle
 from draft_service.eagle_net import EagleNet
 from draft_service.spec_config import SpecConfig
@@ -32,6 +33,7 @@ from kernels import KernelSet, select_kernels
 from link.protocol import DraftFeed, ProposeRequest
 from runtime.block_manager import BlockManager, blocks_for
 from runtime.kv_cache import PagedKVCache
+from runtime.memory import check_fits, rope_table_bytes
 from runtime.step_layout import SeqChunk, Staging, layout_step
 from runtime.tree import CandidateTree
 
@@ -47,6 +49,8 @@ class EagleDrafter:
         weight = net.norm.weight
         self.device, self.dtype = weight.device, weight.dtype
         num_blocks = max_num_seqs * blocks_for(max_model_len + spec.settings.draft_tree_rows, block_size)
+        kv_bytes = num_blocks * block_size * 2 * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        check_fits(f"draft KV cache for {max_num_seqs} sequences of {max_model_len} tokens", kv_bytes, self.device)
         self.kv = PagedKVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, block_size)
         self.staging = Staging(self.device)
@@ -60,6 +64,9 @@ class EagleDrafter:
                         max_num_seqs: int, max_model_len: int, kernels: str = "auto") -> "EagleDrafter":
         """Load ``spec.draft_path`` against the target; runs on the embedding's device and dtype with
         ``kernels`` (``select_kernels``' choice)."""
+        positions = max_model_len + spec.settings.draft_positions
+        check_fits(f"draft RoPE tables for {positions} positions",
+                   rope_table_bytes(DraftConfig.from_dir(spec.draft_path).head_dim, positions), target_embedding.device)
         net = load_eagle(spec.draft_path, target, target_embedding, target_embedding.dtype,
                          target_embedding.device, max_model_len + spec.settings.draft_positions)
         return cls(net, spec, net.config.capture_layers(target), select_kernels(target_embedding.device, kernels),

@@ -12,7 +12,6 @@ off and starts again with a new handshake. Its own gRPC endpoint serves health
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import signal
@@ -26,7 +25,6 @@ import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.config import ModelConfig
 from common.listen import NO_PORT_SHARING, bind
 from common.reflection import enable_reflection
 from common.metrics_http import metrics_host
@@ -34,7 +32,8 @@ from draft_service.drafter import EagleDrafter
 from draft_service.eagle_config import DraftConfig
 from draft_service.metrics import DraftMetrics
 from draft_service.server_config import DraftServerConfig
-from link.convert import descriptor_from_proto, settings_from_proto
+from draft_service.handshake_checks import checked_handshake
+from link.convert import settings_from_proto
 from link.protocol import DraftFeed, ProposeRequest
 from link.shared_buffers import BufferImporter, gpu_uuid, host_identity
 from protos.eagle3.v1 import draft_link_pb2 as pb
@@ -137,9 +136,10 @@ class DraftWorker:
                                                              ("grpc.max_send_message_length", limit)]) as channel:
             stub = pb_grpc.DraftLinkStub(channel)
             hello = self._handshake(stub)
+            target, descs = checked_handshake(hello, self.draft_cfg)  # before mapping or allocating
             with BufferImporter(self.device) as importer:
-                bufs = {b.name: importer.open(descriptor_from_proto(b)) for b in hello.buffers}
-                target = ModelConfig.from_hf(json.loads(hello.target_config_json))
+                # The embedding is the target's table: mapped read-only where the backend can.
+                bufs = {name: importer.open(d, read_only=name == "embedding") for name, d in descs.items()}
                 drafter = self.make_drafter(self.cfg.spec, target, bufs["embedding"], hello.max_trees,
                                             hello.max_model_len)
                 self._stream(stub, hello, bufs, drafter)

@@ -27,6 +27,7 @@ import mmap
 import os
 import secrets
 import socket
+import warnings
 from dataclasses import dataclass, replace
 from multiprocessing import resource_tracker
 
@@ -133,9 +134,9 @@ class _ShmSegment:
         return cls(name, mapping, creator=True)
 
     @classmethod
-    def attach(cls, name: str, min_bytes: int) -> "_ShmSegment":
+    def attach(cls, name: str, min_bytes: int, read_only: bool = False) -> "_ShmSegment":
         try:
-            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+            fd = _posixshmem.shm_open("/" + name, os.O_RDONLY if read_only else os.O_RDWR, mode=0o600)
         except FileNotFoundError as error:
             raise SharedBufferError(
                 f"shared-memory segment {name!r} does not exist: its exporter has closed, "
@@ -146,14 +147,18 @@ class _ShmSegment:
                 raise SharedBufferError(
                     f"shared-memory segment {name!r} holds {size} bytes, the descriptor needs "
                     f"{min_bytes}: stale or mismatched descriptor")
-            return cls(name, mmap.mmap(fd, size), creator=False)
+            prot = mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE
+            return cls(name, mmap.mmap(fd, size, prot=prot), creator=False)
         finally:
             os.close(fd)
 
     def data(self, offset: int, nbytes: int) -> torch.Tensor:
-        """uint8 tensor over [offset, offset + nbytes) of the segment."""
+        """uint8 tensor over [offset, offset + nbytes) of the segment. A read-only mapping gives a
+        tensor that any write through faults (the process dies; the memory stays intact)."""
         # The memoryview is a buffer export the tensor keeps alive (see the class docstring).
-        return torch.frombuffer(memoryview(self._mapping), dtype=torch.uint8)[offset:offset + nbytes]
+        with warnings.catch_warnings():  # torch warns that a read-only buffer is not writable: intended
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(memoryview(self._mapping), dtype=torch.uint8)[offset:offset + nbytes]
 
     def close(self) -> None:
         """Unmap (deferred while tensors view the segment); the creator also unlinks the name."""
@@ -243,11 +248,13 @@ class BufferImporter:
             self._device_uuid = gpu_uuid(self.device)
         self._owners: list = []  # _ShmSegment | mapping keep-alives from cuda_ipc.open_handle
 
-    def open(self, desc: BufferDescriptor) -> torch.Tensor:
+    def open(self, desc: BufferDescriptor, read_only: bool = False) -> torch.Tensor:
+        """Map ``desc``. ``read_only``: host memory is mapped without write permission (CUDA IPC
+        cannot map read-only: there the exporter must not depend on the buffer staying intact)."""
         self._check(desc)
         dtype = dtype_from_name(desc.dtype)
         if desc.backend == SHM:
-            owner = _ShmSegment.attach(desc.shm_name, desc.offset_bytes + desc.nbytes)
+            owner = _ShmSegment.attach(desc.shm_name, desc.offset_bytes + desc.nbytes, read_only)
             data = owner.data(desc.offset_bytes, desc.nbytes)
         else:
             data, owner = cuda_ipc.open_handle(desc.handle, self.device, desc.offset_bytes, desc.nbytes)

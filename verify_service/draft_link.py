@@ -41,8 +41,10 @@ log = logging.getLogger(__name__)
 @dataclass(eq=False)
 class Session:
     session_id: int
-    outgoing: queue.Queue = field(default_factory=queue.Queue)  # VerifyMessage, or None to end
-    results: queue.Queue = field(default_factory=queue.Queue)  # StepResult, or None when the peer left
+    outgoing: queue.Queue = field(default_factory=queue.Queue)  # VerifyMessage, or None to end (one per step)
+    # StepResult, or None when the peer left. The engine asks one step at a time, so one result
+    # at most waits (plus the end marker): a draft sending more floods the link and is dropped.
+    results: queue.Queue = field(default_factory=lambda: queue.Queue(2))
     known: set[int] = field(default_factory=set)  # sequences fed from their first row
     alive: bool = False
 
@@ -76,16 +78,27 @@ class RemoteDraft:
     def new_session(self) -> Session:
         return Session(next(self._ids))
 
-    def activate(self, session: Session) -> None:
-        """Make ``session`` the live one; a previous session is ended."""
+    def activate(self, session: Session) -> bool:
+        """Make ``session`` the live one, unless another is alive (one draft at a time: a second
+        process cannot take the link over). Returns whether it became live."""
         with self._lock:
-            old, self._session = self._session, session
+            if self._session is not None and self._session.alive:
+                return False
+            self._session = session
             session.alive = True
             self.sessions_opened += 1
-        if old is not None:
-            self._end(old)
         log.info("draft session %d connected", session.session_id)
         self._on_change(True)
+        return True
+
+    def deliver(self, session: Session, result: pb.StepResult) -> bool:
+        """Queue a step's result (called by the session's one reader thread). A second result
+        while one still waits is a flood: the session is dropped and False returned."""
+        if not session.results.empty():
+            self.drop(session, "the draft sent results nobody asked for")
+            return False
+        session.results.put_nowait(result)
+        return True
 
     def drop(self, session: Session, reason: str, clean: bool = False) -> None:
         """End ``session``. ``clean``: the draft closed the link itself (its normal shutdown), which
@@ -105,7 +118,10 @@ class RemoteDraft:
     @staticmethod
     def _end(session: Session) -> None:
         session.outgoing.put(None)
-        session.results.put(None)
+        try:
+            session.results.put_nowait(None)
+        except queue.Full:  # a flooded queue: the engine finds results, then the session gone
+            pass
 
     # --- DraftProvider (engine thread) ------------------------------------------------------
 

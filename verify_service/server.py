@@ -1,8 +1,9 @@
 """The verify service process: target engine, engine thread, public and internal gRPC servers.
 
 Two servers on purpose: the public one (Generation, health, reflection) listens where
-clients are (loopback by default); the internal one (DraftLink, health) listens on a unix
-socket the draft service dials, so the buffer handshake is never reachable from outside.
+clients are (loopback by default; TLS and a bearer token on request: common/auth.py); the
+internal one (DraftLink, health) listens on a unix socket the draft service dials, so the
+buffer handshake is never reachable from outside.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.auth import TokenInterceptor, exposure_warning, server_credentials
 from common.listen import NO_PORT_SHARING, bind
 from common.reflection import enable_reflection
 from common.metrics_http import metrics_host
@@ -60,15 +62,29 @@ class VerifyServer:
             self.exporter.close()
 
 
-def _grpc_server(cfg: VerifyServerConfig) -> grpc.Server:
+def _grpc_server(cfg: VerifyServerConfig, interceptors: tuple[grpc.ServerInterceptor, ...] = ()) -> grpc.Server:
     limit = cfg.max_message_bytes
-    return grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers),
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers), interceptors=interceptors,
                        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                                 NO_PORT_SHARING])
 
 
+def _public_server(cfg: VerifyServerConfig) -> tuple[grpc.Server, int]:
+    """The public server, bound: TLS with --tls-cert, the token checked on every call but health's
+    with an API token, and a warning when it is reachable beyond loopback without both."""
+    public = _grpc_server(cfg, (TokenInterceptor(cfg.api_token),) if cfg.api_token is not None else ())
+    tls = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert is not None else None
+    port = bind(public, cfg.listen, tls)
+    warning = exposure_warning(cfg.listen, tls is not None, cfg.api_token is not None)
+    if warning is not None:
+        log.warning(warning)
+    return public, port
+
+
 def _export_buffers(target: Target, cfg: VerifyServerConfig, capture_layers) -> tuple[BufferExporter, dict]:
-    """Allocate the shared buffers; the model's embedding moves into shared memory (one copy)."""
+    """Allocate the shared buffers. The draft gets a COPY of the embedding table: the target keeps
+    its own, so no write through shared memory (a faulty or hostile peer) can change the target's
+    output; at worst it spoils the draft's proposals, which verification then rejects."""
     lim, e = cfg.limits, cfg.engine
     exporter = BufferExporter(target.device)
     width = len(capture_layers) * target.model_config.hidden_size
@@ -79,9 +95,7 @@ def _export_buffers(target: Target, cfg: VerifyServerConfig, capture_layers) -> 
         "tree_parents": exporter.allocate("tree_parents", (e.max_num_seqs, nodes), torch.int64),
         "tree_log_probs": exporter.allocate("tree_log_probs", (e.max_num_seqs, nodes), torch.float32),
     }
-    embed = target.model.model.embed_tokens
-    buffers["embedding"] = exporter.share("embedding", embed.weight.data)
-    embed.weight = torch.nn.Parameter(buffers["embedding"], requires_grad=False)
+    buffers["embedding"] = exporter.share("embedding", target.model.model.embed_tokens.weight.data)
     return exporter, buffers
 
 
@@ -90,8 +104,7 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
 
     The addresses are claimed first, so an address in use fails at once, not after the model load.
     """
-    public = _grpc_server(cfg)
-    port = bind(public, cfg.listen)
+    public, port = _public_server(cfg)
     internal = _grpc_server(cfg) if cfg.limits is not None else None
     if internal is not None:
         bind(internal, cfg.internal)
@@ -118,9 +131,10 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
     public.start()
     if internal is not None:
         internal.start()
-    log.info("verify service: public %s (port %d), internal %s, speculation %s, metrics %s", cfg.listen, port,
-             cfg.internal if internal else "-", "waiting for a draft" if remote else "off",
-             metrics.endpoint.url if metrics else "off")
+    log.info("verify service: public %s (port %d, TLS %s, API token %s), internal %s, speculation %s, metrics %s",
+             cfg.listen, port, "mutual" if cfg.tls_client_ca else "on" if cfg.tls_cert else "off",
+             "required" if cfg.api_token else "off", cfg.internal if internal else "-",
+             "waiting for a draft" if remote else "off", metrics.endpoint.url if metrics else "off")
     return VerifyServer(public, internal, loop, status, port, exporter, metrics)
 
 

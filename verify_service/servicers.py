@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
-from common.errors import InvalidRequestError, SharedBufferError
+from common.errors import InvalidRequestError, LinkProtocolError, SharedBufferError
 from common.grpc_errors import abort
 from common.tree_settings import TreeSettings
 from link.convert import TREE_TO_PROTO, descriptor_to_proto
@@ -112,6 +112,8 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
             self._check_peer(request)
         except Exception as exc:
             abort(context, exc)
+        if self.remote.connected:  # one draft at a time: the live one keeps the link
+            abort(context, LinkProtocolError("a draft session is already connected; one draft at a time"))
         session = self.remote.new_session()
         with self._lock:
             self._pending = {session.session_id: session}  # only the newest handshake may open a stream
@@ -125,6 +127,13 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
 
     def _check_peer(self, request) -> None:
         loc, want, mine = request.location, request.expected_target, self.identity
+        sizes = {"draft_name": len(request.draft_name), "location.host_id": len(loc.host_id),
+                 "location.gpu_uuid": len(loc.gpu_uuid), "expected_target.capture_layers": len(want.capture_layers)}
+        limits = {"draft_name": 4096, "location.host_id": 256, "location.gpu_uuid": 256,
+                  "expected_target.capture_layers": 256}
+        for name, n in sizes.items():
+            if n > limits[name]:
+                raise LinkProtocolError(f"handshake: {name} has {n} entries, at most {limits[name]} allowed")
         if loc.host_id != host_identity():
             raise SharedBufferError("the draft service must run on the verify service's host (shared memory)")
         device = self.target.device
@@ -150,7 +159,8 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
             session = self._pending.pop(first.open.session_id, None) if first.HasField("open") else None
         if session is None or first.open.generation != self.remote.exporter.generation:
             abort(context, SharedBufferError("unknown session or stale buffer generation: handshake again"))
-        self.remote.activate(session)
+        if not self.remote.activate(session):
+            abort(context, LinkProtocolError("a draft session is already connected; one draft at a time"))
         context.add_callback(lambda: self.remote.drop(session, "stream closed"))
         threading.Thread(target=self._read, args=(request_iterator, session, context), daemon=True,
                          name=f"draft-session-{session.session_id}").start()
@@ -163,8 +173,11 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
     def _read(self, request_iterator, session, context) -> None:
         try:
             for msg in request_iterator:
-                if msg.HasField("result"):
-                    session.results.put(msg.result)
+                if not msg.HasField("result"):
+                    self.remote.drop(session, "the draft broke the protocol (a message that is not a result)")
+                    return
+                if not self.remote.deliver(session, msg.result):
+                    return
         except grpc.RpcError:
             self.remote.drop(session, "draft disconnected")  # the peer went away without closing
         except Exception:
