@@ -14,14 +14,17 @@ _CONTEXT_TOKENS = 5
 
 
 class StopStringDetokenizer:
+    """Work per token is independent of the output's length: only the text not yet emitted is
+    kept (a stop string can only start inside it: any suffix that could begin one is held back),
+    and the ids decoded each step are a window of a few tokens."""
+
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...]):
         self._tok = tokenizer
-        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])  # only the tail [prefix_offset:] is ever decoded
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._stop = stop
-        self.text = ""  # all final text so far (truncated at a stop string)
-        self._emitted = 0
+        self._pending = ""  # final text not yet emitted (cut at a stop string once one appears)
         self.stopped = False
 
     def add_tokens(self, ids: list[int]) -> str:
@@ -35,8 +38,7 @@ class StopStringDetokenizer:
 
     def finish(self) -> str:
         """Release held-back text at the end of generation."""
-        tail = self.text[self._emitted:]
-        self._emitted = len(self.text)
+        tail, self._pending = self._pending, ""
         return tail
 
     def _decode_step(self) -> None:
@@ -44,29 +46,29 @@ class StopStringDetokenizer:
         after = self._tok.decode(self._ids[self._prefix_offset:])
         if after.endswith("\ufffd") or len(after) <= len(before):
             return  # an incomplete UTF-8 character, or a token that renders as nothing yet
-        search_from = max(0, len(self.text) - max((len(s) for s in self._stop), default=0))
-        self.text += after[len(before):]
+        self._pending += after[len(before):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._check_stop(search_from)
-
-    def _check_stop(self, search_from: int) -> None:
-        hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
+        if self._prefix_offset > 64:  # ids before the window are never decoded again
+            del self._ids[:self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        hits = [i for i in (self._pending.find(s) for s in self._stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            self._pending = self._pending[:min(hits)]
             self.stopped = True
 
     def _flush(self) -> str:
-        limit = len(self.text) if self.stopped else len(self.text) - self._held_back()
-        out = self.text[self._emitted:limit] if limit > self._emitted else ""
-        self._emitted = max(self._emitted, limit)
+        keep = 0 if self.stopped else self._held_back()
+        cut = len(self._pending) - keep
+        out, self._pending = self._pending[:cut], self._pending[cut:]
         return out
 
     def _held_back(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        """Length of the longest suffix of the pending text that is a proper prefix of a stop string."""
         longest = 0
         for s in self._stop:
-            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(s[:n]):
+            for n in range(min(len(s) - 1, len(self._pending)), longest, -1):
+                if self._pending.endswith(s[:n]):
                     longest = n
                     break
         return longest
