@@ -7,6 +7,7 @@
     eagle3 client chat --message user:Hi --message assistant:Hello! "How are you?"
     eagle3 client info --json                                # GetServerInfo; `client metrics`: GetMetrics
     eagle3 health --server 127.0.0.1:50051 --service eagle3.v1.Generation --wait-s 60
+    eagle3 client info --server host:50051 --tls-ca server.crt --token-file token   # a secured server
 
 Nothing here imports torch: these commands run on a client-only install.
 """
@@ -19,6 +20,7 @@ import sys
 import time
 
 from client.eagle3_client import TREE_KINDS, ClientError, Eagle3Client
+from common.auth import TOKEN_ENV, read_token
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 
@@ -43,7 +45,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     _add_inspect_args(verbs.add_parser("info", help="the server's model, limits and draft (GetServerInfo)"))
     _add_inspect_args(verbs.add_parser("metrics", help="the server's counters (GetMetrics)"))
     health = sub.add_parser("health", help="exit 0 when the server reports SERVING, 1 otherwise")
-    health.add_argument("--server", default=DEFAULT_SERVER, help='"host:port" or "unix:/path"')
+    _add_server_args(health)
     health.add_argument("--service", default="", help='"" (overall), eagle3.v1.Generation, eagle3.speculation')
     health.add_argument("--wait-s", type=float, default=0.0, help="poll up to this long for SERVING")
     health.add_argument("--timeout-s", type=float, default=5.0, help="deadline of one health check")
@@ -54,14 +56,33 @@ def _add_prompt_file(group, what: str) -> None:
                        help=f"read {what} from FILE ('-': stdin), for prompts longer than a shell argument")
 
 
-def _add_inspect_args(p: argparse.ArgumentParser) -> None:
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """Where the server is, and how to reach a secured one (its --tls-* and --api-token-file)."""
     p.add_argument("--server", default=DEFAULT_SERVER, help='"host:port" or "unix:/path"')
+    sec = p.add_argument_group("TLS and API token (for a server started with them)")
+    sec.add_argument("--tls", action="store_true", help="TLS, the server verified against the system's root CAs")
+    sec.add_argument("--tls-ca", metavar="PEM", default=None,
+                     help="TLS, the server verified against this CA (or its self-signed certificate)")
+    sec.add_argument("--tls-cert", metavar="PEM", default=None, help="mutual TLS: this client's certificate")
+    sec.add_argument("--tls-key", metavar="PEM", default=None, help="mutual TLS: the private key of --tls-cert")
+    sec.add_argument("--token-file", metavar="FILE", default=None,
+                     help=f"send the API token in FILE (default: ${TOKEN_ENV}, if set)")
+
+
+def _connect(args: argparse.Namespace) -> Eagle3Client:
+    token = read_token(args.token_file, "token_file") if args.token_file is not None else None
+    return Eagle3Client(args.server, timeout_s=args.timeout_s, token=token, tls=args.tls, tls_ca=args.tls_ca,
+                        tls_cert=args.tls_cert, tls_key=args.tls_key)
+
+
+def _add_inspect_args(p: argparse.ArgumentParser) -> None:
+    _add_server_args(p)
     p.add_argument("--timeout-s", type=float, default=10.0, help="deadline of the call")
     p.add_argument("--json", action="store_true", help="print the reply as JSON (every field by its proto name)")
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", default=DEFAULT_SERVER, help='"host:port" or "unix:/path"')
+    _add_server_args(p)
     p.add_argument("--max-tokens", type=int, default=0, help="0 = the server default")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (the server default)")
     p.add_argument("--top-p", type=float, default=None)
@@ -147,7 +168,7 @@ def _request(args: argparse.Namespace, prompt: str | list) -> int:
                    speculate=False if args.no_speculation else None, tree=args.tree, depth=args.tree_depth,
                    tree_top_k=args.tree_top_k, max_nodes=args.tree_nodes)
     start, n, last = time.perf_counter(), 0, None
-    with Eagle3Client(args.server, timeout_s=args.timeout_s) as client:
+    with _connect(args) as client:
         stream = client.generate(prompt, **options)
         try:
             for event in stream:
@@ -181,7 +202,7 @@ def _print_stats(last, n: int, secs: float) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     """``client info`` / ``client metrics``: one field per line (nested ones dotted), or JSON."""
-    with Eagle3Client(args.server, timeout_s=args.timeout_s) as client:
+    with _connect(args) as client:
         reply = client.server_info() if args.client_command == "info" else client.metrics()
     if args.json:
         print(json.dumps(reply, indent=2))
@@ -210,7 +231,7 @@ def _show(value) -> str:
 
 def _health(args: argparse.Namespace) -> int:
     """Prints the status (stdout) and exits 0 only for SERVING; an unreachable server is 1 too."""
-    with Eagle3Client(args.server, timeout_s=args.timeout_s) as client:
+    with _connect(args) as client:
         try:
             if args.wait_s > 0:
                 client.wait_until_healthy(args.wait_s, args.service)

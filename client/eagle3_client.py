@@ -6,7 +6,9 @@
         answer = client.complete([{"role": "user", "content": "Hi!"}], temperature=0.7, seed=1)
 
 Every call carries a deadline; every gRPC error becomes a ``ClientError`` whose
-``field_violations`` come from the server's rich status (``google.rpc.BadRequest``).
+``field_violations`` come from the server's rich status (``google.rpc.BadRequest``). A secured
+server (README: Securing the public API) takes ``tls_ca=`` (and ``tls_cert=``/``tls_key=`` for
+mutual TLS) and a token, by default from $EAGLE3_API_TOKEN.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
+from common.auth import channel_credentials, check_token, env_token
 from protos.eagle3.v1 import generation_pb2, generation_pb2_grpc, speculation_pb2
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -101,15 +104,27 @@ class Completion:
 
 
 class Eagle3Client:
-    """``address``: "host:port" or "unix:/path". ``timeout_s``: the default deadline of every call."""
+    """``address``: "host:port" or "unix:/path". ``timeout_s``: the default deadline of every call.
+
+    ``token``: sent as ``authorization: Bearer <token>`` (default: $EAGLE3_API_TOKEN, if set). TLS
+    when ``tls``, ``tls_ca`` or ``tls_cert`` is given: the server is verified against ``tls_ca``
+    (PEM; default: the system's root CAs); ``tls_cert`` and ``tls_key``: this client's certificate
+    for mutual TLS. A file that cannot be read, or a bad token, raises ValueError naming the
+    argument (never the token).
+    """
 
     def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float = 300.0,
-                 max_message_bytes: int = 4 << 20):
+                 max_message_bytes: int = 4 << 20, *, token: str | None = None, tls: bool = False,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=[
+        token = check_token(token, "token") if token is not None else env_token()
+        self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
+        secure = tls or any(path is not None for path in (tls_ca, tls_cert, tls_key))
+        credentials = channel_credentials(tls_ca, tls_cert, tls_key) if secure else None
+        options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             # Reconnect quickly once a (re)starting server listens: polling must not wait out
@@ -117,7 +132,9 @@ class Eagle3Client:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
-        ])
+        ]
+        self._channel = (grpc.secure_channel(address, credentials, options=options) if credentials is not None
+                         else grpc.insecure_channel(address, options=options))
         self._generation = generation_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -199,12 +216,12 @@ class Eagle3Client:
 
     def _unary(self, method, request, timeout_s: float | None):
         try:
-            return method(request, timeout=self._deadline(timeout_s))
+            return method(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         except grpc.RpcError as err:
             raise ClientError.from_rpc_error(err) from None
 
     def _stream(self, request: generation_pb2.GenerateRequest, timeout_s: float) -> Iterator[StreamEvent]:
-        call = self._generation.Generate(request, timeout=timeout_s)
+        call = self._generation.Generate(request, timeout=timeout_s, metadata=self._metadata)
         try:
             for response in call:
                 yield _event(response)

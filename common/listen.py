@@ -14,21 +14,26 @@ from pathlib import Path
 
 import grpc
 
-from common.errors import AddressInUseError, UnsafeSocketFolderError
+from common.errors import AddressInUseError, InvalidRequestError, UnsafeSocketFolderError
 
 NO_PORT_SHARING = ("grpc.so_reuseport", 0)
 
 
-def bind(server: grpc.Server, address: str) -> int:
-    """``server.add_insecure_port(address)``; raises AddressInUseError instead of sharing or failing late."""
+def bind(server: grpc.Server, address: str, tls: grpc.ServerCredentials | None = None) -> int:
+    """``server.add_insecure_port(address)``, or ``add_secure_port`` with ``tls``; raises
+    AddressInUseError instead of sharing or failing late. Returns the bound port (the one chosen for port 0)."""
     if address.startswith("unix:"):
         _claim_unix_socket(address)
     else:
         _probe_tcp(address)
     try:
-        port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, tls) if tls is not None else server.add_insecure_port(address)
     except RuntimeError:
         port = 0
+    if port == 0 and tls is not None:  # the address was free a moment ago: most likely gRPC refused the credentials
+        raise InvalidRequestError("tls_cert", f"cannot listen on {address} with TLS: the certificate and key "
+                                              "do not go together (another certificate's key?), or the address "
+                                              "is not available")
     if port == 0:
         raise AddressInUseError(f"cannot listen on {address}: the address is in use or not available")
     return port

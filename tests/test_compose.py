@@ -1,4 +1,4 @@
-"""compose.yaml checked against the real command line, so the deployment never drifts from the flags.
+"""compose.yaml and compose.tls.yaml checked against the real command line: no drift from the flags.
 
 Every service command and healthcheck is parsed by ``eagle3``'s own parser; the wiring between
 the two services (unix socket on a shared volume, shared IPC/PID namespaces, one GPU, loopback
@@ -124,4 +124,30 @@ def test_docker_compose_validates_the_file():
     # `config` only loads, interpolates and validates: no Docker engine is contacted.
     proc = subprocess.run([exe, "-f", str(COMPOSE), "config", "-q"], cwd=COMPOSE.parent,
                           capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_token_is_passed_from_the_environment_and_health_stays_open(services):
+    assert services["verify"]["environment"] == ["EAGLE3_API_TOKEN"]  # no value: taken from the shell, never written
+    assert "--api-token-file" not in services["verify"]["command"]
+    assert "--token-file" not in _health_argv(services["verify"])  # health needs no token
+
+
+def test_tls_overlay_mounts_the_certificates_and_its_healthcheck_verifies_them(services):
+    tls = yaml.safe_load(COMPOSE.with_name("compose.tls.yaml").read_text())["services"]["verify"]
+    args, health = _parse(tls["command"]), _parse(_health_argv(tls))
+    base = _parse(services["verify"]["command"])
+    assert (args.listen, args.internal, args.device) == (base.listen, base.internal, base.device)
+    [(kind, _, target, read_only)] = _mounts(tls)
+    assert kind == "bind" and read_only
+    assert all(PurePosixPath(p).parent == PurePosixPath(target) for p in (args.tls_cert, args.tls_key))
+    assert health.server == f"127.0.0.1:{_port(args.listen)}" and health.tls_ca == args.tls_cert
+
+
+def test_docker_compose_validates_the_tls_overlay():
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("docker-compose is not installed (apt-get install docker-compose; .ci/run does)")
+    proc = subprocess.run([exe, "-f", str(COMPOSE), "-f", str(COMPOSE.with_name("compose.tls.yaml")), "config", "-q"],
+                          cwd=COMPOSE.parent, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from common.auth import TOKEN_ENV, check_key_pair, check_token, env_token, read_pem, read_token
 from common.devices import device_type
 from common.errors import InvalidRequestError
 from common.listen import default_internal_address
@@ -27,6 +28,10 @@ class VerifyServerConfig:
     max_tokens_default: int = 256
     workers: int = 32
     metrics_port: int | None = None  # Prometheus /metrics on the --listen host (None: off; 0: any free port)
+    tls_cert: str | None = None  # PEM files: TLS on the public API (None: plaintext)
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # mutual TLS: clients must present a certificate this CA signed
+    api_token: str | None = field(default=None, repr=False)  # required as a bearer token (None: no token)
 
     def __post_init__(self):
         if self.draft_timeout_s <= 0:
@@ -37,6 +42,19 @@ class VerifyServerConfig:
             raise InvalidRequestError("max_tokens_default", f"must be > 0, got {self.max_tokens_default}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise InvalidRequestError("metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
+        self._check_security()
+
+    def _check_security(self) -> None:
+        """The TLS files exist and hold PEM (checked before the model loads); the token can travel in a header."""
+        check_key_pair(self.tls_cert, self.tls_key)
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise InvalidRequestError("tls_client_ca", "verifying clients (mutual TLS) needs TLS: tls_cert and tls_key")
+        for path, name, kind in ((self.tls_cert, "tls_cert", "CERTIFICATE"), (self.tls_key, "tls_key", "PRIVATE KEY"),
+                                 (self.tls_client_ca, "tls_client_ca", "CERTIFICATE")):
+            if path is not None:
+                read_pem(path, name, kind)
+        if self.api_token is not None:
+            check_token(self.api_token, "api_token")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,6 +89,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus /metrics on PORT, on the --listen host (127.0.0.1 for a unix socket; "
                         "0: any free port); needs eagle3-serve[metrics]")
+    add_security_arguments(p)
+
+
+def add_security_arguments(p: argparse.ArgumentParser) -> None:
+    sec = p.add_argument_group("securing the public API (off by default; README: Securing the public API)")
+    sec.add_argument("--tls-cert", metavar="PEM", default=None, help="serve --listen over TLS with this certificate")
+    sec.add_argument("--tls-key", metavar="PEM", default=None, help="the private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", metavar="PEM", default=None,
+                     help="mutual TLS: clients must present a certificate signed by this CA")
+    sec.add_argument("--api-token-file", metavar="FILE", default=None,
+                     help="require 'authorization: Bearer TOKEN' (TOKEN: this file's content) on Generation and "
+                          f"reflection; health stays open (default: ${TOKEN_ENV} when set, else no token)")
 
 
 def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
@@ -85,4 +115,7 @@ def from_args(args: argparse.Namespace, model_dir: str) -> VerifyServerConfig:
     limits = None if args.no_speculation else tree_settings_from_args(args, device_type(args.device))
     return VerifyServerConfig(engine, limits, listen=args.listen, internal=args.internal,
                               draft_timeout_s=args.draft_timeout_s, max_message_bytes=args.max_message_bytes,
-                              max_tokens_default=args.max_tokens_default, metrics_port=args.metrics_port)
+                              max_tokens_default=args.max_tokens_default, metrics_port=args.metrics_port,
+                              tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                              api_token=read_token(args.api_token_file, "api_token_file") if args.api_token_file
+                              else env_token())
