@@ -1,0 +1,23 @@
+"""A short soak (the CI version of benchmarks/soak.py): concurrent clients while the draft is
+killed and restarted and the verify service restarts once; outputs stay exact and whole, and
+the system ends idle with every KV block free."""
+
+import pytest
+
+from benchmarks import soak
+from tiny_eagle import make_eagle_dir
+from tiny_models import make_model_dir, tiny_config
+
+
+@pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else (lambda f: f)
+def test_short_soak_with_faults(tmp_path):
+    model = make_model_dir(tmp_path / "target", "llama3", seed=5, std=0.3)
+    draft = make_eagle_dir(tmp_path / "draft", tiny_config("llama3"), draft_vocab=64, seed=1)
+    r = soak.main(["--model", str(model), "--draft", str(draft), "--device", "cpu", "--dtype", "float32",
+                   "--clients", "4", "--seconds", "30", "--kill-every-s", "6", "--max-tokens", "16",
+                   "--sample-every-s", "1", "--max-num-seqs", "8", "--verify-arg=--tree-nodes=12",
+                   "--verify-arg=--tree-depth=4", "--verify-arg=--tree-top-k=3"])
+    assert r["mismatched"] == 0 and r["wrong_length"] == 0 and r["errors"] == 0, r["error_samples"]
+    assert r["greedy_completed"] > 10 and r["sampled_completed"] > 0
+    assert r["draft_kills"] >= 1 and r["verify_restarts"] == 1
+    assert r["kv_blocks_used_idle"] == 0
