@@ -71,6 +71,12 @@ class LinkProtocolError(EagleError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class ShuttingDownError(EagleError):
+    """The service is shutting down: it finishes the requests in flight and takes no new ones."""
+
+    grpc_code = "UNAVAILABLE"
+
+
 class UnsafeSocketFolderError(EagleError):
     """A unix socket's folder that another user could write to or owns: refused, never trusted."""
 

@@ -17,6 +17,7 @@ import queue
 import signal
 import threading
 import time
+import traceback
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -90,17 +91,27 @@ class DraftWorker:
         print(f"draft service: waiting for the verify service at {self.cfg.verify}", flush=True)
         while not self._stop.is_set():
             started = time.monotonic()
-            try:
-                self._session()
-            except grpc.RpcError as exc:
-                if self._stop.is_set():
-                    break
-                self._unavailable(exc)
-            except Exception:
-                log.exception("draft session failed")
+            self._run_session()
             self._set_serving(False)
             backoff = 0.1 if time.monotonic() - started > 10 else min(backoff * 2, self.cfg.reconnect_max_s)
             self._stop.wait(backoff)
+
+    def _run_session(self) -> None:
+        """One session; its failure is logged, and all it held is released before the next handshake.
+
+        A failure's traceback keeps the session's frames, whose locals are the drafter (its KV cache)
+        and the tensors mapping the verify service's buffers. A gRPC error is the response stream
+        itself, which those frames also hold: a cycle that only the cyclic GC frees, rarely, so every
+        verify restart left one more session alive. Clearing the frames frees them by refcount, now.
+        """
+        try:
+            self._session()
+        except Exception as exc:
+            if not isinstance(exc, grpc.RpcError):
+                log.exception("draft session failed")
+            elif not self._stop.is_set():
+                self._unavailable(exc)
+            traceback.clear_frames(exc.__traceback__)
 
     def _unavailable(self, exc: grpc.RpcError) -> None:
         """Not reachable (or not answering: its socket is bound before its model loads) while it starts

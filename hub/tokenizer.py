@@ -90,19 +90,37 @@ class Tokenizer:
         """Token ids of ``messages`` rendered with the chat template: the template's own special
         tokens are parsed, special-token strings inside a message's content stay text."""
         text = self.apply_chat_template(messages, add_generation_prompt)
-        literal = [m["content"] for m in messages if any(s in m["content"] for s in self._special)]
+        literal = [i for i, m in enumerate(messages) if any(s in m["content"] for s in self._special)]
         if not literal:
             return self.encode(text)
-        ids, at = [], 0
-        for content in literal:
-            start, content = _find_content(text, content, at)
-            ids += self._tok.encode(text[at:start], add_special_tokens=False).ids
-            ids += self._literal.encode(content, add_special_tokens=False).ids
-            at = start + len(content)
-        ids += self._tok.encode(text[at:], add_special_tokens=False).ids
+        ids = []
+        for k, piece in enumerate(self._split_contents(messages, literal, add_generation_prompt, text)):
+            ids += (self._literal if k % 2 else self._tok).encode(piece, add_special_tokens=False).ids
         if self.add_bos and not text.startswith(self.bos_token):
             ids = [self.token_to_id(self.bos_token), *ids]
         return ids
+
+    def _split_contents(self, messages: list[dict], literal: list[int], add_generation_prompt: bool,
+                        text: str) -> list[str]:
+        """``text`` cut into template text and the contents of messages ``literal``, alternating.
+
+        Where each content sits comes from a second rendering with a unique stand-in for it: searching
+        ``text`` for the content itself could match the template's own text first ("<|im_start|>" as
+        content matched the template's opening marker, which then became text and the content a turn).
+        """
+        marks = {i: f"\ue000{i}\ue001" for i in literal}  # private-use characters: no template or tokenizer uses them
+        stand_ins = [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)]
+        skeleton = self.apply_chat_template(stand_ins, add_generation_prompt)
+        if any(skeleton.count(mark) != 1 for mark in marks.values()):
+            raise _rewritten()
+        for keep in (lambda c: c, str.strip):  # some templates trim the content
+            pieces, rest = [], skeleton
+            for i in literal:
+                before, rest = rest.split(marks[i])
+                pieces += [before, keep(messages[i]["content"])]
+            if "".join([*pieces, rest]) == text:
+                return [*pieces, rest]
+        raise _rewritten()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -113,15 +131,9 @@ class Tokenizer:
         return self.chat_template.render(messages, add_generation_prompt)
 
 
-def _find_content(text: str, content: str, at: int) -> tuple[int, str]:
-    """Where ``content`` sits in the rendered ``text`` (from ``at``), as the template left it (some
-    templates trim it); refused if the template changed it beyond that."""
-    for kept in (content, content.strip()):
-        start = text.find(kept, at)
-        if start >= 0 and kept:
-            return start, kept
-    raise InvalidRequestError("messages", "a message holds special-token text that the chat template rewrites; "
-                                          "it cannot be kept as text")
+def _rewritten() -> InvalidRequestError:
+    return InvalidRequestError("messages", "a message holds special-token text that the chat template rewrites; "
+                                           "it cannot be kept as text")
 
 
 def _token_text(value) -> str:

@@ -55,18 +55,29 @@ class Stack:
         self.internal = f"unix:{tmp}/run/draft.sock"
         self.draft_health = f"unix:{tmp}/draft-health.sock"
         self.draft_dir, self.draft_args = draft_dir, list(draft_args)
-        self.verify = ServiceProcess(["serve-verify", "--model", str(model_dir), "--listen", self.public,
-                                      "--internal", self.internal, "--device", TEST_DEVICE, "--dtype", TEST_DTYPE,
-                                      *verify_args], tmp / "verify.log")
-        self.draft = None
+        self.verify_args = ["serve-verify", "--model", str(model_dir), "--listen", self.public, "--internal",
+                            self.internal, "--device", TEST_DEVICE, "--dtype", TEST_DTYPE, *verify_args]
+        self.verify = self.draft = None
         self.client = Eagle3Client(self.public, timeout_s=120)
         try:
-            self._wait(lambda: self.client.health() == "SERVING", 120, self.verify)
+            self._start_verify(tmp / "verify.log")
             if draft_dir is not None and start_draft:
                 self.start_draft()
         except BaseException:
             self.close()  # never leave service processes behind
             raise
+
+    def _start_verify(self, log_path: Path) -> None:
+        self.verify = ServiceProcess(self.verify_args, log_path)
+        self._wait(lambda: self.client.health() == "SERVING", 120, self.verify)
+
+    def restart_verify(self, kill: bool = False) -> None:
+        """Stop the verify service (SIGTERM, or SIGKILL with ``kill``), start a new one on the same sockets
+        and wait for the draft service, if one runs, to reconnect."""
+        (self.verify.kill if kill else self.verify.stop)()
+        self._start_verify(self.tmp / f"verify-{time.monotonic_ns()}.log")
+        if self.draft is not None:
+            self._wait(lambda: self.client.health("eagle3.speculation") == "SERVING", 60, self.draft)
 
     def start_draft(self, program: list[str] | None = None) -> None:
         """Start the draft service (or ``program``, a stand-in taking the same flags)."""

@@ -115,6 +115,13 @@ class RemoteDraft:
                     "speculation", session.session_id, reason)
             self._on_change(self.connected)
 
+    def close(self) -> None:
+        """Shutdown: end the live session from this side (the draft sees its stream end and waits
+        for a new verify service), so stopping the server need not wait out the stream."""
+        s = self._session
+        if s is not None:
+            self.drop(s, "the verify service is shutting down", clean=True)
+
     @staticmethod
     def _end(session: Session) -> None:
         session.outgoing.put(None)
@@ -158,7 +165,8 @@ class RemoteDraft:
             self.drop(s, "no answer in time" if result is None else "answered another step")
             return {}
         trees = self._read_trees(result, asked)
-        overhead_ns = time.perf_counter_ns() - start - result.draft_compute_ns
+        # The draft reports its own compute time: a bogus figure may not make the overhead negative.
+        overhead_ns = max(0, time.perf_counter_ns() - start - min(result.draft_compute_ns, 2**62))
         self.overhead_ns.append(overhead_ns)
         self._on_overhead(overhead_ns / 1e9)
         return trees

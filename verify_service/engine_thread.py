@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
+from common.errors import CapacityError
 from common.sampling_params import SamplingParams
 from common.tree_settings import TreeSettings
 from verify_service.engine import Engine, TokenEvent
@@ -44,10 +45,18 @@ class EngineThread:
         self.generated_tokens = 0
         self.steps_with_trees = 0
         self.plain_steps = 0
+        self.published = None  # the publisher's last result (see publish_with)
+        self._publisher: Callable[[Engine], object] | None = None
         self._thread = threading.Thread(target=self._run, name="engine-thread", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def publish_with(self, fn: Callable[[Engine], object]) -> None:
+        """After every step and every batch of commands, ``published = fn(engine)`` (on this thread):
+        readers that must never wait for a step read ``published``."""
+        self._publisher = fn
+        self.published = None
 
     def stop(self) -> None:
         self._stopped = True
@@ -62,11 +71,16 @@ class EngineThread:
         return done.result(timeout_s)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, speculate: bool,
-               tree: TreeSettings | None) -> tuple[int, queue.Queue]:
-        """Validate and queue a request (raises typed errors at once); returns (id, event queue)."""
+               tree: TreeSettings | None, max_waiting: int | None = None) -> tuple[int, queue.Queue]:
+        """Validate and queue a request (raises typed errors at once); returns (id, event queue).
+        ``max_waiting``: CapacityError when that many requests already wait for a batch slot."""
         events: queue.Queue = queue.Queue()
 
         def add():
+            waiting = len(self.engine.scheduler.waiting)
+            if max_waiting is not None and waiting >= max_waiting:
+                raise CapacityError(f"{waiting} requests are queued, the server queues at most {max_waiting}; "
+                                    "retry later")
             seq_id = self.engine.add_request(prompt_ids, params, speculate, tree)
             self._queues[seq_id] = events
             return seq_id
@@ -110,6 +124,7 @@ class EngineThread:
     def _run(self) -> None:
         while not self._stopped:
             self._drain(block=not self.engine.has_work)
+            self._publish()
             if self._stopped or not self.engine.has_work:
                 continue
             start = time.perf_counter()
@@ -121,6 +136,14 @@ class EngineThread:
                 continue
             self._count_step(time.perf_counter() - start)
             self._dispatch(events)
+            self._publish()
+
+    def _publish(self) -> None:
+        if self._publisher is not None:
+            try:
+                self.published = self._publisher(self.engine)
+            except Exception:  # a metrics bug must not stop the engine
+                log.exception("publishing the engine's counters failed")
 
     def _count_step(self, seconds: float) -> None:
         if self.engine.last_step_verified_trees:

@@ -12,27 +12,29 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from common.auth import TokenInterceptor, exposure_warning, server_credentials
 from common.listen import NO_PORT_SHARING, bind
+from common.parsed_servicer import add_health_servicer, add_parsed_servicer
 from common.reflection import enable_reflection
 from common.metrics_http import metrics_host
 from link.shared_buffers import BufferExporter
-from protos.eagle3.v1 import draft_link_pb2_grpc, generation_pb2
+from protos.eagle3.v1 import draft_link_pb2, generation_pb2
 from verify_service.draft_link import RemoteDraft
 from verify_service.engine import Engine
 from verify_service.engine_thread import EngineThread
 from verify_service.metrics import VerifyMetrics
 from verify_service.server_config import VerifyServerConfig
 from verify_service.servicers import DraftLinkServicer, GenerationServicer, add_generation_servicer
-from verify_service.stats import read_stats
+from verify_service.stats import latest_stats, snapshot_fn
 from verify_service.target import Target
 
 log = logging.getLogger(__name__)
@@ -48,12 +50,25 @@ class VerifyServer:
     health: health.HealthServicer
     public_port: int
     exporter: BufferExporter | None
+    generation: GenerationServicer
     metrics: VerifyMetrics | None = None  # Prometheus /metrics (metrics.endpoint.port: the bound port)
+
+    def drain(self, grace_s: float) -> int:
+        """Shutdown, first half: NOT_SERVING at once, new requests refused (UNAVAILABLE), the open
+        streams given ``grace_s`` to finish. Returns how many were still open when it ran out."""
+        self.health.enter_graceful_shutdown()
+        self.generation.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.generation.open_streams and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.generation.open_streams
 
     def stop(self, grace_s: float = 5.0) -> None:
         if self.metrics is not None:
             self.metrics.stop()
         self.health.enter_graceful_shutdown()
+        if self.generation.remote is not None:
+            self.generation.remote.close()
         for server in (self.public, self.internal):
             if server is not None:
                 server.stop(grace_s).wait()
@@ -114,16 +129,18 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
     remote, exporter = _remote_draft(target, cfg, status, metrics)
     on_step = metrics.step_seconds.observe if metrics else lambda seconds: None
     loop = EngineThread(Engine(target, remote, cfg.limits) if remote else Engine(target), on_step)
+    loop.publish_with(snapshot_fn(loop, remote))  # metrics never wait for a step
     if metrics is not None:
-        metrics.attach(lambda timeout_s: read_stats(loop, remote, timeout_s))
-    add_generation_servicer(
-        GenerationServicer(loop, cfg.limits, remote, cfg.max_tokens_default, Path(cfg.engine.model_dir).name), public)
-    health_pb2_grpc.add_HealthServicer_to_server(status, public)
+        metrics.attach(lambda timeout_s: latest_stats(loop, remote))
+    generation = GenerationServicer(loop, cfg.limits, remote, cfg.max_tokens_default, Path(cfg.engine.model_dir).name,
+                                    cfg.max_open_streams, cfg.max_queued_requests)
+    add_generation_servicer(generation, public)
+    add_health_servicer(status, public)  # a malformed request: INVALID_ARGUMENT, not INTERNAL
     enable_reflection((GENERATION, health.SERVICE_NAME), public)
     if internal is not None:
-        draft_link_pb2_grpc.add_DraftLinkServicer_to_server(
-            DraftLinkServicer(remote, target, cfg.limits, cfg.engine.model_dir), internal)
-        health_pb2_grpc.add_HealthServicer_to_server(status, internal)
+        add_parsed_servicer(DraftLinkServicer(remote, target, cfg.limits, cfg.engine.model_dir),
+                            draft_link_pb2.DESCRIPTOR.services_by_name["DraftLink"], internal)
+        add_health_servicer(status, internal)
     for name in ("", GENERATION):
         status.set(name, health_pb2.HealthCheckResponse.SERVING)
     status.set(SPECULATION_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -135,7 +152,7 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
              cfg.listen, port, "mutual" if cfg.tls_client_ca else "on" if cfg.tls_cert else "off",
              "required" if cfg.api_token else "off", cfg.internal if internal else "-",
              "waiting for a draft" if remote else "off", metrics.endpoint.url if metrics else "off")
-    return VerifyServer(public, internal, loop, status, port, exporter, metrics)
+    return VerifyServer(public, internal, loop, status, port, exporter, generation, metrics)
 
 
 def _remote_draft(target: Target, cfg: VerifyServerConfig, status: health.HealthServicer,
@@ -160,5 +177,10 @@ def serve(cfg: VerifyServerConfig) -> None:
     if server.metrics is not None:
         print(f"verify service metrics on {server.metrics.endpoint.url}", flush=True)
     done.wait()
-    log.info("shutting down (pid %d)", os.getpid())
-    server.stop()
+    log.info("shutting down (pid %d): NOT_SERVING, no new requests, %d streams open get %g s",
+             os.getpid(), server.generation.open_streams, cfg.shutdown_grace_s)
+    left = server.drain(cfg.shutdown_grace_s)
+    if left:
+        log.warning("%d streams still open after %g s: cancelled", left, cfg.shutdown_grace_s)
+    server.stop(grace_s=1.0)
+    print("verify service stopped", flush=True)

@@ -15,6 +15,7 @@ from verify_service.config import KERNEL_CHOICES, EngineConfig
 DEFAULT_PUBLIC = "127.0.0.1:50051"  # loopback unless configured otherwise
 DEFAULT_INTERNAL = default_internal_address()  # the draft channel never leaves the host, nor this user
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+RESERVED_WORKERS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +27,9 @@ class VerifyServerConfig:
     draft_timeout_s: float = 10.0  # a draft answering slower than this is dropped (plain decoding)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_tokens_default: int = 256
-    workers: int = 32
+    max_open_streams: int = 256  # Generate streams at once; more get RESOURCE_EXHAUSTED at once
+    max_queued_requests: int = 256  # requests waiting for a batch slot; more get RESOURCE_EXHAUSTED
+    shutdown_grace_s: float = 30.0  # on SIGTERM: how long streams in flight may take to finish
     metrics_port: int | None = None  # Prometheus /metrics on the --listen host (None: off; 0: any free port)
     tls_cert: str | None = None  # PEM files: TLS on the public API (None: plaintext)
     tls_key: str | None = None
@@ -42,7 +45,18 @@ class VerifyServerConfig:
             raise InvalidRequestError("max_tokens_default", f"must be > 0, got {self.max_tokens_default}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise InvalidRequestError("metrics_port", f"must be in [0, 65535], got {self.metrics_port}")
+        for name in ("max_open_streams", "max_queued_requests"):
+            if not 1 <= getattr(self, name) <= 65536:
+                raise InvalidRequestError(name, f"must be in [1, 65536], got {getattr(self, name)}")
+        if not 0 <= self.shutdown_grace_s <= 3600:
+            raise InvalidRequestError("shutdown_grace_s", f"must be in [0, 3600], got {self.shutdown_grace_s}")
         self._check_security()
+
+    @property
+    def workers(self) -> int:
+        """Public server threads: one per open stream, plus a reserve streams cannot take, so health,
+        metrics and refusals always find a thread."""
+        return self.max_open_streams + RESERVED_WORKERS
 
     def _check_security(self) -> None:
         """The TLS files exist and hold PEM (checked before the model loads); the token can travel in a header."""
@@ -86,6 +100,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-timeout-s", type=float, default=10.0)
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     p.add_argument("--max-tokens-default", type=int, default=256)
+    p.add_argument("--max-open-streams", type=int, default=256,
+                   help="Generate streams open at once; one more gets RESOURCE_EXHAUSTED at once")
+    p.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests waiting for a batch slot (beyond --max-num-seqs running); more get RESOURCE_EXHAUSTED")
+    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM: NOT_SERVING and no new requests at once; streams in flight get this long")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus /metrics on PORT, on the --listen host (127.0.0.1 for a unix socket; "
                         "0: any free port); needs eagle3-serve[metrics]")
@@ -116,6 +136,8 @@ def from_args(args: argparse.Namespace, model_dir: str) -> VerifyServerConfig:
     return VerifyServerConfig(engine, limits, listen=args.listen, internal=args.internal,
                               draft_timeout_s=args.draft_timeout_s, max_message_bytes=args.max_message_bytes,
                               max_tokens_default=args.max_tokens_default, metrics_port=args.metrics_port,
+                              max_open_streams=args.max_open_streams, max_queued_requests=args.max_queued_requests,
+                              shutdown_grace_s=args.shutdown_grace_s,
                               tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                               api_token=read_token(args.api_token_file, "api_token_file") if args.api_token_file
                               else env_token())

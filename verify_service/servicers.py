@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import grpc
-from google.protobuf.message import DecodeError
 
-from common.errors import InvalidRequestError, LinkProtocolError, SharedBufferError
+from common.errors import CapacityError, InvalidRequestError, LinkProtocolError, SharedBufferError, ShuttingDownError
 from common.grpc_errors import abort
+from common.parsed_servicer import add_parsed_servicer
 from common.tree_settings import TreeSettings
 from link.convert import TREE_TO_PROTO, descriptor_to_proto
 from link.shared_buffers import gpu_uuid, host_identity
@@ -25,7 +25,7 @@ from protos.eagle3.v1 import speculation_pb2 as spec_pb
 from verify_service import api_convert
 from verify_service.draft_link import RemoteDraft
 from verify_service.engine_thread import EngineFailure, EngineThread
-from verify_service.stats import read_stats
+from verify_service.stats import latest_stats
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -34,18 +34,40 @@ _CANCEL_POLL_S = 0.25
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, loop: EngineThread, limits: TreeSettings | None, remote: RemoteDraft | None,
-                 max_tokens_default: int, model_name: str):
+                 max_tokens_default: int, model_name: str, max_open_streams: int = 256,
+                 max_queued_requests: int = 256):
         self.loop, self.limits, self.remote = loop, limits, remote
         self.target = loop.engine.target
         self.max_tokens_default = max_tokens_default
         self.model_name = model_name
+        self.max_open_streams, self.max_queued_requests = max_open_streams, max_queued_requests
+        self.open_streams = 0
+        self.draining = False  # set on shutdown: no new requests, the open streams finish
+        self._lock = threading.Lock()
 
     def Generate(self, request, context):
+        """Admission first (shutting down: UNAVAILABLE; too many open streams: RESOURCE_EXHAUSTED,
+        both at once), then the stream."""
+        if self.draining:
+            abort(context, ShuttingDownError("the server is shutting down; it takes no new requests"))
+        with self._lock:
+            admitted = self.open_streams < self.max_open_streams
+            self.open_streams += admitted
+        if not admitted:
+            abort(context, CapacityError(f"{self.max_open_streams} streams are open, the most this server "
+                                         "takes; retry later"))
+        try:
+            yield from self._stream(request, context)
+        finally:
+            with self._lock:
+                self.open_streams -= 1
+
+    def _stream(self, request, context):
         try:
             ids = api_convert.prompt_ids(request, self.target)
             params = api_convert.sampling_params(request, self.max_tokens_default)
             speculate, tree = api_convert.speculation(request, self.limits)
-            seq_id, events = self.loop.submit(ids, params, speculate, tree)
+            seq_id, events = self.loop.submit(ids, params, speculate, tree, self.max_queued_requests)
         except Exception as exc:  # typed request errors map to their status; anything else is INTERNAL
             abort(context, exc)
         # Client cancellation or deadline: free the sequence (and its KV) at once. The callback
@@ -86,7 +108,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                              max_tokens_default=self.max_tokens_default, version=VERSION)
 
     def GetMetrics(self, request, context):
-        return api_convert.server_metrics(read_stats(self.loop, self.remote))
+        return api_convert.server_metrics(latest_stats(self.loop, self.remote))
 
 
 def model_identity(target, capture_layers: tuple[int, ...], config_json: str) -> link_pb.ModelIdentity:
@@ -205,34 +227,6 @@ def _closed_by_peer(context, wait_s: float = 0.5) -> bool:
 
 
 def add_generation_servicer(servicer: GenerationServicer, server: grpc.Server) -> None:
-    """Register ``servicer`` as eagle3.v1.Generation, each request parsed by ``_parsed`` (not by
-    gRPC's deserializer, which answers a malformed request with INTERNAL)."""
-    methods = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            _parsed(servicer.Generate, pb.GenerateRequest, streaming=True),
-            response_serializer=pb.GenerateResponse.SerializeToString),
-        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
-            _parsed(servicer.GetServerInfo, pb.GetServerInfoRequest, streaming=False),
-            response_serializer=pb.ServerInfo.SerializeToString),
-        "GetMetrics": grpc.unary_unary_rpc_method_handler(
-            _parsed(servicer.GetMetrics, pb.GetMetricsRequest, streaming=False),
-            response_serializer=pb.ServerMetrics.SerializeToString),
-    }
-    name = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, methods),))
-
-
-def _parsed(method, request_type, streaming: bool):
-    """``method`` taking the raw request bytes: a corrupt message, or a string field that is not
-    UTF-8, gets INVALID_ARGUMENT naming the request."""
-    def parse(raw: bytes, context):
-        try:
-            return request_type.FromString(raw)
-        except DecodeError as exc:
-            abort(context, InvalidRequestError("request", f"not a valid {request_type.DESCRIPTOR.name}: {exc}"))
-
-    if streaming:
-        def stream(raw, context):
-            yield from method(parse(raw, context), context)
-        return stream
-    return lambda raw, context: method(parse(raw, context), context)
+    """Register ``servicer`` as eagle3.v1.Generation, each method parsing its own request (gRPC's
+    deserializer answers a malformed request with INTERNAL; these answer INVALID_ARGUMENT)."""
+    add_parsed_servicer(servicer, pb.DESCRIPTOR.services_by_name["Generation"], server)

@@ -6,7 +6,7 @@ consistent, the engine never waits for a reader, and a reader waits at most one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from verify_service.sequence import SpeculationMetrics
@@ -32,12 +32,33 @@ class VerifyStats:
     draft_connected: bool
     draft_sessions: int
     draft_errors: int  # refused trees, timeouts, lost sessions
+    refused_trees: int  # the engine's part of draft_errors
     control_plane_p50_us: float
     control_plane_p99_us: float
 
 
 def read_stats(loop: EngineThread, remote: RemoteDraft | None, timeout_s: float | None = None) -> VerifyStats:
     """The counters as of the last step (concurrent.futures.TimeoutError after ``timeout_s``)."""
+    return loop.read(snapshot_fn(loop, remote), timeout_s)
+
+
+def latest_stats(loop: EngineThread, remote: RemoteDraft | None) -> VerifyStats:
+    """The snapshot the engine thread published after its last step or command: answers at once,
+    however long the step in progress takes (a long prefill chunk on a CPU takes seconds)."""
+    published = loop.published
+    if published is None:
+        return read_stats(loop, remote)
+    if remote is None:
+        return published
+    # The link's own counters move on gRPC threads (a draft lost while the engine idles): read live.
+    p50, p99 = remote.overhead_percentiles_us()
+    return replace(published, draft_connected=remote.connected, draft_sessions=remote.sessions_opened,
+                   draft_errors=published.refused_trees + remote.errors, control_plane_p50_us=p50,
+                   control_plane_p99_us=p99)
+
+
+def snapshot_fn(loop: EngineThread, remote: RemoteDraft | None):
+    """engine -> VerifyStats, to run on the engine thread."""
     def snapshot(engine: Engine) -> VerifyStats:
         blocks = engine.target.blocks
         p50, p99 = remote.overhead_percentiles_us() if remote else (0.0, 0.0)
@@ -48,6 +69,6 @@ def read_stats(loop: EngineThread, remote: RemoteDraft | None, timeout_s: float 
             kv_blocks_total=blocks.num_blocks, speculative_steps=loop.steps_with_trees, plain_steps=loop.plain_steps,
             speculation=engine.speculation_totals(), draft_connected=bool(remote and remote.connected),
             draft_sessions=remote.sessions_opened if remote else 0,
-            draft_errors=engine.draft_errors + (remote.errors if remote else 0),
+            draft_errors=engine.draft_errors + (remote.errors if remote else 0), refused_trees=engine.draft_errors,
             control_plane_p50_us=p50, control_plane_p99_us=p99)
-    return loop.read(snapshot, timeout_s)
+    return snapshot

@@ -1,0 +1,284 @@
+"""Fuzzing the internal draft link: a fake draft dials the verify service's unix socket with random
+handshakes and sessions, while a normal client generates through the public API.
+
+Properties: every link call ends with OK or a typed status (never INTERNAL or UNKNOWN), the verify
+service stays up, and greedy output stays exactly the target's whatever the draft answers
+(right, wrong or malformed trees, wrong step ids, floods, stalls, a closed or cancelled stream).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2
+from hypothesis import strategies as st
+
+from fuzz_requests import mutated, raw_message, texts, uints
+from link.convert import descriptor_from_proto
+from link.shared_buffers import BufferImporter, host_identity
+from protos.eagle3.v1 import draft_link_pb2 as link_pb
+from protos.eagle3.v1 import generation_pb2 as pb
+from services import Stack
+from tiny_models import BASE
+from tiny_tokenizer import VOCAB_SIZE
+
+HANDSHAKE, SESSION = "/eagle3.v1.DraftLink/Handshake", "/eagle3.v1.DraftLink/Session"
+PROMPTS = ([5, 6, 7, 8], list(range(40, 60)), [88] * 9, [1, 2])
+MAX_TOKENS = 8
+TIMEOUT_S = 60.0
+FIRST = ("open", "open", "open", "wrong_id", "stale_generation", "result", "empty", "end")
+ACTIONS = ("answer", "answer", "answer", "answer", "wrong_step", "flood", "empty", "open", "close", "stall")
+TREES = ("right", "right", "wrong", "garbage")
+
+
+def valid_handshake() -> link_pb.HandshakeRequest:
+    """What the real draft service sends for the tiny target, on this host's CPU."""
+    return link_pb.HandshakeRequest(
+        expected_target=link_pb.ModelIdentity(vocab_size=VOCAB_SIZE, hidden_size=BASE["hidden_size"]),
+        location=link_pb.PeerLocation(host_id=host_identity(), device_type="cpu"), draft_name="fuzz")
+
+
+@st.composite
+def handshakes(draw) -> bytes:
+    """A HandshakeRequest with each part right or hostile (sizes, ids, devices, layers)."""
+    req = valid_handshake()
+    want, loc = req.expected_target, req.location
+    if draw(st.booleans()):
+        want.vocab_size, want.hidden_size = draw(st.sampled_from([VOCAB_SIZE, 0])), draw(uints(2**32 - 1))
+    if draw(st.booleans()):
+        want.capture_layers.extend(draw(st.one_of(st.lists(uints(2**32 - 1), max_size=6),
+                                                  st.just([1] * 100_000))))
+    want.name, want.fingerprint, want.dtype = draw(texts()), draw(texts()), draw(texts())
+    if draw(st.booleans()):
+        loc.host_id = draw(st.one_of(texts(), st.just("h" * 100_000)))
+    if draw(st.booleans()):
+        loc.device_type = draw(st.one_of(st.sampled_from(["cuda", "", "CPU"]), texts()))
+    loc.gpu_uuid = draw(texts())
+    req.limits.tree, req.limits.max_depth = draw(st.integers(-2**31, 2**31 - 1)), draw(uints(2**32 - 1))
+    req.draft_name = draw(st.one_of(texts(), st.just("d" * 1_000_000)))
+    return req.SerializeToString()
+
+
+def corrupt_handshakes() -> st.SearchStrategy[bytes]:
+    return st.one_of(raw_message(link_pb.HandshakeRequest.DESCRIPTOR),
+                     mutated(st.just(valid_handshake().SerializeToString())), st.binary(max_size=64))
+
+
+def corrupt_session_messages() -> st.SearchStrategy[list[bytes]]:
+    """Session requests that are not DraftMessages (or are, with garbage inside), after a valid open."""
+    return st.lists(st.one_of(raw_message(link_pb.DraftMessage.DESCRIPTOR), st.binary(max_size=32)),
+                    min_size=1, max_size=3)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """How the fake draft answers one VerifyMessage."""
+
+    kind: str  # one of ACTIONS
+    trees: str  # one of TREES: the greedy continuation (oracle), wrong tokens, random garbage
+    seed: int  # of the random tokens / parents / log-probs / slots
+    nodes: int  # tree size asked for (0: as the proposal allows; may exceed the buffer)
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    prompt: int  # index into PROMPTS
+    first: str  # one of FIRST: the first DraftMessage
+    answers: tuple[Answer, ...]  # then plain empty answers
+
+
+def session_plans() -> st.SearchStrategy[SessionPlan]:
+    answer = st.builds(Answer, st.sampled_from(ACTIONS), st.sampled_from(TREES), st.integers(0, 2**32 - 1),
+                       st.one_of(st.just(0), st.integers(0, 16)))
+    return st.builds(SessionPlan, st.integers(0, len(PROMPTS) - 1), st.sampled_from(FIRST),
+                     st.lists(answer, max_size=8).map(tuple))
+
+
+@dataclass
+class LinkOutcome:
+    statuses: list[str]  # the link calls' final statuses (CANCELLED by the fake itself left out)
+    output: list[int] | None  # the client's tokens (None: its call failed)
+    generate_status: str
+
+
+class FakeDraft:
+    """One fuzzed session at a time against ``stack``'s internal socket."""
+
+    def __init__(self, stack: Stack):
+        self.stack = stack
+        self.channel = grpc.insecure_channel(stack.internal, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.public = grpc.insecure_channel(stack.public)
+        self.expected = [self.generate(p, speculate=False)[0] for p in PROMPTS]
+
+    def close(self) -> None:
+        self.channel.close()
+        self.public.close()
+
+    def call(self, method: str, requests: list[bytes]) -> str:
+        """A raw handshake (one request) or session (the requests, then the end): the status."""
+        try:
+            if method == HANDSHAKE:
+                self.channel.unary_unary(HANDSHAKE)(requests[0], timeout=TIMEOUT_S)
+            else:
+                list(self.channel.stream_stream(SESSION)(iter(requests), timeout=TIMEOUT_S))
+        except grpc.RpcError as err:
+            return err.code().name
+        return "OK"
+
+    def hello(self) -> tuple[link_pb.HandshakeResponse | None, str]:
+        """A valid handshake, once the previous session is gone: (its answer, its status)."""
+        self.wait_disconnected()
+        stub = self.channel.unary_unary(HANDSHAKE, response_deserializer=link_pb.HandshakeResponse.FromString)
+        try:
+            return stub(valid_handshake().SerializeToString(), timeout=TIMEOUT_S), "OK"
+        except grpc.RpcError as err:
+            return None, err.code().name
+
+    def open_after_handshake(self, requests: list[bytes]) -> list[str]:
+        """A valid handshake and open, then ``requests``: both calls' statuses."""
+        hello, status = self.hello()
+        if hello is None:
+            return [status]
+        opening = link_pb.DraftMessage(open=link_pb.SessionOpen(session_id=hello.session_id,
+                                                                generation=hello.generation))
+        return [status, self.call(SESSION, [opening.SerializeToString(), *requests])]
+
+    def generate(self, prompt: list[int], speculate: bool = True) -> tuple[list[int] | None, str]:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, ignore_eos=True)
+        if not speculate:
+            request.speculation.enabled = False
+        stub = self.public.unary_stream("/eagle3.v1.Generation/Generate",
+                                        request_serializer=pb.GenerateRequest.SerializeToString,
+                                        response_deserializer=pb.GenerateResponse.FromString)
+        try:
+            return [t for e in stub(request, timeout=TIMEOUT_S) for t in e.delta.token_ids], "OK"
+        except grpc.RpcError as err:
+            return None, err.code().name
+
+    def speculation_health(self) -> str:
+        check = self.public.unary_unary("/grpc.health.v1.Health/Check",
+                                        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                        response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        status = check(health_pb2.HealthCheckRequest(service="eagle3.speculation"), timeout=TIMEOUT_S).status
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+    def wait_disconnected(self, timeout_s: float = 15.0) -> None:
+        """Until the verify service has let the previous session go (one draft at a time)."""
+        deadline = time.monotonic() + timeout_s
+        while self.speculation_health() == "SERVING" and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def run_session(self, plan: SessionPlan) -> LinkOutcome:
+        """Handshake, the plan's session, and a greedy generation through it."""
+        hello, status = self.hello()
+        if hello is None:
+            return LinkOutcome([status], *self.generate(PROMPTS[plan.prompt]))
+        with BufferImporter("cpu") as importer:
+            buffers = {b.name: importer.open(descriptor_from_proto(b)).numpy() for b in hello.buffers}
+            return _Session(self, hello, buffers, plan).run()
+
+
+class _Session:
+    """The fake draft's side of one session: answers VerifyMessages as the plan says."""
+
+    def __init__(self, fake: FakeDraft, hello: link_pb.HandshakeResponse, buffers: dict, plan: SessionPlan):
+        self.fake, self.hello, self.buffers, self.plan = fake, hello, buffers, plan
+        self.requests: queue.Queue = queue.Queue()
+        self.full = list(PROMPTS[plan.prompt]) + fake.expected[plan.prompt]  # the greedy sequence
+        self.root: dict[int, int] = {}  # seq_id -> position of its newest fed token
+        self.cancelled = False
+
+    def run(self) -> LinkOutcome:
+        responses = self.fake.channel.stream_stream(SESSION)(iter(self.requests.get, None), timeout=TIMEOUT_S)
+        self.requests.put(self._first())
+        if self.plan.first == "end":
+            self.requests.put(None)
+        elif self.plan.first == "open":
+            deadline = time.monotonic() + 5  # a session speculates only for requests started after it opened
+            while self.fake.speculation_health() != "SERVING" and time.monotonic() < deadline:
+                time.sleep(0.01)
+        result = {}
+        client = threading.Thread(target=self._generate, args=(responses, result))
+        client.start()
+        status = self._answer(responses)
+        client.join(TIMEOUT_S)
+        self.requests.put(None)
+        statuses = [] if status == "CANCELLED" and self.cancelled else [status]
+        return LinkOutcome(statuses, *result.get("output", (None, "no answer in time")))
+
+    def _generate(self, responses, result: dict) -> None:
+        result["output"] = self.fake.generate(PROMPTS[self.plan.prompt])
+        self.cancelled = True
+        responses.cancel()  # the fake draft leaves once the client has its answer
+
+    def _first(self) -> bytes:
+        h, first = self.hello, self.plan.first
+        session_id = h.session_id + (1 if first == "wrong_id" else 0)
+        generation = h.generation + (1 if first == "stale_generation" else 0)
+        if first == "result":
+            return link_pb.DraftMessage(result=link_pb.StepResult(step_id=1)).SerializeToString()
+        if first == "empty":
+            return b""
+        return link_pb.DraftMessage(open=link_pb.SessionOpen(session_id=session_id,
+                                                             generation=generation)).SerializeToString()
+
+    def _answer(self, responses) -> str:
+        answers = iter(self.plan.answers)
+        try:
+            for raw in responses:
+                msg = link_pb.VerifyMessage.FromString(raw)
+                for f in msg.feeds:
+                    self.root[f.seq_id] = f.start_position + len(f.next_tokens)
+                answer = next(answers, Answer("answer", "right", 0, 0))
+                if answer.kind == "close":
+                    self.requests.put(None)
+                    break
+                if answer.kind != "stall":
+                    for out in self._reply(msg, answer):
+                        self.requests.put(out.SerializeToString())
+            for _ in responses:  # after a close: until the verify side ends the stream
+                pass
+        except grpc.RpcError as err:
+            return err.code().name
+        return "OK"
+
+    def _reply(self, msg: link_pb.VerifyMessage, answer: Answer) -> list[link_pb.DraftMessage]:
+        if answer.kind == "empty":
+            return [link_pb.DraftMessage()]
+        if answer.kind == "open":
+            return [link_pb.DraftMessage(open=link_pb.SessionOpen(session_id=self.hello.session_id))]
+        rng = np.random.default_rng(answer.seed)
+        step = msg.step_id + (int(rng.integers(1, 5)) if answer.kind == "wrong_step" else 0)
+        result = link_pb.StepResult(step_id=step, draft_compute_ns=int(rng.integers(0, 2**63)))
+        for p in msg.proposals:
+            result.trees.append(self._tree(p, answer, rng))
+        return [link_pb.DraftMessage(result=result)] * (2 if answer.kind == "flood" else 1)
+
+    def _tree(self, p: link_pb.ProposalRequest, answer: Answer, rng) -> link_pb.TreeRef:
+        """Write one tree into the shared tree buffers and return its reference (garbage: any slot,
+        any sequence, nodes past the buffer)."""
+        slots, width = self.buffers["tree_tokens"].shape
+        garbage = answer.trees == "garbage"
+        slot = int(rng.integers(0, slots + 2)) if garbage else p.tree_slot
+        n = answer.nodes or max(1, min(p.max_depth, width))
+        k = min(n, width)
+        if garbage:
+            tokens, parents = rng.integers(-3, VOCAB_SIZE + 3, k), rng.integers(-3, k + 2, k)
+            log_probs = np.where(rng.random(k) < 0.2, np.nan, rng.standard_normal(k) * 1e30).astype(np.float32)
+        else:  # a chain: the greedy continuation after the root ("wrong": some tokens off by one)
+            at = self.root.get(p.seq_id, 0) + 1
+            tokens = np.array((self.full[at:at + k] + [0] * k)[:k])
+            if answer.trees == "wrong":
+                tokens = (tokens + rng.integers(0, 2, k)) % VOCAB_SIZE
+            parents, log_probs = np.arange(k) - 1, np.zeros(k, np.float32)
+        if slot < slots:
+            self.buffers["tree_tokens"][slot, :k] = tokens
+            self.buffers["tree_parents"][slot, :k] = parents
+            self.buffers["tree_log_probs"][slot, :k] = log_probs
+        seq_id = int(rng.integers(0, 2**63)) if garbage and rng.random() < 0.5 else p.seq_id
+        return link_pb.TreeRef(seq_id=seq_id, tree_slot=slot, num_nodes=n)
