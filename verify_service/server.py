@@ -176,7 +176,10 @@ def serve(cfg: VerifyServerConfig) -> None:
     print(f"verify service ready on {cfg.listen}", flush=True)
     if server.metrics is not None:
         print(f"verify service metrics on {server.metrics.endpoint.url}", flush=True)
-    done.wait()
+    # Python runs signal handlers on the main thread, and a process signal may land on any thread:
+    # a main thread blocked for good in wait() would only see SIGTERM when something woke it.
+    while not done.wait(0.2):
+        pass
     log.info("shutting down (pid %d): NOT_SERVING, no new requests, %d streams open get %g s",
              os.getpid(), server.generation.open_streams, cfg.shutdown_grace_s)
     left = server.drain(cfg.shutdown_grace_s)
