@@ -23,8 +23,8 @@ from link.shared_buffers import BufferExporter, BufferImporter, host_identity
 from protos.eagle3.v1 import draft_link_pb2 as pb
 from protos.eagle3.v1 import draft_link_pb2_grpc as pb_grpc
 from services import ROOT, Stack
-from tiny_eagle import make_eagle_dir
-from tiny_models import make_model_dir, target_for, tiny_config
+from tiny_eagle import make_target_and_head
+from tiny_models import target_for, tiny_config
 from verify_service.engine import Engine
 
 VERIFY_ARGS = ["--tree-nodes", "12", "--tree-depth", "4", "--tree-top-k", "3", "--max-model-len", "512",
@@ -33,9 +33,7 @@ VERIFY_ARGS = ["--tree-nodes", "12", "--tree-depth", "4", "--tree-top-k", "3", "
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("link")
-    return make_model_dir(root / "target", "llama3", seed=5, std=0.3), \
-        make_eagle_dir(root / "draft", tiny_config("llama3"), draft_vocab=64, seed=1)
+    return make_target_and_head(tmp_path_factory.mktemp("link"))
 
 
 def expected(model_dir, prompt, n):

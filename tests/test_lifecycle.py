@@ -10,19 +10,16 @@ import pytest
 
 from client.eagle3_client import ClientError
 from services import Stack
-from tiny_eagle import make_eagle_dir
-from tiny_models import make_model_dir, tiny_config
+from tiny_eagle import make_target_and_head
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("life")
-    return make_model_dir(root / "target", "llama3", seed=5, std=0.3), \
-        make_eagle_dir(root / "draft", tiny_config("llama3"), draft_vocab=64, seed=1)
+    return make_target_and_head(tmp_path_factory.mktemp("life"))
 
 
 def open_streams(stack, n, max_tokens):
-    """n streams, each consumed in a thread after its first token; returns (threads, results, started)."""
+    """n streams, each consumed in a thread after its first token; returns (threads, results)."""
     results, started = [None] * n, threading.Semaphore(0)
 
     def run(i):

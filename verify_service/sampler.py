@@ -30,7 +30,3 @@ class Sampler:
         noise = self.kernels.exponential_noise([s.seed for s in seqs], [s.num_tokens for s in seqs],
                                                logits.shape[-1], self.device)
         return self.kernels.sample(self.probs(logits, seqs), noise)
-
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """``sample`` on the host (a device-to-host copy)."""
-        return self.sample(logits, seqs).tolist()

@@ -80,12 +80,6 @@ class TreeVerifier:
         self.kernels = target.runner.kernels
         self.staging = Staging(target.device)  # the acceptance inputs: one host-to-device copy
 
-    def verify(self, seqs: list[Sequence], logits_start: list[int], row_start: list[int],
-               out: StepOutput) -> list[Verified]:
-        """Accept along each sequence's tree (``accept``, then ``finish`` on its own copy)."""
-        pending = self.accept(seqs, logits_start, row_start, out)
-        return self.finish(pending, pending.device_values().tolist())
-
     def accept(self, seqs: list[Sequence], logits_start: list[int], row_start: list[int],
                out: StepOutput) -> PendingVerification:
         """Launch acceptance, KV compaction and the gather of the draft's features, all on the
