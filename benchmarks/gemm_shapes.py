@@ -1,12 +1,15 @@
 """Skinny matmuls (a few rows times a weight matrix) as a decode step runs them: F.linear next to
-the same product written with the weight first, which lets cuBLAS choose other kernels.
+the same product written with the weight first (cuBLAS then chooses other kernels) and the
+project's Triton matmul (``kernels/linear_triton.py``) under its default tiles and a sweep.
 
-    python benchmarks/gemm_shapes.py --rows 1 --rows 8 --rows 64
+    python benchmarks/gemm_shapes.py --rows 1 --rows 8 --rows 64 --sweep --out gemm.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -17,6 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.attention_kernel import time_us  # noqa: E402
 from benchmarks.decode_baseline import copy_bandwidth_gbs  # noqa: E402
+from kernels.linear_triton import LinearConfig, linear_config, linear_triton  # noqa: E402
+
+SWEEP = [LinearConfig(16, n, k, 4, s) for n in (16, 32, 64) for k in (128, 256) for s in (3, 4)]
 
 SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
           "smol.qkv": (960, 576), "smol.o": (576, 576), "smol.gate_up": (3072, 576), "smol.down": (576, 1536)}
@@ -25,7 +31,10 @@ SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 40
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, action="append", required=True)
+    ap.add_argument("--sweep", action="store_true", help="also time every small-row Triton config (rows <= 16)")
+    ap.add_argument("--out", default=None, help="JSON file for the results")
     args = ap.parse_args()
+    results = []
     bw = copy_bandwidth_gbs(torch.device("cuda"))
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -34,7 +43,20 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             a = time_us(lambda: F.linear(x, w))
             b = time_us(lambda: torch.mm(w, x.t()).t())
-            print(f"{name:>14} rows {m:>3}: linear {a:7.1f} us  weight-first {b:7.1f} us  floor {floor:6.1f} us", flush=True)
+            c = time_us(lambda: linear_triton(x, w))
+            row = {"shape": name, "rows": m, "linear_us": a, "weight_first_us": b, "triton_us": c,
+                   "triton_config": list(dataclasses.astuple(linear_config(m))), "floor_us": round(floor, 2)}
+            if args.sweep and m <= 16:
+                swept = sorted((time_us(lambda cfg=cfg: linear_triton(x, w, cfg)), list(dataclasses.astuple(cfg)))
+                               for cfg in SWEEP)
+                row["sweep_best"] = swept[:3]
+            results.append(row)
+            print(f"{name:>14} rows {m:>3}: linear {a:7.1f} us  weight-first {b:7.1f} us  triton {c:7.1f} us  "
+                  f"floor {floor:6.1f} us" + (f"  best {row['sweep_best'][0]}" if "sweep_best" in row else ""),
+                  flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bw,
+                                              "cases": results}, indent=1))
 
 
 if __name__ == "__main__":

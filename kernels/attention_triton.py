@@ -104,18 +104,22 @@ class AttentionConfig:
     num_stages: int = 2
 
 
-def attention_config(max_query_len: int, group: int, head_dim: int) -> AttentionConfig:
+def attention_config(max_query_len: int, group: int, head_dim: int, max_seq_len: int = 0,
+                     elem_bytes: int = 2) -> AttentionConfig:
     """Decode-sized steps take small row tiles; tree and prefill steps large ones, so fewer tiles
     re-read each sequence's KV. From ``benchmarks/attention_kernel.py --sweep`` on an H100
-    (Llama-3-8B and SmolLM2 geometries, 512 to 32K keys, 1 to 64 new tokens): 128-row tiles
-    with 64-key steps cut a 64-token tree at 32K keys from 289 to 206 us a layer."""
+    (Llama-3-8B geometry, 4K and 32K keys, 1, 8 and 64 new tokens, after the unmasked key loop):
+    one token at 32K keys 66 -> 58 us with 64-key steps and 3 stages; 8 tokens 64-row tiles
+    with 64-key steps; 64 tokens at 32K keys 167 -> 157 us with 128 x 128 tiles, at 4K keys 50 -> 35 us
+    with 64 x 64 tiles (128-row tiles leave too few programs there). ``max_seq_len`` is the
+    longest sequence the launch may see (a graphed step: the cache's capacity); float32 caches
+    (``elem_bytes`` 4) keep 64-row tiles, as 128 x 128 tiles of them overflow shared memory."""
     rows = max_query_len * group
-    block_n = 64 if head_dim <= 64 else 32
     if rows <= 16:
-        return AttentionConfig(16, block_n)
-    if rows <= 64 or head_dim > 128:
-        return AttentionConfig(64, block_n)
-    return AttentionConfig(128, 64, num_warps=8, num_stages=3)
+        return AttentionConfig(16, 64, num_warps=4, num_stages=3 if head_dim >= 128 else 2)
+    if rows <= 64 or head_dim * elem_bytes > 256 or max_seq_len < 8192:
+        return AttentionConfig(64, 64)
+    return AttentionConfig(128, 128, num_warps=8, num_stages=2)
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -128,7 +132,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     T, H, D = q.shape
     _, block_size, kvh, _ = k_cache.shape
     g = H // kvh
-    cfg = config or attention_config(meta.max_query_len, g, D)
+    cfg = config or attention_config(meta.max_query_len, g, D, meta.max_seq_len, k_cache.element_size())
     block_q = cfg.block_m // g  # tokens per tile: g rows each
     assert block_q >= 1, f"{g} query heads per KV head exceed a tile of {cfg.block_m} rows"
     q_tiles = triton.cdiv(meta.max_query_len, block_q)
@@ -151,6 +155,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q_tiles, splits,
         G=g, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=splits > 1,
+        EVEN_D=triton.next_power_of_2(D) == D and D >= 16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -165,15 +170,30 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def _attend_keys(acc, m_i, l_i, q, lo, hi, b, t, qi, row_ok, m_start, first_kv, k_cache_ptr, v_cache_ptr,
                  tables_ptr, mask_ptr, scale_log2, stride_kb, stride_ks, stride_kh, stride_bt, stride_mask,
                  mask_words, kvh, d, d_ok, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
-                 HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Online softmax over keys [lo, hi). MASKED False: every key is visible to every row."""
+                 HAS_MASK: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Online softmax over keys [lo, hi); scores stay raw, the running max ``m_i`` is in scaled
+    log2 units (the scale folds into the exponent's multiply-add).
+
+    MASKED False: whole tiles of keys every row sees (hi - lo a multiple of BLOCK_N): no bounds,
+    no visibility, no infinities (a padding row has q = 0 and finite scores, never stored).
+    MASKED True: the rest (partial tiles, the tree or causal region) with full checks."""
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        key_ok = keys < hi
-        block = tl.load(tables_ptr + b * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        if MASKED:
+            key_ok = keys < hi
+            block = tl.load(tables_ptr + b * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        else:
+            block = tl.load(tables_ptr + b * stride_bt + keys // BLOCK_SIZE).to(tl.int64)
         addr = block * stride_kb + (keys % BLOCK_SIZE) * stride_ks + kvh * stride_kh  # (N,)
-        k = tl.load(k_cache_ptr + addr[None, :] + d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2  # (M, N), log2 units
+        kv_ptrs = addr[:, None] + d[None, :]  # (N, D): each key's row is contiguous
+        if MASKED:
+            kv_ok = key_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_ok, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_cache_ptr + kv_ptrs)
+        else:
+            k = tl.load(k_cache_ptr + kv_ptrs, mask=d_ok[None, :], other=0.0)
+        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)  # (M, N), raw
         if MASKED:
             if HAS_MASK:
                 rel = keys[None, :] - m_start  # column in the token's mask row
@@ -185,15 +205,21 @@ def _attend_keys(acc, m_i, l_i, q, lo, hi, b, t, qi, row_ok, m_start, first_kv, 
             else:
                 visible = keys[None, :] <= (first_kv + qi)[:, None]
             visible = visible & key_ok[None, :] & row_ok[:, None]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
         else:
-            visible = key_ok[None, :] & row_ok[:, None]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        p = tl.exp2(s - m_safe[:, None])
+            m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+            m_safe = m_new
+        p = tl.exp2(s * scale_log2 - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + addr[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        if MASKED:
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_ok, other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_cache_ptr + kv_ptrs)
+        else:
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -206,8 +232,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, qsl_ptr
                       q_tiles, splits,
                       G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                      DOT_DTYPE: tl.constexpr):
+                      HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
+                      PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
     b = tl.program_id(0) // q_tiles
     tile = tl.program_id(0) % q_tiles
     kvh = tl.program_id(1)
@@ -241,15 +267,16 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, qsl_ptr
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    mid = tl.maximum(tl.minimum(hi, open_end), lo)
+    # Whole tiles of keys every row sees, then the rest (a partial tile, the tree or causal region).
+    mid = lo + (tl.maximum(tl.minimum(hi, open_end) - lo, 0) // BLOCK_N) * BLOCK_N
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, lo, mid, b, t, qi, row_ok, m_start, first_kv, k_cache_ptr,
                                  v_cache_ptr, tables_ptr, mask_ptr, scale_log2, stride_kb, stride_ks, stride_kh,
                                  stride_bt, stride_mask, mask_words, kvh, d, d_ok, BLOCK_N, BLOCK_SIZE, False,
-                                 HAS_MASK, PRECISION, DOT_DTYPE)
+                                 HAS_MASK, EVEN_D, PRECISION, DOT_DTYPE)
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, mid, hi, b, t, qi, row_ok, m_start, first_kv, k_cache_ptr,
                                  v_cache_ptr, tables_ptr, mask_ptr, scale_log2, stride_kb, stride_ks, stride_kh,
                                  stride_bt, stride_mask, mask_words, kvh, d, d_ok, BLOCK_N, BLOCK_SIZE, True,
-                                 HAS_MASK, PRECISION, DOT_DTYPE)
+                                 HAS_MASK, EVEN_D, PRECISION, DOT_DTYPE)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     ok = row_ok[:, None] & d_ok[None, :]

@@ -54,7 +54,8 @@ TREE = [-1, -1, 0, 0, 1, 4, 2]  # 7 nodes below the root
 
 
 @pytest.mark.parametrize("kvh, g, d, dtype", [(2, 2, 16, torch.float32), (1, 3, 32, torch.float32),
-                                              (2, 4, 64, torch.bfloat16), (3, 1, 16, torch.float16)])
+                                              (2, 4, 64, torch.bfloat16), (3, 1, 16, torch.float16),
+                                              (2, 2, 48, torch.float32)])  # 48: head_dim short of its tile
 @pytest.mark.parametrize("batch", ["decode", "mixed", "tree", "draft_levels", "long_decode"])
 def test_paged_attention_matches_reference(kvh, g, d, dtype, batch):
     cases = {
@@ -81,7 +82,7 @@ def test_paged_attention_matches_reference(kvh, g, d, dtype, batch):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("block_m, block_n", [(16, 32), (64, 64), (128, 32), (128, 64)])
+@pytest.mark.parametrize("block_m, block_n", [(16, 32), (64, 64), (128, 32), (128, 64), (128, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_tile_config_matches_reference(block_m, block_n, dtype):
     """Prefill, tree and long decode rows under each tile shape: the split of the keys into an
