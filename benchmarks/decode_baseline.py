@@ -17,6 +17,9 @@ weights) or a model directory (real weights).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import dataclasses
+import pstats
 import json
 import statistics
 import sys
@@ -89,10 +92,15 @@ def step_bytes(target: Target, batch: int, context: int) -> int:
     return weights + kv
 
 
-def run_case(case: str, steps: int, bandwidth: float, device, kernels: str = "auto") -> dict:
+def run_case(case: str, steps: int, bandwidth: float, device, kernels: str = "auto", linear: str = "default",
+             profile: str | None = None) -> dict:
+    """``linear``: ``cublas`` swaps the kernel set's projection matmul for F.linear (an A/B of the
+    Triton one). ``profile``: write the host-side cProfile of the timed steps there."""
     geometry, batch, context = case.rsplit(":", 2)
     batch, context = int(batch), int(context)
     target = make_engine(geometry, batch, context, steps, device, kernels)
+    if linear == "cublas":
+        target.runner.kernels = dataclasses.replace(target.runner.kernels, linear=torch.nn.functional.linear)
     engine = Engine(target)
     g = torch.Generator().manual_seed(1)
     for _ in range(batch):
@@ -104,13 +112,22 @@ def run_case(case: str, steps: int, bandwidth: float, device, kernels: str = "au
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
     times = []
+    prof = cProfile.Profile() if profile else None
     for _ in range(steps):
         t = time.perf_counter()
+        if prof:
+            prof.enable()
         engine.step()  # ends in the step's device-to-host copy of the sampled ids
+        if prof:
+            prof.disable()
         times.append(time.perf_counter() - t)
+    if prof:
+        with open(profile, "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
     ms = statistics.median(times[3:]) * 1e3
     floor_ms = step_bytes(target, batch, context) / (bandwidth * 1e9) * 1e3
-    result = {"case": case, "kernels": target.runner.kernels.name, "batch": batch, "context": context, "ms_per_step": round(ms, 3),
+    result = {"case": case, "kernels": target.runner.kernels.name, "linear": linear,
+              "step_ms": [round(x * 1e3, 3) for x in times], "batch": batch, "context": context, "ms_per_step": round(ms, 3),
               "p90_ms": round(sorted(times[3:])[int(0.9 * (len(times) - 3))] * 1e3, 3),
               "floor_ms": round(floor_ms, 3), "floor_ratio": round(ms / floor_ms, 2),
               "tokens_per_s": round(batch / ms * 1e3, 1), "prefill_s": round(prefill_s, 2),
@@ -126,6 +143,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--kernels", action="append", choices=["auto", "triton", "reference"],
                     help="kernel set (repeatable: each case runs with each; default auto)")
+    ap.add_argument("--linear", action="append", choices=["default", "cublas"],
+                    help="projection matmul: the kernel set's own, or cuBLAS (repeatable, as --kernels)")
+    ap.add_argument("--profile-dir", default=None, help="write each case's host cProfile here")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -133,10 +153,15 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                "copy_bandwidth_gbs": round(bandwidth, 1), "cases": []}
     print(f"{results['device']}: device-to-device copy {bandwidth:.0f} GB/s (read + write)")
-    for case, kernels in [(c, k) for c in args.case for k in args.kernels or ["auto"]]:
-        r = run_case(case, args.steps, bandwidth, device, kernels)
+    for case, kernels, linear in [(c, k, m) for c in args.case for k in args.kernels or ["auto"]
+                                  for m in args.linear or ["default"]]:
+        profile = None
+        if args.profile_dir:
+            Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+            profile = str(Path(args.profile_dir) / f"{case.replace(':', '_')}_{kernels}_{linear}.txt")
+        r = run_case(case, args.steps, bandwidth, device, kernels, linear, profile)
         results["cases"].append(r)
-        print(f"{r['case']:>24} {r['kernels']:>9}: {r['ms_per_step']:8.3f} ms/step  floor {r['floor_ms']:7.3f} ms  "
+        print(f"{r['case']:>24} {r['kernels']:>9} {linear:>7}: {r['ms_per_step']:8.3f} ms/step  floor {r['floor_ms']:7.3f} ms  "
               f"x{r['floor_ratio']:<6} {r['tokens_per_s']:9.1f} tok/s  p90 {r['p90_ms']} ms  (prefill {r['prefill_s']} s)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

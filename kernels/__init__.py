@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class KernelSet:
     prepare_attention: Callable  # AttentionMetadata -> AttentionMetadata, once per step
+    linear: Callable  # (x, weight, bias=None) -> x @ weight.T (+ bias): the projections
     write_kv: Callable
     paged_attention: Callable
     apply_rope: Callable
@@ -44,6 +45,7 @@ class KernelSet:
 
 REFERENCE = KernelSet(
     prepare_attention=attention.prepare_attention_ref,
+    linear=torch.nn.functional.linear,
     write_kv=attention.write_kv_ref,
     paged_attention=attention.paged_attention_ref,
     apply_rope=rope.apply_rope_ref,

@@ -73,7 +73,7 @@ class Attention(nn.Module):
         """RoPE on q/k, K/V into the paged cache, attention over it, o_proj: [T, in] -> [T, out]."""
         T, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([h * d, kvh * d, kvh * d], dim=-1)
+            q, k, v = ctx.kernels.linear(x, self.qkv_weight, self.qkv_bias).split([h * d, kvh * d, kvh * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.view(T, h, d), k.view(T, kvh, d), v.view(T, kvh, d)
@@ -83,7 +83,7 @@ class Attention(nn.Module):
         q = ctx.kernels.rope_write_kv(q, k, v, ctx.meta.positions, ctx.cos, ctx.sin, k_cache, v_cache,
                                       ctx.meta.slot_mapping)
         out = ctx.kernels.paged_attention(q, k_cache, v_cache, ctx.meta, self.scale)
-        return self.o_proj(out.reshape(T, -1))
+        return ctx.kernels.linear(out.reshape(T, -1), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -102,7 +102,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: KernelSet | None = None) -> torch.Tensor:
         if self.gate_up_weight is not None and kernels is not None:
-            return self.down_proj(kernels.silu_mul(F.linear(x, self.gate_up_weight)))
+            return kernels.linear(kernels.silu_mul(kernels.linear(x, self.gate_up_weight)), self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
