@@ -67,7 +67,7 @@ def copy_bandwidth_gbs(device, nbytes: int = 2 << 30) -> float:
 
 
 def make_engine(geometry: str, batch: int, context: int, steps: int, device, kernels: str = "auto") -> Target:
-    max_len = context + steps + 16
+    max_len = context + steps + batch + 16
     cfg = EngineConfig(geometry if geometry not in GEOMETRIES else "<random>", device=str(device),
                        dtype="bfloat16", max_model_len=max_len, max_num_seqs=batch,
                        max_batch_tokens=4096, kv_cache_gib=None, kernels=kernels)
@@ -105,7 +105,9 @@ def run_case(case: str, steps: int, bandwidth: float, device, kernels: str = "au
     g = torch.Generator().manual_seed(1)
     for _ in range(batch):
         prompt = torch.randint(0, target.model_config.vocab_size, (context,), generator=g).tolist()
-        engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+        # Sequences prefilled first decode while the others prefill (one sequence a step at most):
+        # room for that, so every timed step still decodes the whole batch.
+        engine.add_request(prompt, SamplingParams(max_tokens=steps + batch + 8, ignore_eos=True))
     t0 = time.perf_counter()
     while any(s.prefilling or not s.output_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
@@ -124,6 +126,8 @@ def run_case(case: str, steps: int, bandwidth: float, device, kernels: str = "au
     if prof:
         with open(profile, "w") as f:
             pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
+    assert all(len(s.output_ids) > 0 for s in engine.scheduler.running) and \
+        len(engine.scheduler.running) == batch, "a sequence finished inside the timed steps"
     ms = statistics.median(times[3:]) * 1e3
     floor_ms = step_bytes(target, batch, context) / (bandwidth * 1e9) * 1e3
     result = {"case": case, "kernels": target.runner.kernels.name, "linear": linear,

@@ -6,9 +6,10 @@ dimension in BLOCK_K steps, in order, accumulating in float32 (no split-K)::
     grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)      program -> (row tile, column tile)
 
 Decode steps have a handful of rows, so the weight read is the whole cost: narrow column tiles
-give enough programs to keep every SM streaming (cuBLAS picks a 64-row tile without split-K for
-a 4096 x 4096 weight at one row and reaches half the bandwidth). ``linear_config`` picks the
-tiles from the row count.
+give enough programs to keep every SM streaming. ``linear_config`` picks the tiles from the row
+count. Not in the default kernel set: on an H100 with cold weights (``benchmarks/gemm_shapes.py``)
+it beats cuBLAS only on Llama-3-8B's o_proj at one row (15.2 against 17.0 us; floor 11.2) and
+loses on the other projections and on every SmolLM2 one, and a whole 8B step moved by 0.4%.
 """
 
 from __future__ import annotations
@@ -37,19 +38,8 @@ def linear_config(rows: int) -> LinearConfig:
     return LinearConfig(128, 128, 64, num_warps=8, num_stages=3)
 
 
-SMALL_ROWS = 16  # up to this many rows the Triton kernel beats cuBLAS on a cold weight (H100)
-
-
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return torch.nn.functional.linear(x, w, bias)
-
-
-def linear_small_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton kernel for decode-sized inputs (at most ``SMALL_ROWS`` rows), cuBLAS above."""
-    if x.numel() > SMALL_ROWS * x.shape[-1]:
-        return torch.nn.functional.linear(x, w, bias)
-    out = linear_triton(x, w)
-    return out if bias is None else out + bias
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None) -> torch.Tensor:

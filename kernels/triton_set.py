@@ -6,13 +6,11 @@ import dataclasses
 
 from kernels import REFERENCE
 from kernels.attention_triton import paged_attention_triton, prepare_attention_triton, write_kv_triton
-from kernels.linear_triton import linear_small_rows
 from kernels.fused_triton import rms_norm_triton, rope_write_kv_triton, silu_mul_triton
 
 TRITON = dataclasses.replace(
     REFERENCE,
     prepare_attention=prepare_attention_triton,
-    linear=linear_small_rows,
     write_kv=write_kv_triton,
     paged_attention=paged_attention_triton,
     rms_norm=rms_norm_triton,
