@@ -151,3 +151,60 @@ def test_docker_compose_validates_the_tls_overlay():
     proc = subprocess.run([exe, "-f", str(COMPOSE), "-f", str(COMPOSE.with_name("compose.tls.yaml")), "config", "-q"],
                           cwd=COMPOSE.parent, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+# compose.cpu.yaml: compose.yaml for a CPU-only machine (CI starts it for real: tests/test_compose_up.py).
+# A whole file, since an overlay cannot drop the GPU reservation in docker-compose 1.29; these checks keep
+# it compose.yaml with exactly the differences its header lists.
+CPU_COMPOSE = COMPOSE.with_name("compose.cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def cpu_services() -> dict:
+    return yaml.safe_load(CPU_COMPOSE.read_text())["services"]
+
+
+@pytest.mark.parametrize("name", ["verify", "draft"])
+def test_cpu_file_is_compose_yaml_without_the_gpu(services, cpu_services, name):
+    gpu, cpu = services[name], cpu_services[name]
+    assert "deploy" not in cpu  # no GPU reservation: Docker refuses it on a host without one
+    gpu_args, cpu_args = _parse(gpu["command"]), _parse(cpu["command"])
+    assert vars(cpu_args) == {**vars(gpu_args), "device": "cpu"}  # the same command, on the CPU
+    # The same probe and limits; only the interval differs (a CPU model loads in seconds).
+    assert _health_argv(cpu) == _health_argv(gpu)
+    assert {k: v for k, v in cpu["healthcheck"].items() if k != "interval"} == \
+        {k: v for k, v in gpu["healthcheck"].items() if k != "interval"}
+    # The GPU file's volumes, plus (verify only) the host's converted model, read-only.
+    assert all(m in _mounts(cpu) for m in _mounts(gpu))
+    extra = [m for m in _mounts(cpu) if m not in _mounts(gpu)]
+    if name == "verify":
+        [(kind, source, target, read_only)] = extra
+        assert kind == "bind" and read_only and target == "/cache/models" and source.endswith("/models")
+    else:
+        assert extra == []
+    # Everything else as in compose.yaml: ports, environment, namespaces, init, depends_on, restart.
+    same = set(gpu) - {"deploy", "image", "build", "command", "healthcheck", "volumes"}
+    assert {k: cpu.get(k) for k in same} == {k: gpu[k] for k in same}
+    assert set(cpu) - set(gpu) <= {"shm_size"}
+
+
+def test_cpu_file_builds_the_cpu_image_with_the_model_mounted(cpu_services):
+    verify, draft = cpu_services["verify"], cpu_services["draft"]
+    assert verify["image"] == draft["image"] == "eagle3-serve:cpu"  # never the GPU image's tag
+    assert verify["build"] == draft["build"]
+    args = verify["build"]["args"]
+    assert args["EXTRAS"] == "engine" and args["FETCH_DEFAULT"] == "0"  # no cupy; the model is mounted
+    assert args["LOCAL_WHEELS"] == "1"  # .docker-wheels/ only: the CPU torch build, no network
+    # The draft maps verify's shared memory (its IPC namespace): past Docker's 64 MB default /dev/shm.
+    assert verify["shm_size"] == "1gb" and "shm_size" not in draft
+    dockerfile = COMPOSE.with_name("Dockerfile").read_text()
+    assert all(f"ARG {arg}=" in dockerfile for arg in args)
+
+
+def test_docker_compose_validates_the_cpu_file():
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("docker-compose is not installed (apt-get install docker-compose; .ci/run does)")
+    proc = subprocess.run([exe, "-f", str(CPU_COMPOSE), "config", "-q"], cwd=COMPOSE.parent,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
