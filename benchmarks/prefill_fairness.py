@@ -36,6 +36,8 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     target = make_engine(args.geometry, args.streams + 1, args.prompt, 4096, device)
+    print(f"warm-up (as the server runs it at start-up): {target.runner.warm_up(args.max_batch_tokens):.1f} s",
+          flush=True)
     engine = Engine(target)
     if engine.scheduler.max_batch_tokens != args.max_batch_tokens:
         engine.scheduler.max_batch_tokens = args.max_batch_tokens

@@ -102,3 +102,25 @@ def test_graphed_engine_gives_the_eager_tokens(tmp_path, dtype):
         runs[eager] = [r.token_ids for r in engine.generate(prompts, params)]
         assert (target.runner.graph_steps > 0) != eager
     assert runs[False] == runs[True]
+
+
+def test_warm_up_does_nothing_on_a_cpu(tmp_path):
+    target = target_for(make_model_dir(tmp_path / "m", "llama3", seed=4), device="cpu", dtype="float32")
+    assert target.runner.warm_up(64) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_warm_up_compiles_and_captures_without_changing_tokens(tmp_path):
+    """The start-up warm-up (dummy prefill and mixed steps writing block 0, decode captures)
+    leaves nothing behind that a request could see."""
+    model_dir = make_model_dir(tmp_path / "m", "llama3", seed=4, std=0.3)
+    prompts = [list(range(3, 40)), [5, 6, 7]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 30)]
+    runs = {}
+    for warm in (False, True):
+        target = target_for(model_dir, device="cuda", dtype="float32", kernels="triton")
+        if warm:
+            assert target.runner.warm_up(48) > 0 and target.runner._graphs
+        runs[warm] = [r.token_ids for r in Engine(target).generate(prompts, params)]
+    assert runs[True] == runs[False]

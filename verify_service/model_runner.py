@@ -117,6 +117,33 @@ class ModelRunner:
             log.info("captured %d CUDA graphs in %.1f s", sum(g is not None for g in self._graphs.values()),
                      time.perf_counter() - t0)
 
+    @torch.inference_mode()
+    def warm_up(self, max_batch_tokens: int) -> float:
+        """Compile every kernel variant a prefill or mixed step can need, and capture the decode
+        graphs, before the first request (server start-up; the cache must hold no sequence yet).
+
+        Triton compiles a kernel on its first launch per specialisation (integer arguments
+        divisible by 16 or not, the attention tiles of short and long keys): a long prompt
+        arriving at a fresh server would otherwise stall every stream for the compilation.
+        The dummy steps write their KV into block 0 and their outputs are discarded. Returns
+        the seconds it took (0 on a CPU, where nothing compiles)."""
+        if self.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        bs = self.kv_cache.block_size
+        n = max(3, min(max_batch_tokens, self.max_model_len - 1))  # a chunk and one decode token fit the budget
+        for seq_len in sorted({min(self.max_model_len, length) for length in (n, 8192 + n, self.max_model_len)}):
+            for tokens in (n - 1, n - 2):  # token counts (T and T + 1) on both sides of a multiple of 16
+                start = max(0, seq_len - tokens - 1)
+                table = [0] * (-(-(start + tokens + 1) // bs))
+                prefill = SeqChunk(np.zeros(tokens, np.int64), start, table, logits_rows=(tokens - 1,))
+                decode = SeqChunk(np.zeros(1, np.int64), start + tokens, table, logits_rows=(0,))
+                self.step([prefill])
+                self.step([prefill, decode])
+        torch.cuda.synchronize()
+        self.capture([b for b in self._buckets() if not b.tree])
+        return time.perf_counter() - t0
+
     def _bucket(self, chunks: list[SeqChunk]) -> Bucket | None:
         """The smallest bucket that holds this step, if it is a decode or verification step."""
         tree, most = False, 1
