@@ -59,7 +59,8 @@ def main() -> None:
               "geometry": args.geometry, "prompt": args.prompt, "streams": args.streams,
               "max_batch_tokens": args.max_batch_tokens, "prefill_steps": len(gaps),
               "prefill_s": round(time.perf_counter() - started, 3),
-              "max_gap_ms": round(max(gaps) * 1e3, 2), "median_gap_ms": round(sorted(gaps)[len(gaps) // 2] * 1e3, 2)}
+              "max_gap_ms": round(max(gaps) * 1e3, 2), "median_gap_ms": round(sorted(gaps)[len(gaps) // 2] * 1e3, 2),
+              "gaps_ms": [round(g * 1e3, 2) for g in gaps]}  # in step order: which step a spike was
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
