@@ -105,9 +105,11 @@ class EagleDrafter:
         for j, f in enumerate(feeds):
             self.last_out[f.seq_id], self.last_logp[f.seq_id] = out[last_rows[j]], logp[j]
 
-    def _run(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft forward; returns every row's output [T, H] and log-probs at the logits rows."""
-        lay = layout_step(chunks, self.kv.block_size, self.device, self.kernels, self.staging)
+    def _run(self, chunks: list[SeqChunk], hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
+             custom_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft forward; returns every row's output [T, H] and log-probs at the logits rows.
+        ``input_ids``/``custom_mask``: already on the device (see ``layout_step``)."""
+        lay = layout_step(chunks, self.kv.block_size, self.device, self.kernels, self.staging, input_ids, custom_mask)
         out = self.net(lay.input_ids, hidden, lay.meta, self.kv, self.kernels)
         logits = self.net.compute_logits(out[lay.logits_rows])
         return out, torch.log_softmax(logits, dim=-1)
@@ -149,17 +151,23 @@ class EagleDrafter:
         return {r.seq_id: t.prune_depth(r.max_depth) for r, t in zip(requests, builder.finish())}
 
     def _feed_level(self, ids, builder, frontier: Frontier, parent_out, fed):
-        """Run the draft on one frontier level; returns outputs [B, F, H], log-probs [B, F, Vd]."""
+        """Run the draft on one frontier level; returns outputs [B, F, H], log-probs [B, F, Vd].
+
+        The frontier's tokens and ancestor masks stay on the device: the host lays out only what it
+        knows without looking (KV slots, positions, lengths), so levels follow each other with no
+        device-to-host copy; the proposal's one copy is the finished trees."""
         B, F = frontier.tokens.shape
-        masks = builder.feed_mask(frontier).cpu().numpy()  # (B, F, fed + F): ancestors and self
-        tokens = frontier.tokens.cpu().numpy()
+        masks = builder.feed_mask(frontier)  # (B, F, fed + F): ancestors and self
         slot = frontier.parent_slot.clamp(min=0)  # depth 1: every node's parent is the root (slot 0)
         hidden = torch.gather(parent_out, 1, slot.to(parent_out.device)[..., None].expand(-1, -1, parent_out.shape[2]))
+        counts = np.zeros(F, dtype=np.int64)  # the chunks only count the level's tokens (ids: on the device)
+        rows, position = np.arange(F), frontier.depth - 1
         chunks = []
-        for b, i in enumerate(ids):
+        for i in ids:
             m = self.rows[i]
             self.blocks.ensure_capacity(i, m + fed + F)
-            chunks.append(SeqChunk(tokens[b], m + fed, self.blocks.block_table(i), logits_rows=np.arange(F),
-                                   positions=np.full(F, m + frontier.depth - 1), custom_mask=masks[b], mask_start=m))
-        out, logp = self._run(chunks, hidden.reshape(B * F, -1))
+            chunks.append(SeqChunk(counts, m + fed, self.blocks.block_table(i), logits_rows=rows,
+                                   positions=np.full(F, m + position), mask_start=m))
+        out, logp = self._run(chunks, hidden.reshape(B * F, -1), frontier.tokens.reshape(-1).to(self.device),
+                              masks.reshape(B * F, -1).to(self.device))
         return out.view(B, F, -1), logp.view(B, F, -1)

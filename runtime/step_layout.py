@@ -80,9 +80,15 @@ class Staging:
 
 
 def layout_step(chunks: list[SeqChunk], block_size: int, device: torch.device, kernels: KernelSet,
-                staging: Staging | None = None) -> StepLayout:
+                staging: Staging | None = None, input_ids: torch.Tensor | None = None,
+                custom_mask: torch.Tensor | None = None) -> StepLayout:
     """Flatten ``chunks`` into one batch of T tokens with its attention metadata (one copy, through
-    ``staging``: a runner keeps its own across steps)."""
+    ``staging``: a runner keeps its own across steps).
+
+    ``input_ids`` (int64 [T]) and ``custom_mask`` (bool [T, cols]), when given, are already on the
+    device (a draft tree level grown there): the chunks' ``token_ids`` then only count the tokens,
+    their ``custom_mask`` is ignored (``mask_start`` still applies), and nothing waits on the device.
+    """
     q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
     starts = np.array([c.kv_start for c in chunks], dtype=np.int64)
     seq_lens = starts + q_lens
@@ -98,24 +104,33 @@ def layout_step(chunks: list[SeqChunk], block_size: int, device: torch.device, k
     positions = np.concatenate([np.asarray(c.positions) if c.positions is not None else
                                 np.arange(c.kv_start, c.kv_start + len(c.token_ids)) for c in chunks])
     max_q = int(q_lens.max())
-    mask, mask_start = _custom_mask(chunks)
+    if custom_mask is not None:
+        assert custom_mask.shape[0] == qsl[-1], f"a mask of {custom_mask.shape[0]} rows for {qsl[-1]} tokens"
+        mask, mask_start = None, np.array([c.kv_start if c.mask_start is None else c.mask_start for c in chunks],
+                                          dtype=np.int64)
+    else:
+        mask, mask_start = _custom_mask(chunks)
     rows = np.concatenate([qsl[i] + np.asarray(c.logits_rows, dtype=np.int64) for i, c in enumerate(chunks)])
-    ids = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks])
-    arrays = [qsl, seq_lens, tables, slots, positions.astype(np.int64), token_seq, token_q_idx, ids, rows]
+    arrays = {"qsl": qsl, "seq_lens": seq_lens, "tables": tables, "slots": slots,
+              "positions": positions.astype(np.int64), "token_seq": token_seq, "q_idx": token_q_idx, "rows": rows}
+    if input_ids is None:
+        arrays["ids"] = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks])
+    if mask_start is not None:
+        arrays["mask_start"] = mask_start
     if mask is not None:  # the mask travels as its bytes, padded to whole int64 words
         mask_bytes = np.zeros(-(-mask.size // 8) * 8, dtype=np.uint8)
         mask_bytes[:mask.size] = mask.reshape(-1)
-        arrays += [mask_start, mask_bytes.view(np.int64)]
-    moved = (staging or Staging(device)).upload(arrays)
-    qsl_d, lens_d, tables_d, slots_d, pos_d, seq_d, qidx_d, ids_d, rows_d = moved[:9]
-    custom_mask = None
+        arrays["mask"] = mask_bytes.view(np.int64)
+    moved = dict(zip(arrays, (staging or Staging(device)).upload(list(arrays.values()))))
     if mask is not None:
-        custom_mask = moved[10].view(torch.uint8)[:mask.size].view(mask.shape).view(torch.bool)
+        custom_mask = moved["mask"].view(torch.uint8)[:mask.size].view(mask.shape).view(torch.bool)
     meta = AttentionMetadata(
-        query_start_loc=qsl_d, seq_lens=lens_d, block_tables=tables_d, slot_mapping=slots_d, positions=pos_d,
-        token_seq=seq_d, token_q_idx=qidx_d, max_query_len=max_q, max_seq_len=int(seq_lens.max()),
-        custom_mask=custom_mask, mask_start=None if mask is None else moved[9])
-    return StepLayout(ids_d, kernels.prepare_attention(meta), rows_d, qsl)
+        query_start_loc=moved["qsl"], seq_lens=moved["seq_lens"], block_tables=moved["tables"],
+        slot_mapping=moved["slots"], positions=moved["positions"], token_seq=moved["token_seq"],
+        token_q_idx=moved["q_idx"], max_query_len=max_q, max_seq_len=int(seq_lens.max()),
+        custom_mask=custom_mask, mask_start=moved.get("mask_start"))
+    ids = input_ids if input_ids is not None else moved["ids"]
+    return StepLayout(ids, kernels.prepare_attention(meta), moved["rows"], qsl)
 
 
 def _custom_mask(chunks: list[SeqChunk]) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -90,3 +90,43 @@ def test_every_step_reads_the_device_once(tmp_path):
             assert len(reads) == (1 if any(e.token_ids for e in events) else 0), (trees, prefill, reads)
     assert (True, True) in kinds and (True, False) in kinds  # trees beside a prefill chunk, and alone
     assert (False, True) in kinds
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "static", "chain"])
+def test_a_draft_proposal_reads_the_device_only_for_its_trees(tmp_path, tree):
+    """Draft extend and every tree level run without a host read: the tokens and ancestor masks
+    of a level stay on the device. A proposal's reads are the finished trees' fields, once."""
+    import json
+
+    from draft_service.drafter import EagleDrafter
+    from draft_service.spec_config import SpecConfig
+    from link.protocol import DraftFeed, ProposeRequest
+    from tiny_eagle import make_eagle_dir
+    from tiny_models import tiny_config
+
+    target = target_for(make_model_dir(tmp_path / "m", "llama3", seed=5, std=0.3), kernels="triton",
+                         device=TRITON_DEVICE)
+    static = tmp_path / "tree.json"
+    static.write_text(json.dumps({"paths": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]}))
+    spec = SpecConfig(str(make_eagle_dir(tmp_path / "d", tiny_config("llama3"), draft_vocab=64, seed=1)), tree=tree,
+                      depth=4, top_k=3, max_nodes=10, static_tree_file=str(static) if tree == "static" else None)
+    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                           4, target.max_model_len, "triton")
+    hidden = target.model_config.hidden_size * len(drafter.capture_layers)  # the fed features' width
+    g = torch.Generator().manual_seed(0)
+
+    def feed(seq, start, n):
+        return DraftFeed(seq, start, torch.randn(n, hidden, generator=g).to(TRITON_DEVICE),
+                         torch.randint(0, target.model_config.vocab_size, (n,), generator=g).numpy())
+
+    drafter.step([feed(1, 0, 9), feed(2, 0, 4)], [ProposeRequest(1, 4), ProposeRequest(2, 4)])  # buffers settle
+    feeds = [feed(1, 9, 2), feed(2, 4, 3)]
+    with host_reads() as (reads, on):
+        on["counting"] = True
+        trees = drafter.step(feeds, [ProposeRequest(1, 4), ProposeRequest(2, 4)])
+        on["counting"] = False
+    assert set(trees) == {1, 2} and all(len(t.tokens) > 1 for t in trees.values())
+    # Only the finished trees come back (_NodePool.trees): tokens, depths, scores and parents of
+    # every tree of the batch, one copy each (each .cpu() then viewed through .numpy()).
+    assert {where.split(":")[0] for _, where in reads} == {"tree_builders.py"}, reads
+    assert sum(kind == "cpu" for kind, _ in reads) == 4, reads
