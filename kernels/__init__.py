@@ -35,6 +35,7 @@ class KernelSet:
     sample: Callable
     greedy_accept: Callable
     sampling_accept: Callable
+    seeded_accept: Callable
     compaction_slots: Callable
     compact_kv: Callable
     tree_mask: Callable
@@ -58,6 +59,7 @@ REFERENCE = KernelSet(
     sample=sampling.sample_ref,
     greedy_accept=acceptance.greedy_accept_ref,
     sampling_accept=acceptance.sampling_accept_ref,
+    seeded_accept=acceptance.seeded_accept_ref,
     compaction_slots=kv_compaction.compaction_slots_ref,
     compact_kv=kv_compaction.compact_kv_ref,
     tree_mask=tree.tree_mask_ref,

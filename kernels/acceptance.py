@@ -121,3 +121,30 @@ def sampling_accept_ref(target_probs: torch.Tensor, node_tokens: torch.Tensor, p
         path = torch.where(accept[:, None] & (slot == depth[:, None]), c, path)
     bonus = (p_res / noise).argmax(dim=1)  # exponential race on the unnormalised residual
     return AcceptResult(path, depth, bonus)
+
+
+def seeded_accept_ref(target_probs: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor,
+                      num_nodes: torch.Tensor, max_depth: int, depths: torch.Tensor,
+                      noise: torch.Tensor) -> AcceptResult:
+    """Seeded verification: a node is accepted iff it is the target's own sample at its parent.
+
+    ``noise`` [B, D+1, V] ~ Exp(1): row d is the noise plain decoding draws the token at depth d + 1
+    with (keyed by the request's seed and that token's index); ``depths`` [B, N+1] is each
+    column's depth (root 0). The target's sample after column c is the exponential race
+    ``argmax(p[c] / noise[depth(c)])``, the very formula plain decoding applies to the same row,
+    and the walk is the greedy one on those samples::
+
+        sample[b, c] = argmax_v target_probs[b, c, v] / noise[b, depths[b, c], v]
+        accept child j of the current node  iff  node_tokens[j] == sample[parent(j)]
+        bonus = sample at the last accepted node
+
+    Lossless by construction: every committed token is the sample plain decoding would have drawn
+    at its position, so for a fixed seed the output is the same text with or without a draft
+    (given the same target logits), and for random seeds it is distributed as the target's. A
+    child t is accepted with probability p(t), as under the residual rule: the expected
+    acceptance of a tree is the same, sample by sample it differs.
+    """
+    d = depths.clamp(0, noise.shape[1] - 1)
+    per_column = noise.gather(1, d[:, :, None].expand(-1, -1, noise.shape[2]))  # (B, N+1, V)
+    samples = (target_probs / per_column).argmax(dim=-1)  # (B, N+1)
+    return greedy_accept_ref(samples, node_tokens, parents, num_nodes, max_depth)

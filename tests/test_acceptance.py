@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.tree import CandidateTree
-from kernels.acceptance import greedy_accept_ref, sampling_accept_ref
+from kernels.acceptance import greedy_accept_ref, sampling_accept_ref, seeded_accept_ref
 from kernels.kv_compaction import compact_kv_ref, compaction_slots_ref
 
 TRAP = 99  # padding columns carry this token and parent 0: accepting them would be a bug
@@ -217,6 +217,70 @@ def test_sampling_is_lossless():
             assert n >= 20_000  # the power claim above
         tv_max = 0.02 if n >= 20_000 else 1.0  # small groups: the chi-square alone
         assert_distributed_as(x[on, d], node_probs[c], tv_max)
+
+
+# ---------------------------------------------------------------- seeded: the target's own samples
+
+
+def column_depths(tree, width):
+    d = torch.zeros(1, width, dtype=torch.int64)
+    d[0, 1:tree.num_nodes + 1] = torch.from_numpy(tree.depths)
+    return d
+
+
+def plain_decoding(node_probs, noise, tokens_of_path):
+    """What plain decoding draws at each depth, given the tree's rows along a committed path."""
+    return [int((node_probs[c] / noise[d]).argmax()) for d, c in enumerate(tokens_of_path)]
+
+
+def test_seeded_commits_exactly_the_plain_decoding_samples():
+    """Along whatever path is accepted, every committed token is the exponential race of plain
+    decoding with that depth's noise row: the same text with and without a draft."""
+    gen = torch.Generator().manual_seed(7)
+    tree = LOSSLESS_TREE
+    tokens, parents, num_nodes = pack([tree])
+    width, depth = tokens.shape[1], tree.max_depth
+    depths = column_depths(tree, width)
+    for trial in range(300):
+        node_probs = torch.softmax(1.5 * torch.randn(width, V, generator=gen), dim=1)
+        noise = torch.empty(depth + 1, V).exponential_(generator=gen)
+        res = seeded_accept_ref(node_probs[None], tokens, parents, num_nodes, depth, depths, noise[None])
+        path = [c for c in res.path[0].tolist() if c >= 0]
+        committed = committed_tokens(res, tokens, depth)[0]
+        want = plain_decoding(node_probs, noise, path)
+        assert committed[:len(path)].tolist() == want, (trial, path)
+        # the walk stopped because the sample after the last node is none of its children
+        last = path[-1]
+        kids = [c for c in range(1, width) if parents[0, c] == last and c < num_nodes[0]]
+        if len(path) <= depth:
+            assert want[-1] not in tokens[0, kids].tolist()
+
+
+def test_seeded_one_hot_equals_greedy():
+    argmax, tokens, parents, num_nodes = hand_batch()
+    noise = torch.empty(3, 4, 100).exponential_(generator=torch.Generator().manual_seed(0))
+    depths = torch.zeros_like(tokens)
+    res = seeded_accept_ref(one_hot(argmax, 100), tokens, parents, num_nodes, 3, depths, noise)
+    assert_result(res, *HAND_EXPECTED)
+
+
+def test_seeded_acceptance_rate_equals_the_residual_rule():
+    """P(some child of the root accepted) = sum of the children's target probabilities under both
+    rules (seeded samples the same distribution, sample by sample differently)."""
+    gen = torch.Generator().manual_seed(99)
+    tokens, parents, num_nodes = pack([LOSSLESS_TREE])
+    width, depth = tokens.shape[1], LOSSLESS_TREE.max_depth
+    node_probs = torch.softmax(0.7 * torch.randn(width, V, generator=gen), dim=1)
+    n = 100_000
+    noise = torch.empty(n, depth + 1, V).exponential_(generator=gen)
+    res = seeded_accept_ref(node_probs.expand(n, width, V), tokens.expand(n, width), parents.expand(n, width),
+                            num_nodes.expand(n), depth, column_depths(LOSSLESS_TREE, width).expand(n, width), noise)
+    residual = sampling_accept_ref(node_probs.expand(n, width, V), tokens.expand(n, width), parents.expand(n, width),
+                                   num_nodes.expand(n), depth, torch.rand(n, width, generator=gen), noise[:, 0])
+    want = node_probs[0, tokens[0, 1:4]].sum().item()
+    for r in (res, residual):
+        assert abs((r.num_accepted >= 1).double().mean().item() - want) < 0.01
+    assert abs(res.num_accepted.double().mean() - residual.num_accepted.double().mean()) < 0.03
 
 
 # ---------------------------------------------------------------- KV compaction
