@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--head", default="random")
     ap.add_argument("--tree", default="chain:3", help="TREE:DEPTH (server default tree)")
+    ap.add_argument("--adaptive-speculation", default="off", choices=["on", "off"],
+                    help="the verify service's --adaptive-speculation (off: always the --tree)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = str(ensure_default_model(progress=False))
@@ -63,7 +65,8 @@ def main() -> None:
     common = ["--device", args.device]
     verify = spawn(["serve-verify", "--model", model, "--listen", public, "--internal", internal, "--dtype",
                     args.dtype, "--max-model-len", "4096", "--max-num-seqs", "8", "--tree", tree,
-                    "--tree-depth", depth, *common], tmp / "verify.log")
+                    "--tree-depth", depth, "--adaptive-speculation", args.adaptive_speculation, *common],
+                   tmp / "verify.log")
     draft = None
     try:
         client = Eagle3Client(public, timeout_s=600)

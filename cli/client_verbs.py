@@ -217,7 +217,8 @@ def _inspect(args: argparse.Namespace) -> int:
 def _flatten(reply: dict, prefix: str = "") -> list[tuple[str, object]]:
     rows = []
     for name, value in reply.items():
-        rows += _flatten(value, f"{prefix}{name}.") if isinstance(value, dict) else [(prefix + name, value)]
+        nested = isinstance(value, dict) and value  # an empty map shows as one "-" line
+        rows += _flatten(value, f"{prefix}{name}.") if nested else [(f"{prefix}{name}", value)]
     return rows
 
 
@@ -226,6 +227,8 @@ def _show(value) -> str:
         return "yes" if value else "no"
     if isinstance(value, list):
         return ", ".join(map(str, value)) or "-"
+    if value == {}:
+        return "-"
     return str(value) if value != "" else "-"
 
 

@@ -63,7 +63,7 @@ def _generate(args: argparse.Namespace) -> None:
     prompt = read_prompt(args.prompt, args.prompt_file)
     cfg = EngineConfig(args.model or "<embedded SmolLM2>", dtype=args.dtype, device=args.device,
                        max_model_len=args.max_model_len, max_num_seqs=1, kernels=args.kernels,
-                       enforce_eager=args.enforce_eager)  # checks --device
+                       enforce_eager=args.enforce_eager, sampling_acceptance=args.sampling_acceptance)  # checks --device
     spec = None
     if args.draft:  # validated before the (slow) model load
         tree = tree_settings_from_args(args, device_type(args.device))
@@ -264,6 +264,11 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; above 0: sampled with --seed, target-only and speculative alike")
+    p.add_argument("--seed", type=int, default=0, help="the sampled requests' seed (request i: seed + i)")
+    p.add_argument("--sampling-acceptance", default="seeded", choices=["seeded", "residual"],
+                   help="how sampled requests verify trees (see eagle3 serve-verify --help)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
 
 
@@ -276,6 +281,7 @@ def _eval(args: argparse.Namespace) -> None:
     configs = args.config or list(DEFAULT_EVAL_CONFIGS)
     report = evaluate(args.target or str(ensure_default_model()), args.draft, args.prompts, configs,
                       args.max_tokens, args.batch, args.limit, args.device, args.dtype,
+                      temperature=args.temperature, seed=args.seed, sampling_acceptance=args.sampling_acceptance,
                       report=lambda name, row: print(f"[{name}] {json.dumps(row)}", file=sys.stderr, flush=True))
     print(format_table(report))
     if args.out:

@@ -285,7 +285,9 @@ def _to_dict(message) -> dict:
     out = {}
     for f in message.DESCRIPTOR.fields:
         value = getattr(message, f.name)
-        if f.message_type is not None:
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:  # scalar values only, here
+            out[f.name] = dict(sorted(value.items()))
+        elif f.message_type is not None:
             out[f.name] = [_to_dict(v) for v in value] if f.is_repeated else _to_dict(value)
         elif f.enum_type is not None:
             out[f.name] = [_enum_value(f, v) for v in value] if f.is_repeated else _enum_value(f, value)

@@ -76,10 +76,15 @@ def check_socket_folder(folder: Path) -> None:
                                       "use a folder only this user can write to")
 
 
+def unix_socket_path(address: str) -> Path | None:
+    """The file of a ``unix:PATH`` (or ``unix://PATH``) address; None for any other address."""
+    return Path(address.removeprefix("unix:").removeprefix("//")) if address.startswith("unix:") else None
+
+
 def _claim_unix_socket(address: str) -> None:
     """Create the socket's folder (owner-only) or check an existing one; remove a stale socket
     file, refuse a live one."""
-    path = Path(address.removeprefix("unix:").removeprefix("//"))
+    path = unix_socket_path(address)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_socket_folder(path.parent)
     if not path.exists():

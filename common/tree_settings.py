@@ -67,6 +67,21 @@ class TreeSettings:
         """Most nodes one tree of this shape holds."""
         return self.depth if self.tree == "chain" else self.max_nodes
 
+    def capped(self, nodes: int) -> "TreeSettings":
+        """This shape cut to at most ``nodes`` nodes (>= 1), as adaptive speculation asks for it.
+
+        A chain gets shorter. A dynamic tree keeps its best ``nodes`` nodes and grows at most
+        ``nodes`` levels: a set of n best nodes closed under ancestors is never deeper than n, and the
+        levels it grows are the same as the full tree's, so it is exactly the full tree's best
+        ``nodes`` (the draft runs fewer levels). A static tree is the draft's file: unchanged.
+        """
+        assert nodes >= 1, nodes
+        if self.tree == "static" or nodes >= self.node_budget:
+            return self
+        if self.tree == "chain":
+            return TreeSettings("chain", nodes, self.top_k, self.max_nodes)
+        return TreeSettings("dynamic", min(self.depth, nodes), self.top_k, nodes)
+
     @property
     def max_tree_nodes(self) -> int:
         """As limits: most nodes of any tree a request may ask for (a chain of ``depth`` included)."""

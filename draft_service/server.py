@@ -1,13 +1,15 @@
 """The draft service process: dials the verify service, maps its buffers, answers each step.
 
     connect -> Handshake (compatibility, buffer handles) -> map buffers -> load the head
-    -> Session stream: for every VerifyMessage: release finished sequences, extend the draft
-       cache with the fed rows, grow the requested trees, write them to the tree buffers,
-       answer with their slots.
+    -> Session stream (+ the unix step socket, when offered): for every step: release finished
+       sequences, extend the draft cache with the fed rows, grow the requested trees, write them
+       to the tree buffers, answer with their slots.
 
-Any failure (verify restarted, network, bad message) ends the session; the worker backs
-off and starts again with a new handshake. Its own gRPC endpoint serves health
-(SERVING while a session is live) and reflection.
+Steps come on the unix step socket (link/step_socket.py) when the verify service offers one,
+which it does when its internal address is a unix socket; else on the Session stream. Any
+failure (verify restarted, network, bad message) ends the session; the worker backs off and
+starts again with a new handshake. Its own gRPC endpoint serves health (SERVING while a
+session is live) and reflection.
 """
 
 from __future__ import annotations
@@ -22,21 +24,24 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.listen import NO_PORT_SHARING, bind
+from common.listen import NO_PORT_SHARING, bind, unix_socket_path
 from common.reflection import enable_reflection
 from common.metrics_http import metrics_host
 from draft_service.drafter import EagleDrafter
 from draft_service.eagle_config import DraftConfig
 from draft_service.metrics import DraftMetrics
 from draft_service.server_config import DraftServerConfig
+from draft_service.step_answer import StepAnswerer
 from draft_service.handshake_checks import checked_handshake
-from link.convert import settings_from_proto
-from link.protocol import DraftFeed, ProposeRequest
+from link import step_socket
+from link.convert import step_call_from_proto, step_reply_to_proto
+from link.protocol import StepReply
 from link.shared_buffers import BufferImporter, gpu_uuid, host_identity
+from link.step_frames import TOKEN_BYTES, FrameLimits, StepFrames
+from link.step_socket import StepSocket
 from protos.eagle3.v1 import draft_link_pb2 as pb
 from protos.eagle3.v1 import draft_link_pb2_grpc as pb_grpc
 
@@ -64,6 +69,7 @@ class DraftWorker:
         self._stop = threading.Event()
         self._responses = None  # the live session's response stream, cancelled by stop()
         self._outgoing: queue.Queue | None = None  # the live session's request stream
+        self._step_socket: StepSocket | None = None  # the live session's step socket (None: steps on the stream)
         self._was_connected = False
         self._on_step = on_step
         self.connected = False  # a session is live
@@ -78,13 +84,13 @@ class DraftWorker:
         sees a normal shutdown rather than a lost draft; it is cut after ``grace_s`` regardless.
         """
         self._stop.set()
-        outgoing, responses = self._outgoing, self._responses
+        outgoing, responses, sock = self._outgoing, self._responses, self._step_socket
         if outgoing is not None:
             outgoing.put(None)
         if responses is not None:
-            timer = threading.Timer(grace_s, responses.cancel)
-            timer.daemon = True
-            timer.start()
+            _later(grace_s, responses.cancel)
+        if sock is not None:
+            _later(grace_s, sock.shutdown)
 
     def run(self) -> None:
         backoff = 0.1
@@ -138,8 +144,28 @@ class DraftWorker:
                                     capture_layers=list(d.aux_layer_ids or ()))
         where = pb.PeerLocation(host_id=host_identity(), device_type=self.device.type,
                                 gpu_uuid=gpu_uuid(self.device) if self.device.type == "cuda" else "")
-        return stub.Handshake(pb.HandshakeRequest(expected_target=expected, location=where,
+        unix = unix_socket_path(self.cfg.verify) is not None
+        socket_ok = self.cfg.step_transport == "socket" and unix and step_socket.supported()
+        transport = pb.STEP_TRANSPORT_UNIX_SOCKET if socket_ok else pb.STEP_TRANSPORT_SESSION_STREAM
+        return stub.Handshake(pb.HandshakeRequest(expected_target=expected, location=where, step_transport=transport,
                                                   draft_name=self.cfg.spec.draft_path), timeout=30)
+
+    def _connect_step_socket(self, hello: pb.HandshakeResponse) -> StepSocket | None:
+        """The offered step socket, connected and told the session's token; None: steps on the stream."""
+        if not hello.HasField("step_socket"):
+            return None
+        offer, limits = hello.step_socket, FrameLimits(hello.max_trees, hello.max_feature_rows)
+        name, verify_socket = offer.name, unix_socket_path(self.cfg.verify)
+        if verify_socket is None or not limits.fit_socket or len(offer.token) != TOKEN_BYTES or not name \
+                or len(name) > 100 or "/" in name or "\0" in name or name in (".", ".."):
+            log.warning("the verify service offered an unusable step socket; steps go on the session stream")
+            return None
+        path = verify_socket.parent / name  # this process's path to the folder of the internal socket
+        try:
+            return StepSocket.connect(path, offer.token, limits.call_bytes, limits.reply_bytes)
+        except OSError as exc:
+            log.warning("cannot connect to the step socket %s (%s); steps go on the session stream", path, exc)
+            return None
 
     def _session(self) -> None:
         limit = self.cfg.max_message_bytes
@@ -156,61 +182,75 @@ class DraftWorker:
                 self._stream(stub, hello, bufs, drafter)
 
     def _stream(self, stub, hello, bufs, drafter) -> None:
+        sock = self._connect_step_socket(hello)  # before the stream opens: the verify side accepts it then
+        transport = pb.STEP_TRANSPORT_SESSION_STREAM if sock is None else pb.STEP_TRANSPORT_UNIX_SOCKET
         outgoing: queue.Queue = queue.Queue()
-        outgoing.put(pb.DraftMessage(open=pb.SessionOpen(session_id=hello.session_id, generation=hello.generation)))
-        self._outgoing = outgoing
+        outgoing.put(pb.DraftMessage(open=pb.SessionOpen(session_id=hello.session_id, generation=hello.generation,
+                                                         step_transport=transport)))
+        self._outgoing, self._step_socket = outgoing, sock
         responses = self._responses = stub.Session(iter(outgoing.get, None))
-        if self._stop.is_set():
+        if self._stop.is_set():  # stop() came before this session's stream was there to close
             responses.cancel()
+            if sock is not None:
+                sock.shutdown()
         self._set_serving(True)
         self.sessions_opened += 1
         self._was_connected = True
         print(f"draft service: connected to the verify service at {self.cfg.verify} (session {hello.session_id})",
               flush=True)
-        log.info("draft session %d open (target %s, %d buffers)", hello.session_id, hello.target.fingerprint,
-                 len(hello.buffers))
+        log.info("draft session %d open (target %s, %d buffers, steps on the %s)", hello.session_id,
+                 hello.target.fingerprint, len(hello.buffers), "stream" if sock is None else "step socket")
+        answerer = StepAnswerer(bufs, drafter)
         try:
-            for msg in responses:
-                if self._stop.is_set():
-                    break
-                result = self._answer(msg, bufs, drafter)
-                self._count(result)  # before the answer: once the verify side has it, the counters show it
-                outgoing.put(pb.DraftMessage(result=result))
+            if sock is None:
+                self._serve_stream(responses, outgoing, answerer)
+            else:
+                self._serve_socket(sock, responses, FrameLimits(hello.max_trees, hello.max_feature_rows), answerer)
         finally:
             outgoing.put(None)
             responses.cancel()
-            self._responses = self._outgoing = None
+            if sock is not None:
+                sock.close()
+            self._responses = self._outgoing = self._step_socket = None
 
-    def _count(self, result: pb.StepResult) -> None:
+    def _serve_stream(self, responses, outgoing: queue.Queue, answerer: StepAnswerer) -> None:
+        for msg in responses:
+            if self._stop.is_set():
+                break
+            reply = answerer.answer(step_call_from_proto(msg))
+            self._count(reply)  # before the answer: once the verify side has it, the counters show it
+            outgoing.put(pb.DraftMessage(result=step_reply_to_proto(reply)))
+
+    def _serve_socket(self, sock: StepSocket, responses, limits: FrameLimits, answerer: StepAnswerer) -> None:
+        """Answer steps until the verify side closes the socket (it does when the session ends, after
+        this side's stop() too: a step arriving meanwhile is still answered). Then the stream's end
+        says why: an error status (a refused step socket, a lost verify service) is raised."""
+        frames = StepFrames(limits)  # its buffers, reused every step
+        while True:
+            try:
+                frame = sock.recv()
+            except ConnectionError:
+                break
+            reply = answerer.answer(frames.decode_call(frame))
+            self._count(reply)
+            try:
+                sock.send(frames.encode_reply(reply))
+            except ConnectionError:  # the verify side ended the session meanwhile
+                break
+        _later(5.0, responses.cancel)  # the verify side ends the stream with the socket; never wait for ever
+        for _ in responses:  # nothing comes on this stream
+            pass
+
+    def _count(self, reply: StepReply) -> None:
         self.steps += 1
-        self.trees_proposed += len(result.trees)
-        self._on_step(result.draft_compute_ns / 1e9)
+        self.trees_proposed += len(reply.trees)
+        self._on_step(reply.draft_compute_ns / 1e9)
 
-    def _answer(self, msg: pb.VerifyMessage, bufs, drafter) -> pb.StepResult:
-        start = time.perf_counter_ns()
-        for rejection in msg.rejected_trees:
-            drafter.tree_rejected(rejection.seq_id, rejection.reason)
-        for seq_id in msg.finished_seq_ids:
-            drafter.release(seq_id)
-        features = bufs["features"]
-        feeds = [DraftFeed(f.seq_id, f.start_position, features[f.buffer_row:f.buffer_row + len(f.next_tokens)],
-                           np.asarray(f.next_tokens, dtype=np.int64)) for f in msg.feeds]
-        asks = [ProposeRequest(p.seq_id, p.max_depth, settings_from_proto(p.settings)) for p in msg.proposals]
-        trees = drafter.step(feeds, asks)
-        result = pb.StepResult(step_id=msg.step_id)
-        for p in msg.proposals:
-            tree = trees.get(p.seq_id)
-            if tree is None or not tree.num_nodes:
-                continue
-            n = min(tree.num_nodes, bufs["tree_tokens"].shape[1])  # a larger tree is refused by the verifier
-            bufs["tree_tokens"][p.tree_slot, :n] = torch.from_numpy(tree.tokens[:n])
-            bufs["tree_parents"][p.tree_slot, :n] = torch.from_numpy(tree.parents[:n])
-            bufs["tree_log_probs"][p.tree_slot, :n] = torch.from_numpy(tree.log_probs[:n])
-            result.trees.add(seq_id=p.seq_id, tree_slot=p.tree_slot, num_nodes=tree.num_nodes)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # the verify process reads the trees right after our answer
-        result.draft_compute_ns = time.perf_counter_ns() - start
-        return result
+
+def _later(delay_s: float, action) -> None:
+    timer = threading.Timer(delay_s, action)
+    timer.daemon = True
+    timer.start()
 
 
 @dataclass

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # spec_config reaches hub (numpy); the flags are parsed witho
 
 DEFAULT_VERIFY = default_internal_address()
 DEFAULT_HEALTH = "127.0.0.1:50052"
+STEP_TRANSPORTS = ("socket", "stream")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,9 +28,13 @@ class DraftServerConfig:
     reconnect_max_s: float = 5.0  # backoff cap between reconnection attempts
     max_message_bytes: int = 4 << 20
     metrics_port: int | None = None  # Prometheus /metrics on the --listen host (None: off; 0: any free port)
+    step_transport: str = "socket"  # socket: the unix step socket when offered, else the stream; stream: always
 
     def __post_init__(self):
         check_device(self.device)
+        if self.step_transport not in STEP_TRANSPORTS:
+            raise InvalidRequestError("step_transport", f"must be one of {', '.join(STEP_TRANSPORTS)}, "
+                                                        f"got {self.step_transport!r}")
         if self.reconnect_max_s <= 0:
             raise InvalidRequestError("reconnect_max_s", f"must be > 0, got {self.reconnect_max_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -45,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_tree_arguments(p)
     p.add_argument("--reconnect-max-s", type=float, default=5.0)
     p.add_argument("--max-message-bytes", type=int, default=4 << 20)
+    p.add_argument("--step-transport", default="socket", choices=STEP_TRANSPORTS,
+                   help="how each step travels: socket (a unix socket beside the verify service's, when it offers "
+                        "one: its internal address is a unix socket; else the gRPC session stream) or stream "
+                        "(always the gRPC session stream)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus /metrics on PORT, on the --listen host (127.0.0.1 for a unix socket; "
                         "0: any free port); needs eagle3-serve[metrics]")
@@ -58,4 +67,4 @@ def from_args(args: argparse.Namespace) -> DraftServerConfig:
     spec = SpecConfig(args.draft, tree.tree, tree.depth, tree.top_k, tree.max_nodes, static_tree_file=args.static_tree)
     return DraftServerConfig(spec, verify=args.verify, listen=args.listen, device=args.device,
                              reconnect_max_s=args.reconnect_max_s, max_message_bytes=args.max_message_bytes,
-                             metrics_port=args.metrics_port)
+                             metrics_port=args.metrics_port, step_transport=args.step_transport)

@@ -2,8 +2,9 @@
 
 Each step the verify side tells the draft what became final (``DraftFeed``: the target's
 features of committed positions, each paired with the token that follows it) and asks for
-new candidate trees. In one process the draft is called directly; across services the same
-objects travel as gRPC metadata plus shared-buffer offsets.
+new candidate trees. In one process the draft is called directly; across services one step
+is a ``StepCall`` (metadata and offsets into the shared buffers) answered by a ``StepReply``,
+on the Session stream (link/convert.py) or the unix step socket (link/step_frames.py).
 
 Alignment (EAGLE-3): draft row i pairs the target feature of position i with token i + 1,
 sits at RoPE position i, and predicts token i + 2.
@@ -52,3 +53,43 @@ class DraftProvider(Protocol):
 
     def tree_rejected(self, seq_id: int, reason: str) -> None:
         """The verify side refused this sequence's tree (it decoded one plain token instead)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FeedRows:
+    """``DraftFeed`` across processes: its features are rows buffer_row .. buffer_row + n - 1 of
+    the shared features buffer (n = len(next_tokens))."""
+
+    seq_id: int
+    start: int
+    buffer_row: int
+    next_tokens: np.ndarray  # int64 [n]
+
+
+@dataclass(frozen=True, slots=True)
+class StepCall:
+    """One step, verify -> draft. ``proposals[i]``'s tree goes to slot i of the tree buffers."""
+
+    step_id: int
+    feeds: list[FeedRows]
+    proposals: list[ProposeRequest]
+    finished: list[int]  # sequences whose draft state to free
+    rejections: list[tuple[int, str]]  # (seq_id, reason): trees the verify side refused, earlier steps
+
+
+@dataclass(frozen=True, slots=True)
+class TreeRef:
+    """A tree the draft wrote: tree buffers [tree_slot, :num_nodes]."""
+
+    seq_id: int
+    tree_slot: int
+    num_nodes: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepReply:
+    """The draft's answer to ``StepCall`` step_id; ``draft_compute_ns`` is its own time on the step."""
+
+    step_id: int
+    trees: list[TreeRef]
+    draft_compute_ns: int

@@ -3,12 +3,16 @@ handshakes and sessions, while a normal client generates through the public API.
 
 Properties: every link call ends with OK or a typed status (never INTERNAL or UNKNOWN), the verify
 service stays up, and greedy output stays exactly the target's whatever the draft answers
-(right, wrong or malformed trees, wrong step ids, floods, stalls, a closed or cancelled stream).
+(right, wrong or malformed trees, wrong step ids, floods, stalls, a closed or cancelled stream),
+on the Session stream and on the unix step socket (raw frames: garbage, cut, oversized, floods,
+results for other steps or with any tree references).
 """
 
 from __future__ import annotations
 
 import queue
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -20,7 +24,9 @@ from hypothesis import strategies as st
 
 from fuzz_requests import mutated, raw_message, texts, uints
 from link.convert import descriptor_from_proto
+from link.protocol import StepReply
 from link.shared_buffers import BufferImporter, host_identity
+from link.step_frames import REPLY_HEADER, TREE, FrameLimits, StepFrames, hello_frame
 from protos.eagle3.v1 import draft_link_pb2 as link_pb
 from protos.eagle3.v1 import generation_pb2 as pb
 from services import Stack
@@ -36,11 +42,22 @@ ACTIONS = ("answer", "answer", "answer", "answer", "wrong_step", "flood", "empty
 TREES = ("right", "right", "wrong", "garbage")
 
 
-def valid_handshake() -> link_pb.HandshakeRequest:
+FRAMES = ("garbage", "cut", "oversized", "flood", "wrong_step", "any_trees", "too_many_trees", "empty", "right")
+
+
+def valid_handshake(transport: int = link_pb.STEP_TRANSPORT_UNSPECIFIED) -> link_pb.HandshakeRequest:
     """What the real draft service sends for the tiny target, on this host's CPU."""
     return link_pb.HandshakeRequest(
         expected_target=link_pb.ModelIdentity(vocab_size=VOCAB_SIZE, hidden_size=BASE["hidden_size"]),
-        location=link_pb.PeerLocation(host_id=host_identity(), device_type="cpu"), draft_name="fuzz")
+        location=link_pb.PeerLocation(host_id=host_identity(), device_type="cpu"), draft_name="fuzz",
+        step_transport=transport)
+
+
+def socket_plans() -> st.SearchStrategy[tuple[int, tuple[tuple[str, int], ...]]]:
+    """(prompt index, the draft's answers on the step socket: (one of FRAMES, a seed) per step)."""
+    return st.tuples(st.integers(0, len(PROMPTS) - 1),
+                     st.lists(st.tuples(st.sampled_from(FRAMES), st.integers(0, 2**32 - 1)), min_size=1,
+                              max_size=4).map(tuple))
 
 
 @st.composite
@@ -130,12 +147,13 @@ class FakeDraft:
             return err.code().name
         return "OK"
 
-    def hello(self) -> tuple[link_pb.HandshakeResponse | None, str]:
+    def hello(self, transport: int = link_pb.STEP_TRANSPORT_UNSPECIFIED
+              ) -> tuple[link_pb.HandshakeResponse | None, str]:
         """A valid handshake, once the previous session is gone: (its answer, its status)."""
         self.wait_disconnected()
         stub = self.channel.unary_unary(HANDSHAKE, response_deserializer=link_pb.HandshakeResponse.FromString)
         try:
-            return stub(valid_handshake().SerializeToString(), timeout=TIMEOUT_S), "OK"
+            return stub(valid_handshake(transport).SerializeToString(), timeout=TIMEOUT_S), "OK"
         except grpc.RpcError as err:
             return None, err.code().name
 
@@ -181,6 +199,96 @@ class FakeDraft:
         with BufferImporter("cpu") as importer:
             buffers = {b.name: importer.open(descriptor_from_proto(b)).numpy() for b in hello.buffers}
             return _Session(self, hello, buffers, plan).run()
+
+
+    def run_socket_session(self, prompt: int, answers: tuple[tuple[str, int], ...]) -> LinkOutcome:
+        """Handshake, the step socket, the stream, and a greedy generation while the draft answers
+        its steps with ``answers`` (then with right, empty ones)."""
+        hello, status = self.hello(link_pb.STEP_TRANSPORT_UNIX_SOCKET)
+        if hello is None or not hello.HasField("step_socket"):
+            return LinkOutcome([status, "no step socket offered"], *self.generate(PROMPTS[prompt]))
+        return _SocketSession(self, hello, answers).run(prompt)
+
+
+class _SocketSession:
+    """The fake draft's side of one step-socket session: raw frames, as the plan says."""
+
+    def __init__(self, fake: FakeDraft, hello: link_pb.HandshakeResponse, answers: tuple[tuple[str, int], ...]):
+        self.fake, self.hello, self.answers = fake, hello, iter(answers)
+        self.frames = StepFrames(FrameLimits(hello.max_trees, hello.max_feature_rows))
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.connect(str(fake.stack.tmp / "run" / hello.step_socket.name))
+        self.sock.send(hello_frame(hello.step_socket.token))
+        self.sock.settimeout(0.2)
+
+    def run(self, prompt: int) -> LinkOutcome:
+        requests: queue.Queue = queue.Queue()
+        requests.put(link_pb.DraftMessage(open=link_pb.SessionOpen(
+            session_id=self.hello.session_id, generation=self.hello.generation,
+            step_transport=link_pb.STEP_TRANSPORT_UNIX_SOCKET)).SerializeToString())
+        responses = self.fake.channel.stream_stream(SESSION)(iter(requests.get, None), timeout=TIMEOUT_S)
+        deadline = time.monotonic() + 5  # a session speculates only for requests started after it opened
+        while self.fake.speculation_health() != "SERVING" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        result = {}
+        client = threading.Thread(target=lambda: result.update(output=self.fake.generate(PROMPTS[prompt])))
+        client.start()
+        try:
+            while client.is_alive() and self._answer_one():
+                pass
+        finally:
+            client.join(TIMEOUT_S)
+            requests.put(None)  # the draft closes its link
+            self.sock.close()
+        try:
+            list(responses)
+            status = "OK"
+        except grpc.RpcError as err:
+            status = err.code().name
+        return LinkOutcome([status], *result.get("output", (None, "no answer in time")))
+
+    def _answer_one(self) -> bool:
+        """Answer the next step (False: the verify side closed the socket)."""
+        try:
+            frame = self.sock.recv(self.frames.limits.call_bytes + 1)
+        except TimeoutError:
+            return True
+        except ConnectionError:
+            return False
+        if not frame:
+            return False
+        call = self.frames.decode_call(memoryview(frame))
+        kind, seed = next(self.answers, ("right", 0))
+        try:
+            for out in self._frames(kind, call, np.random.default_rng(seed)):
+                self.sock.send(out)
+        except ConnectionError:
+            return False
+        return True
+
+    def _frames(self, kind: str, call, rng) -> list[bytes]:
+        right = bytes(self.frames.encode_reply(StepReply(call.step_id, [], int(rng.integers(0, 2**63)))))
+        limits = self.frames.limits
+        if kind == "garbage":
+            return [rng.bytes(int(rng.integers(0, 200)))]
+        if kind == "cut":
+            return [right[:int(rng.integers(0, len(right)))]]
+        if kind == "oversized":
+            return [right + bytes(limits.reply_bytes)]
+        if kind == "flood":
+            return [right, right]
+        if kind == "wrong_step":
+            return [bytes(self.frames.encode_reply(StepReply(call.step_id + int(rng.integers(1, 9)), [], 0)))]
+        if kind in ("any_trees", "too_many_trees"):  # references to any slot, sequence and size
+            n = limits.max_seqs + 1 if kind == "too_many_trees" else int(rng.integers(0, limits.max_seqs + 1))
+            refs = [struct.pack("<QII", int(rng.integers(0, 2**63)), int(rng.integers(0, 2**32)),
+                                int(rng.integers(0, 2**32))) for _ in range(n)]
+            if rng.random() < 0.5 and call.proposals:
+                refs[:1] = [TREE.pack(call.proposals[0].seq_id, 0, int(rng.integers(0, 80)))] if refs else []
+            return [REPLY_HEADER.pack(b"E3SR", n, call.step_id, int(rng.integers(0, 2**63)) * 2 + 1) + b"".join(refs)]
+        if kind == "empty":
+            return [b""]
+        return [right]
 
 
 class _Session:

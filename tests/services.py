@@ -49,14 +49,17 @@ class Stack:
     """
 
     def __init__(self, tmp: Path, model_dir: Path, draft_dir: Path | None, verify_args=(), draft_args=(),
-                 start_draft: bool = True):
+                 start_draft: bool = True, internal: str | None = None):
+        """``internal``: the draft link's address (default: a unix socket in ``tmp``/run)."""
         self.tmp = tmp
         self.public = f"unix:{tmp}/public.sock"
-        self.internal = f"unix:{tmp}/run/draft.sock"
+        self.internal = internal or f"unix:{tmp}/run/draft.sock"
         self.draft_health = f"unix:{tmp}/draft-health.sock"
         self.draft_dir, self.draft_args = draft_dir, list(draft_args)
+        # The fixed tree unless a test asks for adaptive speculation (auto turns it on on a GPU).
         self.verify_args = ["serve-verify", "--model", str(model_dir), "--listen", self.public, "--internal",
-                            self.internal, "--device", TEST_DEVICE, "--dtype", TEST_DTYPE, *verify_args]
+                            self.internal, "--device", TEST_DEVICE, "--dtype", TEST_DTYPE,
+                            "--adaptive-speculation", "off", *verify_args]
         self.verify = self.draft = None
         self.client = Eagle3Client(self.public, timeout_s=120)
         try:

@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from fuzz_link import (HANDSHAKE, Answer, FakeDraft, SessionPlan, corrupt_handshakes, corrupt_session_messages,
-                       handshakes, session_plans)
+                       handshakes, session_plans, socket_plans)
 from fuzz_public import TYPED, fuzz_public_api, start_stack
 from fuzz_requests import CHAT_ROLES, texts
 from hub.tokenizer import Tokenizer
 from tiny_tokenizer import write_tokenizer
 
-PUBLIC_CASES, SESSION_CASES, HANDSHAKE_CASES = 150, 60, 100
+PUBLIC_CASES, SESSION_CASES, HANDSHAKE_CASES, SOCKET_CASES = 150, 60, 100, 25
 fuzz = settings(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 IM_START, IM_END = 257, 258
 
@@ -62,6 +62,15 @@ def test_draft_link_sessions_keep_outputs_exact(fake_draft, plan):
     outcome = fake_draft.run_session(plan)
     assert set(outcome.statuses) <= TYPED, outcome
     assert outcome.generate_status == "OK" and outcome.output == fake_draft.expected[plan.prompt], outcome
+    assert fake_draft.stack.verify.proc.poll() is None, fake_draft.stack.verify.log()[-3000:]
+
+
+@settings(fuzz, max_examples=SOCKET_CASES)
+@given(plan=socket_plans())
+def test_step_socket_sessions_keep_outputs_exact(fake_draft, plan):
+    outcome = fake_draft.run_socket_session(*plan)
+    assert set(outcome.statuses) <= TYPED, outcome
+    assert outcome.generate_status == "OK" and outcome.output == fake_draft.expected[plan[0]], outcome
     assert fake_draft.stack.verify.proc.poll() is None, fake_draft.stack.verify.log()[-3000:]
 
 

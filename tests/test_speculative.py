@@ -93,7 +93,8 @@ def test_kv_cache_after_speculation_equals_target_only_kv(model_dir, tmp_path):
     torch.testing.assert_close(cached(engine.target, seq_id), cached(ref, 0), atol=5e-5, rtol=1e-4)
 
 
-def test_speculative_sampling_matches_the_target_distribution(model_dir, tmp_path):
+@pytest.mark.parametrize("rule", ["seeded", "residual"])
+def test_speculative_sampling_matches_the_target_distribution(model_dir, tmp_path, rule):
     """Under sampling, the token drawn through tree acceptance follows the target's distribution.
 
     The first token is sampled plainly after prefill; the second goes through acceptance
@@ -102,7 +103,7 @@ def test_speculative_sampling_matches_the_target_distribution(model_dir, tmp_pat
     """
     prompt, n = [3, 4, 5], 1500
     params = [SamplingParams(max_tokens=2, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
-    engine, _ = spec_engine(model_dir, tmp_path, depth=2, max_num_seqs=64)
+    engine, _ = spec_engine(model_dir, tmp_path, depth=2, max_num_seqs=64, sampling_acceptance=rule)
     pairs = np.array([r.token_ids for r in engine.generate([prompt] * n, params)])
     top = int(np.bincount(pairs[:, 0]).argmax())
     probe = target_for(model_dir)
@@ -114,6 +115,25 @@ def test_speculative_sampling_matches_the_target_distribution(model_dir, tmp_pat
     tv_wrong = 0.5 * (freq - torch.softmax(logits / 0.5, -1).double()).abs().sum().item()
     # observed: about 0.08 from sampling noise; sampling at the wrong temperature gives about 0.35
     assert len(second) > 500 and tv < 0.15 < tv_wrong, (len(second), tv, tv_wrong)
+
+
+@pytest.mark.parametrize("siblings", [0, 2])
+def test_seeded_sampling_gives_the_target_only_text(model_dir, tmp_path, siblings):
+    """Under the default (seeded) acceptance a seed gives the same tokens with or without a draft,
+    whatever the draft proposes; the residual rule, lossless in distribution only, does not."""
+    params = [SamplingParams(max_tokens=24, temperature=t, top_p=p, seed=seed, ignore_eos=True)
+              for seed, (t, p) in enumerate([(0.7, 1.0), (1.0, 1.0), (1.0, 0.9), (0.7, 0.8), (1.3, 1.0)])]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    want = target_only(model_dir, prompts, params)
+    for wrong in (False, True):
+        engine, _ = spec_engine(model_dir, tmp_path, depth=3, siblings=siblings, wrong=wrong, max_num_seqs=8)
+        results = engine.generate(prompts, params)
+        assert [r.token_ids for r in results] == want
+        if not wrong:
+            assert sum(r.speculation.accepted_tokens for r in results) > 0  # the draft did speculate
+    residual, _ = spec_engine(model_dir, tmp_path, depth=3, siblings=siblings, max_num_seqs=8,
+                              sampling_acceptance="residual")
+    assert [r.token_ids for r in residual.generate(prompts, params)] != want
 
 
 @pytest.mark.slow

@@ -12,6 +12,8 @@ A configuration is ``TREE:DEPTH[:TOP_K[:NODES]]``: ``dynamic:6:8:59``, ``chain:3
 
 from __future__ import annotations
 
+import dataclasses
+
 import statistics
 import time
 from pathlib import Path
@@ -59,7 +61,10 @@ def run(engine, prompts: list[list[int]], params: SamplingParams, batch: int) ->
     for i in range(0, len(prompts), batch):
         _sync()
         start = time.perf_counter()
-        results = engine.generate(prompts[i:i + batch], params)
+        group = prompts[i:i + batch]
+        per_request = params if params.seed is None else \
+            [dataclasses.replace(params, seed=params.seed + i + j) for j in range(len(group))]  # seed + index
+        results = engine.generate(group, per_request)
         _sync()
         total += time.perf_counter() - start
         outputs += [r.token_ids for r in results]
@@ -90,12 +95,17 @@ def summarize(name: str, outputs, secs, metrics, reference, ref_secs) -> dict:
 
 def evaluate(model_dir: str, head: str, prompt_files: list[str], configs: list[str], max_tokens: int = 256,
              batch: int = 1, limit: int | None = None, device: str = "auto", dtype: str = "auto",
-             report=print) -> dict:
-    """Every configuration on every prompt file; ``report`` gets each row as it is measured."""
+             temperature: float = 0.0, seed: int = 0, sampling_acceptance: str = "seeded", report=print) -> dict:
+    """Every configuration on every prompt file; ``report`` gets each row as it is measured.
+
+    ``temperature`` > 0: every request sampled, request i with seed ``seed + i`` (target-only and
+    speculative runs alike, so "identical" compares the same seeds), trees verified by
+    ``sampling_acceptance``."""
     specs = [(text, parse_config(text, head)) for text in configs]  # bad configs fail before loading
     mask = draft_vocab_mask(specs[0][1].draft_path) if specs else None
-    cfg = EngineConfig(model_dir, device=device, dtype=dtype, max_model_len=4096, max_num_seqs=batch)
-    params = SamplingParams(max_tokens=max_tokens)
+    cfg = EngineConfig(model_dir, device=device, dtype=dtype, max_model_len=4096, max_num_seqs=batch,
+                       sampling_acceptance=sampling_acceptance)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed if temperature > 0 else None)
     sets = {}
     for path in prompt_files:
         base = build_engine(cfg)
@@ -118,6 +128,8 @@ def evaluate(model_dir: str, head: str, prompt_files: list[str], configs: list[s
         sets[Path(path).stem] = rows
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "model": model_dir, "head": head, "max_tokens": max_tokens, "batch": batch,
+            "temperature": temperature, "seed": seed if temperature > 0 else None,
+            "sampling_acceptance": sampling_acceptance if temperature > 0 else None,
             "dtype": engine_dtype, "results": sets}
 
 

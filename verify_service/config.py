@@ -15,6 +15,10 @@ if TYPE_CHECKING:
 # share the parser). KERNEL_CHOICES equals kernels.KERNEL_CHOICES (a test compares them).
 DTYPES = ("float32", "float16", "bfloat16")
 KERNEL_CHOICES = ("auto", "triton", "reference")
+# How a sampled request verifies a tree: "seeded" accepts a node iff it is the target's own sample
+# at its parent (the output is the text plain decoding gives for the same seed); "residual" is the
+# SpecInfer/EAGLE residual rule (also exact in distribution, other text for the same seed).
+SAMPLING_ACCEPTANCE = ("seeded", "residual")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,7 @@ class EngineConfig:
     max_batch_tokens: int = 2048
     kernels: str = "auto"  # "triton", "reference", or "auto" (kernels.select_kernels decides)
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the Triton kernels)
+    sampling_acceptance: str = "seeded"  # one of SAMPLING_ACCEPTANCE
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -44,6 +49,9 @@ class EngineConfig:
         check_device(self.device)
         if self.kernels not in KERNEL_CHOICES:
             raise InvalidRequestError("kernels", f"must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+        if self.sampling_acceptance not in SAMPLING_ACCEPTANCE:
+            raise InvalidRequestError("sampling_acceptance", f"must be one of {', '.join(SAMPLING_ACCEPTANCE)}, "
+                                                             f"got {self.sampling_acceptance!r}")
         checks = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
                   "max_batch_tokens": self.max_batch_tokens}
         for name, value in checks.items():

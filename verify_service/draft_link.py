@@ -1,9 +1,16 @@
 """Verify side of the internal channel: the remote draft as a ``DraftProvider``.
 
 The draft service dials in, handshakes (compatibility + shared buffers), then holds one
-``Session`` stream. Each engine step with something for the draft becomes one
-``VerifyMessage``; the engine waits for the matching ``StepResult`` (bounded by a timeout)
-and reads the trees from the shared tree buffers. Shared buffers, exported once::
+``Session`` stream. Each engine step with something for the draft becomes one ``StepCall``;
+the engine waits for the matching ``StepReply`` (bounded by a timeout) and reads the trees from
+the shared tree buffers. A step travels one of two ways, chosen per session:
+
+- the unix step socket (link/step_socket.py), when the internal link is a unix socket: the
+  engine thread writes the step's frame and reads the answer itself, no other thread involved;
+- the Session stream (a TCP link, or a draft that asks for it): ``VerifyMessage`` out through
+  the stream's generator, ``StepResult`` back through the session's reader thread.
+
+Shared buffers, exported once::
 
     features        [max_feature_rows, k * hidden]   target features of committed rows
     embedding       [vocab, hidden]                  the target's table (the model uses it too)
@@ -25,41 +32,59 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from link.convert import settings_to_proto
-from link.protocol import DraftFeed, ProposeRequest
+from common.errors import LinkProtocolError
+from link.convert import step_call_to_proto, step_reply_from_proto
+from link.protocol import DraftFeed, FeedRows, ProposeRequest, StepCall, StepReply
 from link.shared_buffers import BufferExporter
+from link.step_frames import FrameLimits, StepFrames
+from link.step_socket import StepListener, StepSocket, remove_stale
 from protos.eagle3.v1 import draft_link_pb2 as pb
 from runtime.tree import CandidateTree
 
 log = logging.getLogger(__name__)
+ACCEPT_TIMEOUT_S = 5.0  # the draft connects to its step socket before it opens the stream
 
 
 @dataclass(eq=False)
 class Session:
     session_id: int
-    outgoing: queue.Queue = field(default_factory=queue.Queue)  # VerifyMessage, or None to end (one per step)
+    outgoing: queue.Queue = field(default_factory=queue.Queue)  # VerifyMessage (stream steps), or None to end
     # StepResult, or None when the peer left. The engine asks one step at a time, so one result
     # at most waits (plus the end marker): a draft sending more floods the link and is dropped.
     results: queue.Queue = field(default_factory=lambda: queue.Queue(2))
     known: set[int] = field(default_factory=set)  # sequences fed from their first row
     alive: bool = False
+    listener: StepListener | None = None  # the step socket offered at the handshake, until accepted
+    step_socket: StepSocket | None = None  # the accepted step socket (None: steps on the stream)
 
 
 class RemoteDraft:
     def __init__(self, exporter: BufferExporter, buffers: dict[str, torch.Tensor], capture_layers: tuple[int, ...],
-                 timeout_s: float, on_change=lambda connected: None, on_overhead=lambda seconds: None):
+                 timeout_s: float, on_change=lambda connected: None, on_overhead=lambda seconds: None,
+                 step_socket_folder: Path | None = None):
         """``on_change(connected)``: a session came or went. ``on_overhead(seconds)``: each step's
-        control-plane overhead (round trip minus the draft's compute), on the engine thread."""
+        control-plane overhead (round trip minus the draft's compute), on the engine thread.
+        ``step_socket_folder``: where to offer step sockets (the internal unix socket's folder;
+        None: every session steps on its stream)."""
         self.exporter, self.buffers = exporter, buffers
         self.capture_layers = capture_layers
         self.timeout_s = timeout_s
         self._on_change, self._on_overhead = on_change, on_overhead
+        self.limits = FrameLimits(buffers["tree_tokens"].shape[0], buffers["features"].shape[0])
+        self.step_socket_folder = step_socket_folder if self.limits.fit_socket else None
+        if step_socket_folder is not None and not self.limits.fit_socket:
+            log.info("step frames of up to %d bytes: the draft steps on the Session stream", self.limits.call_bytes)
+        if self.step_socket_folder is not None:
+            remove_stale(self.step_socket_folder)
+        self._frames = StepFrames(self.limits)  # the engine thread's, reused every step
         self._lock = threading.Lock()
         self._session: Session | None = None
+        self._pending: Session | None = None  # the newest handshake's, until its stream opens
         self._ids = itertools.count(1)
         self._steps = itertools.count(1)
         self._finished: list[int] = []
@@ -75,8 +100,45 @@ class RemoteDraft:
 
     # --- session lifecycle (gRPC threads) --------------------------------------------------
 
-    def new_session(self) -> Session:
-        return Session(next(self._ids))
+    def new_session(self, step_socket: bool = False) -> Session:
+        """A session for a handshake, pending until its stream opens (only the newest handshake's
+        may); with ``step_socket``, a step socket is offered to it when this link can."""
+        session = Session(next(self._ids))
+        if step_socket and self.step_socket_folder is not None:
+            try:
+                session.listener = StepListener(self.step_socket_folder, session.session_id)
+            except OSError as exc:
+                log.warning("no step socket for draft session %d (%s); it steps on its stream", session.session_id, exc)
+        with self._lock:
+            replaced, self._pending = self._pending, session
+        if replaced is not None:
+            self._end(replaced)
+        return session
+
+    def claim(self, session_id: int) -> Session | None:
+        """The pending session ``session_id`` (taken: a second stream cannot open it), or None."""
+        with self._lock:
+            session = self._pending
+            if session is None or session.session_id != session_id:
+                return None
+            self._pending = None
+        return session
+
+    def open_step_socket(self, session: Session, chosen: bool) -> None:
+        """The draft chose its step transport in its SessionOpen: accept its step socket (it connects
+        before it opens the stream), or withdraw the offer. Raises LinkProtocolError."""
+        listener, session.listener = session.listener, None
+        if not chosen:
+            if listener is not None:
+                listener.close()
+            return
+        if listener is None:
+            raise LinkProtocolError("the draft chose a step socket it was not offered")
+        try:
+            session.step_socket = listener.accept(ACCEPT_TIMEOUT_S, self.limits.reply_bytes, self.limits.call_bytes,
+                                                  self.timeout_s)
+        except OSError as exc:
+            raise LinkProtocolError(f"step socket: no draft connected and said hello in time ({exc})") from exc
 
     def activate(self, session: Session) -> bool:
         """Make ``session`` the live one, unless another is alive (one draft at a time: a second
@@ -87,7 +149,8 @@ class RemoteDraft:
             self._session = session
             session.alive = True
             self.sessions_opened += 1
-        log.info("draft session %d connected", session.session_id)
+        log.info("draft session %d connected (steps on its %s)", session.session_id,
+                 "stream" if session.step_socket is None else "step socket")
         self._on_change(True)
         return True
 
@@ -118,6 +181,10 @@ class RemoteDraft:
     def close(self) -> None:
         """Shutdown: end the live session from this side (the draft sees its stream end and waits
         for a new verify service), so stopping the server need not wait out the stream."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            self._end(pending)
         s = self._session
         if s is not None:
             self.drop(s, "the verify service is shutting down", clean=True)
@@ -129,13 +196,16 @@ class RemoteDraft:
             session.results.put_nowait(None)
         except queue.Full:  # a flooded queue: the engine finds results, then the session gone
             pass
+        for channel in (session.listener, session.step_socket):
+            if channel is not None:
+                channel.close()  # a step socket's shutdown wakes the engine thread waiting on it
 
     # --- DraftProvider (engine thread) ------------------------------------------------------
 
     def release(self, seq_id: int) -> None:
-        self._finished.append(seq_id)
         s = self._session
-        if s is not None:
+        if s is not None:  # without a session there is nothing to free (a new draft knows no old sequence)
+            self._finished.append(seq_id)
             s.known.discard(seq_id)
 
     def tree_rejected(self, seq_id: int, reason: str) -> None:
@@ -145,31 +215,46 @@ class RemoteDraft:
         s = self._session
         if s is None or not s.alive:
             return {}
-        msg = pb.VerifyMessage(step_id=next(self._steps), finished_seq_ids=self._finished)
-        msg.rejected_trees.extend(pb.TreeRejection(seq_id=i, reason=r) for i, r in self._rejected)
-        self._finished, self._rejected = [], []
-        self._write_feeds(s, feeds, msg)
-        asked = [p for p in proposals if p.seq_id in s.known][: self.buffers["tree_tokens"].shape[0]]
-        for slot, p in enumerate(asked):
-            msg.proposals.add(seq_id=p.seq_id, max_depth=p.max_depth, tree_slot=slot,
-                              settings=settings_to_proto(p.settings))
+        cap = self.limits.max_seqs  # what one step frame carries; the rest goes with the next step
+        finished, self._finished = self._finished[:cap], self._finished[cap:]
+        rejected, self._rejected = self._rejected[:cap], self._rejected[cap:]
+        fed = self._write_feeds(s, feeds)  # first: a sequence fed from its first row becomes known
+        asked = [p for p in proposals if p.seq_id in s.known][:cap]
+        call = StepCall(next(self._steps), fed, asked, finished, rejected)
         start = time.perf_counter_ns()
         if self.buffers["features"].is_cuda:
             torch.cuda.synchronize()  # the draft reads the features from another process
-        s.outgoing.put(msg)
         try:
-            result = s.results.get(timeout=self.timeout_s)
-        except queue.Empty:
-            result = None
-        if result is None or result.step_id != msg.step_id:
-            self.drop(s, "no answer in time" if result is None else "answered another step")
+            reply = self._exchange_stream(s, call) if s.step_socket is None else self._exchange_socket(s, call)
+        except (LinkProtocolError, OSError) as exc:  # OSError: TimeoutError, a broken or closed socket
+            self.drop(s, "no answer in time" if isinstance(exc, TimeoutError) else str(exc))
             return {}
-        trees = self._read_trees(result, asked)
+        trees = self._read_trees(reply, asked)
         # The draft reports its own compute time: a bogus figure may not make the overhead negative.
-        overhead_ns = max(0, time.perf_counter_ns() - start - min(result.draft_compute_ns, 2**62))
+        overhead_ns = max(0, time.perf_counter_ns() - start - min(reply.draft_compute_ns, 2**62))
         self.overhead_ns.append(overhead_ns)
         self._on_overhead(overhead_ns / 1e9)
         return trees
+
+    def _exchange_stream(self, s: Session, call: StepCall) -> StepReply:
+        s.outgoing.put(step_call_to_proto(call))
+        try:
+            result = s.results.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TimeoutError("no answer in time") from None
+        if result is None:
+            raise ConnectionError("the session ended")
+        if result.step_id != call.step_id:
+            raise LinkProtocolError("answered another step")
+        return step_reply_from_proto(result)
+
+    def _exchange_socket(self, s: Session, call: StepCall) -> StepReply:
+        sock = s.step_socket
+        if sock.waiting():  # before we asked: a frame nobody asked for, or the draft's close
+            sock.recv()  # ConnectionError for a close
+            raise LinkProtocolError("the draft sent results nobody asked for")
+        sock.send(self._frames.encode_call(call))
+        return self._frames.decode_reply(sock.recv(), call.step_id)
 
     def overhead_percentiles_us(self) -> tuple[float, float]:
         """p50 and p99 of the per-step control-plane overhead, in microseconds."""
@@ -179,9 +264,9 @@ class RemoteDraft:
         pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1e3  # noqa: E731
         return pick(0.5), pick(0.99)
 
-    def _write_feeds(self, s: Session, feeds: list[DraftFeed], msg: pb.VerifyMessage) -> None:
+    def _write_feeds(self, s: Session, feeds: list[DraftFeed]) -> list[FeedRows]:
         features = self.buffers["features"]
-        row = 0
+        rows, row = [], 0
         for f in feeds:
             if f.start == 0:
                 s.known.add(f.seq_id)
@@ -193,12 +278,12 @@ class RemoteDraft:
                 log.error("features buffer full; sequence %d stops speculating", f.seq_id)
                 continue
             features[row:row + n].copy_(f.features)
-            msg.feeds.add(seq_id=f.seq_id, start_position=f.start, buffer_row=row,
-                          next_tokens=np.asarray(f.next_tokens).tolist())
+            rows.append(FeedRows(f.seq_id, f.start, row, np.asarray(f.next_tokens)))
             row += n
+        return rows
 
-    def _read_trees(self, result: pb.StepResult, asked: list[ProposeRequest]) -> dict[int, CandidateTree]:
-        if not result.trees:
+    def _read_trees(self, reply: StepReply, asked: list[ProposeRequest]) -> dict[int, CandidateTree]:
+        if not reply.trees:
             return {}
         n = len(asked)
         tokens = self.buffers["tree_tokens"][:n].cpu().numpy()  # one copy of each tree buffer per step
@@ -206,7 +291,7 @@ class RemoteDraft:
         log_probs = self.buffers["tree_log_probs"][:n].cpu().numpy()
         width = tokens.shape[1]
         trees = {}
-        for ref in result.trees:
+        for ref in reply.trees:
             slot, k = ref.tree_slot, ref.num_nodes
             if slot >= n or asked[slot].seq_id != ref.seq_id or k > width:
                 self.errors += 1

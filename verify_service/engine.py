@@ -2,12 +2,14 @@
 
     engine = Engine(target)                       # target only, one token per step
     engine = Engine(target, drafter, limits)      # EAGLE-3: verify a candidate tree per step
+    engine = Engine(target, drafter, limits, AdaptivePolicy(table, limits))   # tree size chosen per step
     results = engine.generate([ids_a, ids_b], SamplingParams(max_tokens=64))
     for event in engine.stream(ids, params): print(event.text, end="")
 
 Each step runs one batched target forward over prefill chunks, plain decodes and candidate
 trees together; then commits tokens (stop checks per token), feeds the draft what became
-final and asks it for the next trees.
+final and asks it for the next trees. With an adaptive policy (``adaptive.py``) the trees' size,
+or plain decoding, is chosen per step; the draft is then called only when trees are wanted.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -27,8 +30,11 @@ from common.tree_settings import TreeSettings
 from link.protocol import DraftFeed, DraftProvider, ProposeRequest
 from runtime.step_layout import SeqChunk
 from runtime.tree import InvalidTreeError
+from verify_service.adaptive import AdaptivePolicy
 from verify_service.detokenizer import StopStringDetokenizer
+from verify_service.feed_buffer import FeedBuffer
 from verify_service.model_runner import StepOutput
+from verify_service.replay import AcceptanceReplay
 from verify_service.sampler import Sampler
 from verify_service.scheduler import Scheduler
 from verify_service.sequence import FinishReason, Sequence, SpeculationMetrics
@@ -67,17 +73,23 @@ def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 class Engine:
-    def __init__(self, target: Target, drafter: DraftProvider | None = None, limits: TreeSettings | None = None):
-        """``limits``: with a drafter, the default tree and the most a request may ask for."""
+    def __init__(self, target: Target, drafter: DraftProvider | None = None, limits: TreeSettings | None = None,
+                 policy: AdaptivePolicy | None = None, replay: AcceptanceReplay | None = None):
+        """``limits``: with a drafter, the default tree and the most a request may ask for. ``policy``:
+        picks each step's tree size (None: always the requests' own trees). ``replay``: BENCHMARKS
+        ONLY, acceptance from a recorded trace instead of the target's choice (``replay.py``)."""
         assert (drafter is None) == (limits is None), "a drafter needs tree limits"
         self.target = target
-        self.drafter, self.limits = drafter, limits
+        self.drafter, self.limits, self.policy = drafter, limits, policy
         if drafter is not None:
             target.runner.set_capture_layers(drafter.capture_layers)
         extra = limits.tree_kv_slots if limits else 0
         self.scheduler = Scheduler(target.blocks, target.cfg.max_num_seqs, target.cfg.max_batch_tokens, extra)
         self.sampler = Sampler(target.runner.kernels, target.device)
-        self.verifier = TreeVerifier(target, self.sampler)
+        self.verifier = TreeVerifier(target, self.sampler, replay)
+        cfg = target.cfg
+        self.feed_buffer = FeedBuffer(limits.feature_rows(cfg.max_batch_tokens, cfg.max_num_seqs) if limits else 0)
+        self._asked: dict[int, int] = {}  # seq_id -> node cap its pending tree was asked with (0: pruned)
         self._ids = itertools.count()
         self.sequences: dict[int, Sequence] = {}
         self.draft_errors = 0  # invalid trees refused (each fell back to one plain step)
@@ -118,7 +130,11 @@ class Engine:
         self.released_speculation.merge(seq.speculation)
         self.scheduler.release(seq)
         if seq.speculate:
+            self.feed_buffer.drop(seq.seq_id)
             self.drafter.release(seq.seq_id)
+        if self.policy is not None:
+            self.policy.release(seq.seq_id)
+        self._asked.pop(seq.seq_id, None)
 
     def speculation_totals(self) -> SpeculationMetrics:
         """Speculation counters over every request since start: released ones and those in flight."""
@@ -133,9 +149,13 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """Run one batched forward; returns the tokens committed by it."""
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule(lambda s: 1 + s.tree.num_nodes if s.tree else 1)
         if not plan:
             return []
+        # What the policy learns from: a step of decodes and trees only, and its trees' size.
+        decode_only = not any(s.prefilling for s, _ in plan)
+        tree_nodes = max((s.tree.num_nodes for s, _ in plan if s.tree), default=0)
         chunks = self._chunks(plan)
         out = self.target.runner.step(chunks)
         logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
@@ -160,10 +180,21 @@ class Engine:
             events.append(self._commit(seq, [token]))
         if pending:
             for v in self.verifier.finish(pending, host[len(due):]):
+                self._observe(v)
                 feeds[v.seq.seq_id] = v.feed
                 events.append(self._commit(v.seq, v.tokens))
-        self._draft(feeds)
+        draft_s = self._draft(feeds)
+        if self.policy is not None and decode_only:
+            context = float(np.mean([s.num_cached for s, _ in plan]))
+            self.policy.observe_step(len(plan), tree_nodes, context, (time.perf_counter() - t0 - draft_s) * 1e3)
         return events
+
+    def _observe(self, v) -> None:
+        """Tell the policy what a verified tree accepted (a tree cut short by the context or max_tokens
+        says nothing about its size)."""
+        asked = self._asked.pop(v.seq.seq_id, 0)
+        if self.policy is not None and asked:
+            self.policy.observe_tree(v.seq.seq_id, v.tree, v.accepted, asked)
 
     def _chunks(self, plan: list[tuple[Sequence, int]]) -> list[SeqChunk]:
         """The step's inputs in plan order: tree chunks (built together) and plain chunks."""
@@ -213,20 +244,25 @@ class Engine:
         if feats.shape[0]:
             feeds[seq.seq_id] = DraftFeed(seq.seq_id, first, feats, np.asarray(successors, dtype=np.int64))
 
-    def _draft(self, feeds: dict[int, DraftFeed]) -> None:
-        """Send the draft what became final; ask for trees for every decoding sequence."""
+    def _draft(self, feeds: dict[int, DraftFeed]) -> float:
+        """Send the draft what became final; ask for trees for every decoding sequence, of the size the
+        policy picks when there is one (plain decoding: the rows wait in the feed buffer and the draft
+        is not called). Returns the seconds the call for trees took (0: none was made)."""
         if self.drafter is None:
-            return
+            return 0.0
         live = [f for f in feeds.values() if f.seq_id in self.sequences]  # finished ones are gone
-        requests = []
-        for seq in self.scheduler.running:
-            if seq.speculate and not seq.prefilling and seq.seq_id in feeds and not seq.finished:
-                depth = self._max_depth(seq)
-                if depth > 0:
-                    requests.append(ProposeRequest(seq.seq_id, depth, seq.tree_settings))
-        if not live and not requests:
-            return
-        trees = self.drafter.step(live, requests)
+        overflow = self.feed_buffer.add(live)
+        if overflow:
+            self.drafter.step(overflow, [])
+        backlog = self.feed_buffer.rows > sum(len(f.next_tokens) for f in live)  # rows of earlier steps wait
+        requests = self._requests(feeds) if getattr(self.drafter, "connected", True) else []
+        if not requests and (self.policy is not None or not self.feed_buffer.rows):
+            return 0.0
+        start = time.perf_counter()
+        trees = self.drafter.step(self.feed_buffer.take(), requests)
+        seconds = time.perf_counter() - start  # the trees are on the host: the draft's work is done
+        if self.policy is not None and requests and not backlog:  # a backlog's extend is no tree's cost
+            self.policy.observe_draft(len(requests), max(r.settings.depth for r in requests), seconds * 1e3)
         for req in requests:
             tree = trees.get(req.seq_id)
             if tree is None or not tree.num_nodes:
@@ -239,6 +275,29 @@ class Engine:
                 self.drafter.tree_rejected(req.seq_id, str(exc))
                 continue
             self.sequences[req.seq_id].tree = tree
+            self._asked[req.seq_id] = req.settings.node_budget if req.max_depth >= req.settings.depth else 0
+        return seconds
+
+    def _requests(self, feeds: dict[int, DraftFeed]) -> list[ProposeRequest]:
+        """A tree request per decoding sequence that speculates, capped to the policy's choice."""
+        ready = []
+        for seq in self.scheduler.running:
+            if seq.speculate and not seq.prefilling and seq.seq_id in feeds and not seq.finished:
+                depth = self._max_depth(seq)
+                if depth > 0:
+                    ready.append((seq, depth))
+        if self.policy is None:
+            return [ProposeRequest(seq.seq_id, depth, seq.tree_settings) for seq, depth in ready]
+        if not ready:
+            return []
+        decoding = [s for s in self.scheduler.running if not s.prefilling and not s.finished]
+        context = float(np.mean([s.num_tokens for s in decoding]))
+        nodes = self.policy.choose(len(decoding), context, [s.seq_id for s, _ in ready],
+                                   [s.tree_settings.node_budget for s, _ in ready])
+        if nodes == 0:
+            return []
+        capped = [(seq, self.policy.settings(seq.tree_settings, nodes)) for seq, _ in ready]
+        return [ProposeRequest(seq.seq_id, min(depth, tree.depth), tree) for (seq, tree), (_, depth) in zip(capped, ready)]
 
     def _max_depth(self, seq: Sequence) -> int:
         """Deepest useful tree: within its settings, the context and the tokens still allowed."""

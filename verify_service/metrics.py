@@ -74,7 +74,7 @@ def families(s: VerifyStats) -> list:
                                         labels=["depth"])
     for depth, n in enumerate(spec.accepted_per_depth, 1):
         by_depth.add_metric([str(depth)], n)
-    return [
+    return _adaptive(s, core) + [
         counter("requests_completed", "Requests finished (stop or length)", s.completed_requests),
         counter("requests_cancelled", "Requests cancelled by the client or their deadline", s.cancelled_requests),
         gauge("requests_running", "Requests admitted and generating", s.running_requests),
@@ -93,3 +93,18 @@ def families(s: VerifyStats) -> list:
         counter("draft_sessions", "Draft sessions opened (a reconnect opens a new one)", s.draft_sessions),
         counter("draft_errors", "Refused trees, draft timeouts and lost sessions", s.draft_errors),
     ]
+
+
+def _adaptive(s: VerifyStats, core) -> list:
+    """Adaptive speculation's choices (none when the tree is fixed)."""
+    if not s.adaptive_speculation:
+        return []
+    decisions = core.CounterMetricFamily("eagle3_verify_adaptive_decisions",
+                                         "Steps by the tree size adaptive speculation chose (0: plain decoding)",
+                                         labels=["tree_nodes"])
+    for nodes, n in sorted(s.adaptive_decisions.items()):
+        decisions.add_metric([str(nodes)], n)
+    current = core.GaugeMetricFamily("eagle3_verify_adaptive_tree_nodes",
+                                     "Adaptive speculation's latest choice: nodes per tree (0: plain decoding)",
+                                     value=s.adaptive_tree_nodes)
+    return [decisions, current]

@@ -22,11 +22,13 @@ import torch
 from grpc_health.v1 import health, health_pb2
 
 from common.auth import TokenInterceptor, exposure_warning, server_credentials
-from common.listen import NO_PORT_SHARING, bind
+from common.listen import NO_PORT_SHARING, bind, unix_socket_path
 from common.parsed_servicer import add_health_servicer, add_parsed_servicer
 from common.reflection import enable_reflection
 from common.metrics_http import metrics_host
+from link import step_socket
 from link.shared_buffers import BufferExporter
+from verify_service.adaptive import policy_for
 from protos.eagle3.v1 import draft_link_pb2, generation_pb2
 from verify_service.draft_link import RemoteDraft
 from verify_service.engine import Engine
@@ -128,7 +130,8 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
     status = health.HealthServicer()
     remote, exporter = _remote_draft(target, cfg, status, metrics)
     on_step = metrics.step_seconds.observe if metrics else lambda seconds: None
-    loop = EngineThread(Engine(target, remote, cfg.limits) if remote else Engine(target), on_step)
+    policy = policy_for(target, cfg.limits, cfg.cost_table) if remote and cfg.adaptive_speculation else None
+    loop = EngineThread(Engine(target, remote, cfg.limits, policy) if remote else Engine(target), on_step)
     loop.publish_with(snapshot_fn(loop, remote))  # metrics never wait for a step
     if metrics is not None:
         metrics.attach(lambda timeout_s: latest_stats(loop, remote))
@@ -141,6 +144,11 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
         add_parsed_servicer(DraftLinkServicer(remote, target, cfg.limits, cfg.engine.model_dir),
                             draft_link_pb2.DESCRIPTOR.services_by_name["DraftLink"], internal)
         add_health_servicer(status, internal)
+    # Before SERVING, and after the engine set its capture layers (which drops captured graphs):
+    # no request ever waits for a kernel compilation.
+    warm_s = target.runner.warm_up(cfg.engine.max_batch_tokens)
+    if warm_s:
+        log.info("kernels compiled and decode graphs captured in %.1f s", warm_s)
     for name in ("", GENERATION):
         status.set(name, health_pb2.HealthCheckResponse.SERVING)
     status.set(SPECULATION_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -148,10 +156,11 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
     public.start()
     if internal is not None:
         internal.start()
-    log.info("verify service: public %s (port %d, TLS %s, API token %s), internal %s, speculation %s, metrics %s",
+    log.info("verify service: public %s (port %d, TLS %s, API token %s), internal %s, speculation %s%s, metrics %s",
              cfg.listen, port, "mutual" if cfg.tls_client_ca else "on" if cfg.tls_cert else "off",
              "required" if cfg.api_token else "off", cfg.internal if internal else "-",
-             "waiting for a draft" if remote else "off", metrics.endpoint.url if metrics else "off")
+             "waiting for a draft" if remote else "off", " (adaptive)" if policy else "",
+             metrics.endpoint.url if metrics else "off")
     return VerifyServer(public, internal, loop, status, port, exporter, generation, metrics)
 
 
@@ -165,7 +174,9 @@ def _remote_draft(target: Target, cfg: VerifyServerConfig, status: health.Health
     on_change = lambda up: status.set(SPECULATION_HEALTH, health_pb2.HealthCheckResponse.SERVING if up  # noqa: E731
                                       else health_pb2.HealthCheckResponse.NOT_SERVING)
     on_overhead = metrics.draft_overhead_seconds.observe if metrics else lambda seconds: None
-    return RemoteDraft(exporter, buffers, capture, cfg.draft_timeout_s, on_change, on_overhead), exporter
+    internal = unix_socket_path(cfg.internal)  # step sockets go beside it; a TCP link steps on its stream
+    folder = internal.parent if internal is not None and step_socket.supported() else None
+    return RemoteDraft(exporter, buffers, capture, cfg.draft_timeout_s, on_change, on_overhead, folder), exporter
 
 
 def serve(cfg: VerifyServerConfig) -> None:

@@ -10,7 +10,7 @@ from common.devices import device_type
 from common.errors import InvalidRequestError
 from common.listen import default_internal_address
 from common.tree_settings import TreeSettings, add_tree_arguments, tree_settings_from_args
-from verify_service.config import KERNEL_CHOICES, EngineConfig
+from verify_service.config import KERNEL_CHOICES, SAMPLING_ACCEPTANCE, EngineConfig
 
 DEFAULT_PUBLIC = "127.0.0.1:50051"  # loopback unless configured otherwise
 DEFAULT_INTERNAL = default_internal_address()  # the draft channel never leaves the host, nor this user
@@ -22,6 +22,8 @@ RESERVED_WORKERS = 16
 class VerifyServerConfig:
     engine: EngineConfig
     limits: TreeSettings | None  # None: never speculate (no draft accepted)
+    adaptive_speculation: bool = False  # pick each step's tree size (or plain decoding) from measured costs
+    cost_table: str | None = None  # JSON cost table: read when it exists, else measured at start-up and written
     listen: str = DEFAULT_PUBLIC
     internal: str = DEFAULT_INTERNAL
     draft_timeout_s: float = 10.0  # a draft answering slower than this is dropped (plain decoding)
@@ -50,6 +52,8 @@ class VerifyServerConfig:
                 raise InvalidRequestError(name, f"must be in [1, 65536], got {getattr(self, name)}")
         if not 0 <= self.shutdown_grace_s <= 3600:
             raise InvalidRequestError("shutdown_grace_s", f"must be in [0, 3600], got {self.shutdown_grace_s}")
+        if self.adaptive_speculation and self.limits is None:
+            raise InvalidRequestError("adaptive_speculation", "needs speculation (it was turned off)")
         self._check_security()
 
     @property
@@ -89,6 +93,10 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
                         "debugging and parity checks); auto: Triton on CUDA, the references on the CPU")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every step runs eagerly (graphs need CUDA and the Triton kernels)")
+    p.add_argument("--sampling-acceptance", default="seeded", choices=list(SAMPLING_ACCEPTANCE),
+                   help="how sampled requests verify draft trees: seeded (default) accepts a node iff it is the "
+                        "target's own sample there, so a seed gives the same text with or without a draft; "
+                        "residual: the SpecInfer/EAGLE residual rule (same distribution, other text per seed)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,6 +105,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--internal", default=DEFAULT_INTERNAL, help="address the draft service dials (unix:PATH)")
     p.add_argument("--no-speculation", action="store_true", help="serve without a draft, one token per step")
     add_tree_arguments(p, limits=True, static_file=False)
+    p.add_argument("--adaptive-speculation", default="auto", choices=["auto", "on", "off"],
+                   help="pick each step's tree size, or plain decoding, for the batch from measured costs and "
+                        "the acceptance seen (on), or always verify the configured tree (off); auto: on with CUDA, "
+                        "off on a CPU")
+    p.add_argument("--cost-table", metavar="FILE", default=None,
+                   help="adaptive speculation's cost table (JSON): read when FILE exists and was measured on this "
+                        "device, dtype and model; else measured at start-up (seconds) and written to FILE")
     p.add_argument("--draft-timeout-s", type=float, default=10.0)
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     p.add_argument("--max-tokens-default", type=int, default=256)
@@ -127,13 +142,18 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
     return EngineConfig(model_dir, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
                         kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks,
-                        kernels=args.kernels, enforce_eager=args.enforce_eager)
+                        kernels=args.kernels, enforce_eager=args.enforce_eager,
+                        sampling_acceptance=args.sampling_acceptance)
 
 
 def from_args(args: argparse.Namespace, model_dir: str) -> VerifyServerConfig:
     engine = engine_config(args, model_dir)  # checks --device first
-    limits = None if args.no_speculation else tree_settings_from_args(args, device_type(args.device))
-    return VerifyServerConfig(engine, limits, listen=args.listen, internal=args.internal,
+    kind = device_type(args.device)
+    limits = None if args.no_speculation else tree_settings_from_args(args, kind)
+    adaptive = limits is not None and (args.adaptive_speculation == "on" or
+                                       (args.adaptive_speculation == "auto" and kind == "cuda"))
+    return VerifyServerConfig(engine, limits, adaptive_speculation=adaptive, cost_table=args.cost_table,
+                              listen=args.listen, internal=args.internal,
                               draft_timeout_s=args.draft_timeout_s, max_message_bytes=args.max_message_bytes,
                               max_tokens_default=args.max_tokens_default, metrics_port=args.metrics_port,
                               max_open_streams=args.max_open_streams, max_queued_requests=args.max_queued_requests,

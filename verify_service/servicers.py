@@ -126,8 +126,6 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
         self.remote, self.target, self.limits = remote, target, limits
         self.config_json = (Path(model_dir) / "config.json").read_text()
         self.identity = model_identity(target, remote.capture_layers, self.config_json)
-        self._pending: dict[int, object] = {}  # handshaken sessions waiting for their stream
-        self._lock = threading.Lock()
 
     def Handshake(self, request, context):
         try:
@@ -136,16 +134,17 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
             abort(context, exc)
         if self.remote.connected:  # one draft at a time: the live one keeps the link
             abort(context, LinkProtocolError("a draft session is already connected; one draft at a time"))
-        session = self.remote.new_session()
-        with self._lock:
-            self._pending = {session.session_id: session}  # only the newest handshake may open a stream
+        # Only the newest handshake's session may open a stream; a step socket is offered when asked for.
+        session = self.remote.new_session(request.step_transport == link_pb.STEP_TRANSPORT_UNIX_SOCKET)
         b = self.remote.buffers
+        offer = None if session.listener is None else link_pb.StepSocketOffer(name=session.listener.path.name,
+                                                                               token=session.listener.token)
         return link_pb.HandshakeResponse(
             session_id=session.session_id, generation=self.remote.exporter.generation, target=self.identity,
             buffers=[descriptor_to_proto(d) for d in self.remote.exporter.descriptors()],
             max_feature_rows=b["features"].shape[0], max_trees=b["tree_tokens"].shape[0],
             max_tree_nodes=b["tree_tokens"].shape[1], target_config_json=self.config_json,
-            max_model_len=self.target.max_model_len)
+            max_model_len=self.target.max_model_len, step_socket=offer)
 
     def _check_peer(self, request) -> None:
         loc, want, mine = request.location, request.expected_target, self.identity
@@ -177,12 +176,17 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
             first = next(request_iterator)
         except StopIteration:
             return
-        with self._lock:
-            session = self._pending.pop(first.open.session_id, None) if first.HasField("open") else None
-        if session is None or first.open.generation != self.remote.exporter.generation:
-            abort(context, SharedBufferError("unknown session or stale buffer generation: handshake again"))
-        if not self.remote.activate(session):
-            abort(context, LinkProtocolError("a draft session is already connected; one draft at a time"))
+        session = self.remote.claim(first.open.session_id) if first.HasField("open") else None
+        try:
+            if session is None or first.open.generation != self.remote.exporter.generation:
+                raise SharedBufferError("unknown session or stale buffer generation: handshake again")
+            self.remote.open_step_socket(session, first.open.step_transport == link_pb.STEP_TRANSPORT_UNIX_SOCKET)
+            if not self.remote.activate(session):
+                raise LinkProtocolError("a draft session is already connected; one draft at a time")
+        except (SharedBufferError, LinkProtocolError) as exc:
+            if session is not None:
+                self.remote.drop(session, str(exc))  # closes what the session held (its step socket)
+            abort(context, exc)
         context.add_callback(lambda: self.remote.drop(session, "stream closed"))
         threading.Thread(target=self._read, args=(request_iterator, session, context), daemon=True,
                          name=f"draft-session-{session.session_id}").start()
@@ -195,6 +199,9 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
     def _read(self, request_iterator, session, context) -> None:
         try:
             for msg in request_iterator:
+                if session.step_socket is not None:  # its results come on the step socket
+                    self.remote.drop(session, "the draft broke the protocol (a step on the stream, not the socket)")
+                    return
                 if not msg.HasField("result"):
                     self.remote.drop(session, "the draft broke the protocol (a message that is not a result)")
                     return

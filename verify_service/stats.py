@@ -6,7 +6,7 @@ consistent, the engine never waits for a reader, and a reader waits at most one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from verify_service.sequence import SpeculationMetrics
@@ -35,6 +35,9 @@ class VerifyStats:
     refused_trees: int  # the engine's part of draft_errors
     control_plane_p50_us: float
     control_plane_p99_us: float
+    adaptive_speculation: bool = False  # the tree size is chosen per step (verify_service/adaptive.py)
+    adaptive_tree_nodes: int = 0  # its latest choice: nodes per tree (0: plain decoding)
+    adaptive_decisions: dict[int, int] = field(default_factory=dict)  # choice -> steps it was made for
 
 
 def read_stats(loop: EngineThread, remote: RemoteDraft | None, timeout_s: float | None = None) -> VerifyStats:
@@ -70,5 +73,13 @@ def snapshot_fn(loop: EngineThread, remote: RemoteDraft | None):
             speculation=engine.speculation_totals(), draft_connected=bool(remote and remote.connected),
             draft_sessions=remote.sessions_opened if remote else 0,
             draft_errors=engine.draft_errors + (remote.errors if remote else 0), refused_trees=engine.draft_errors,
-            control_plane_p50_us=p50, control_plane_p99_us=p99)
+            control_plane_p50_us=p50, control_plane_p99_us=p99, **_adaptive(engine))
     return snapshot
+
+
+def _adaptive(engine: Engine) -> dict:
+    policy = engine.policy
+    if policy is None:
+        return {}
+    return {"adaptive_speculation": True, "adaptive_tree_nodes": policy.choice,
+            "adaptive_decisions": dict(policy.decisions)}

@@ -8,8 +8,8 @@ candidate tree of N nodes::
     RoPE position  n      n+depth(node)
     mask           prefix + root + ancestors + self
 
-Acceptance walks the tree from r (greedy: child == target argmax at its parent; sampling:
-the lossless residual rule) and yields the accepted path a_1..a_k plus a bonus token b.
+Acceptance walks the tree from r (greedy: child == target argmax at its parent; sampling: by
+default child == the target's own seeded sample at its parent, or the residual rule) and yields the accepted path a_1..a_k plus a bonus token b.
 Compaction then moves the KV of a_1..a_k to indices n+1..n+k, the cache is cut to n+k+1
 entries (r and the accepted nodes; b is the next newest token) and the rest is released.
 """
@@ -24,7 +24,9 @@ import torch
 from kernels.tree import tree_mask_ref, tree_positions_ref
 from link.protocol import DraftFeed
 from runtime.step_layout import SeqChunk, Staging
+from runtime.tree import CandidateTree
 from verify_service.model_runner import StepOutput
+from verify_service.replay import AcceptanceReplay
 from verify_service.sampler import Sampler
 from verify_service.sequence import Sequence
 from verify_service.target import Target
@@ -35,6 +37,8 @@ class Verified:
     seq: Sequence
     tokens: list[int]  # accepted node tokens, then the bonus token
     feed: DraftFeed  # features of r, a_1..a_k paired with a_1..a_k, b
+    tree: CandidateTree  # the tree verified
+    accepted: list[int]  # its accepted nodes a_1..a_k (node indices, root excluded)
 
 
 def tree_chunks(seqs: list[Sequence], tables: list[list[int]]) -> list[SeqChunk]:
@@ -74,9 +78,11 @@ class PendingVerification:
 
 
 class TreeVerifier:
-    def __init__(self, target: Target, sampler: Sampler):
+    def __init__(self, target: Target, sampler: Sampler, replay: AcceptanceReplay | None = None):
+        """``replay``: BENCHMARKS ONLY, acceptance taken from a recorded trace (outputs meaningless)."""
         self.target = target
         self.sampler = sampler
+        self.replay = replay
         self.kernels = target.runner.kernels
         self.staging = Staging(target.device)  # the acceptance inputs: one host-to-device copy
 
@@ -88,7 +94,7 @@ class TreeVerifier:
         eng = self.target
         sizes = [s.tree.num_nodes + 1 for s in seqs]
         width = max(sizes)
-        tokens, parents, num_nodes = self._padded_trees(seqs, width)
+        tokens, host_parents, num_nodes, depths = self._padded_trees(seqs, width)
         cols = np.minimum(np.arange(width)[None, :], np.asarray(sizes)[:, None] - 1)
         idx = np.asarray(logits_start)[:, None] + cols  # (B, N+1); padding repeats a row
         tables = [eng.blocks.block_table(s.seq_id) for s in seqs]
@@ -97,10 +103,13 @@ class TreeVerifier:
             table[i, :len(t)] = t
         prefix = np.array([s.num_cached for s in seqs], dtype=np.int64)
         rows = np.asarray(row_start, dtype=np.int64)
-        idx, tokens, parents, num_nodes, table, prefix, rows = self.staging.upload(
-            [idx, tokens, parents, num_nodes, table, prefix, rows])
+        idx, tokens, parents, num_nodes, table, prefix, rows, depths = self.staging.upload(
+            [idx, tokens, host_parents, num_nodes, table, prefix, rows, depths])
         max_depth = max(s.tree.max_depth for s in seqs)
-        result = self._accept(seqs, out.logits[idx], tokens, parents, num_nodes, max_depth)
+        if self.replay is not None:  # REPLAY (benchmarks only): the trace says how many nodes are accepted
+            result = self.replay.accept([s.seq_id for s in seqs], host_parents, sizes, out.logits[idx])
+        else:
+            result = self._accept(seqs, out.logits[idx], tokens, parents, num_nodes, max_depth, depths)
         src, dst = self.kernels.compaction_slots(result.path, result.num_accepted, prefix, table,
                                                  eng.kv_cache.block_size)
         self.kernels.compact_kv(eng.kv_cache.data, src, dst)
@@ -117,19 +126,22 @@ class TreeVerifier:
         return out
 
     @staticmethod
-    def _padded_trees(seqs: list[Sequence], width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Trees as [B, N+1] arrays with the root in column 0 (kernel convention)."""
+    def _padded_trees(seqs: list[Sequence], width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Trees as [B, N+1] arrays with the root in column 0 (kernel convention): tokens, parents,
+        node counts (with the root) and depths (root 0)."""
         B = len(seqs)
         tokens = np.zeros((B, width), dtype=np.int64)
         parents = np.full((B, width), -1, dtype=np.int64)
+        depths = np.zeros((B, width), dtype=np.int64)
         for i, s in enumerate(seqs):
             n = s.tree.num_nodes
             tokens[i, 0] = s.output_ids[-1]
             tokens[i, 1:n + 1] = s.tree.tokens
             parents[i, 1:n + 1] = s.tree.parents + 1
-        return tokens, parents, np.array([s.tree.num_nodes + 1 for s in seqs], dtype=np.int64)
+            depths[i, 1:n + 1] = s.tree.depths
+        return tokens, parents, np.array([s.tree.num_nodes + 1 for s in seqs], dtype=np.int64), depths
 
-    def _accept(self, seqs, logits, tokens, parents, num_nodes, max_depth):
+    def _accept(self, seqs, logits, tokens, parents, num_nodes, max_depth, depths):
         k = self.kernels
         if all(s.params.greedy for s in seqs):
             return k.greedy_accept(logits.argmax(dim=-1), tokens, parents, num_nodes, max_depth)
@@ -137,6 +149,12 @@ class TreeVerifier:
         rep = [s for s in seqs for _ in range(W)]
         probs = self.sampler.probs(logits.reshape(B * W, V), rep).view(B, W, V)  # one-hot rows for greedy
         seeds, offsets = [s.seed for s in seqs], [s.num_tokens for s in seqs]
+        if self.target.cfg.sampling_acceptance == "seeded":
+            # Row d of a sequence: the noise plain decoding draws its token num_tokens + d with.
+            noise = k.exponential_noise([s for s in seeds for _ in range(max_depth + 1)],
+                                        [o + d for o in offsets for d in range(max_depth + 1)], V, logits.device)
+            return k.seeded_accept(probs, tokens, parents, num_nodes, max_depth, depths,
+                                   noise.view(B, max_depth + 1, V))
         uniforms = k.uniform_noise(seeds, offsets, W, logits.device)
         noise = k.exponential_noise(seeds, offsets, V, logits.device)
         return k.sampling_accept(probs, tokens, parents, num_nodes, max_depth, uniforms, noise)
@@ -152,5 +170,5 @@ class TreeVerifier:
         committed = node_tokens + [bonus]
         feats = features[i, :k + 1] if features is not None else None  # a view: gathered before the copy
         feed = DraftFeed(seq.seq_id, start, feats, np.asarray(committed, dtype=np.int64))
-        seq.tree = None
-        return Verified(seq, committed, feed)
+        tree, seq.tree = seq.tree, None
+        return Verified(seq, committed, feed, tree, [c - 1 for c in path[1:]])

@@ -8,14 +8,31 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StepTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_TRANSPORT_UNSPECIFIED: _ClassVar[StepTransport]
+    STEP_TRANSPORT_SESSION_STREAM: _ClassVar[StepTransport]
+    STEP_TRANSPORT_UNIX_SOCKET: _ClassVar[StepTransport]
+
 class BufferBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     BUFFER_BACKEND_UNSPECIFIED: _ClassVar[BufferBackend]
     BUFFER_BACKEND_CUDA_IPC: _ClassVar[BufferBackend]
     BUFFER_BACKEND_SHARED_MEMORY: _ClassVar[BufferBackend]
+STEP_TRANSPORT_UNSPECIFIED: StepTransport
+STEP_TRANSPORT_SESSION_STREAM: StepTransport
+STEP_TRANSPORT_UNIX_SOCKET: StepTransport
 BUFFER_BACKEND_UNSPECIFIED: BufferBackend
 BUFFER_BACKEND_CUDA_IPC: BufferBackend
 BUFFER_BACKEND_SHARED_MEMORY: BufferBackend
+
+class StepSocketOffer(_message.Message):
+    __slots__ = ("name", "token")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    token: bytes
+    def __init__(self, name: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class ModelIdentity(_message.Message):
     __slots__ = ("name", "fingerprint", "vocab_size", "hidden_size", "capture_layers", "dtype")
@@ -68,19 +85,21 @@ class SharedBuffer(_message.Message):
     def __init__(self, name: _Optional[str] = ..., backend: _Optional[_Union[BufferBackend, str]] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., generation: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., offset_bytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., device_uuid: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("expected_target", "location", "limits", "draft_name")
+    __slots__ = ("expected_target", "location", "limits", "draft_name", "step_transport")
     EXPECTED_TARGET_FIELD_NUMBER: _ClassVar[int]
     LOCATION_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NAME_FIELD_NUMBER: _ClassVar[int]
+    STEP_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     expected_target: ModelIdentity
     location: PeerLocation
     limits: _speculation_pb2.SpeculationLimits
     draft_name: str
-    def __init__(self, expected_target: _Optional[_Union[ModelIdentity, _Mapping]] = ..., location: _Optional[_Union[PeerLocation, _Mapping]] = ..., limits: _Optional[_Union[_speculation_pb2.SpeculationLimits, _Mapping]] = ..., draft_name: _Optional[str] = ...) -> None: ...
+    step_transport: StepTransport
+    def __init__(self, expected_target: _Optional[_Union[ModelIdentity, _Mapping]] = ..., location: _Optional[_Union[PeerLocation, _Mapping]] = ..., limits: _Optional[_Union[_speculation_pb2.SpeculationLimits, _Mapping]] = ..., draft_name: _Optional[str] = ..., step_transport: _Optional[_Union[StepTransport, str]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("session_id", "generation", "target", "buffers", "max_feature_rows", "max_trees", "max_tree_nodes", "target_config_json", "max_model_len")
+    __slots__ = ("session_id", "generation", "target", "buffers", "max_feature_rows", "max_trees", "max_tree_nodes", "target_config_json", "max_model_len", "step_socket")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +109,7 @@ class HandshakeResponse(_message.Message):
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     TARGET_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     generation: int
     target: ModelIdentity
@@ -99,7 +119,8 @@ class HandshakeResponse(_message.Message):
     max_tree_nodes: int
     target_config_json: str
     max_model_len: int
-    def __init__(self, session_id: _Optional[int] = ..., generation: _Optional[int] = ..., target: _Optional[_Union[ModelIdentity, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[SharedBuffer, _Mapping]]] = ..., max_feature_rows: _Optional[int] = ..., max_trees: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., target_config_json: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    step_socket: StepSocketOffer
+    def __init__(self, session_id: _Optional[int] = ..., generation: _Optional[int] = ..., target: _Optional[_Union[ModelIdentity, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[SharedBuffer, _Mapping]]] = ..., max_feature_rows: _Optional[int] = ..., max_trees: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., target_config_json: _Optional[str] = ..., max_model_len: _Optional[int] = ..., step_socket: _Optional[_Union[StepSocketOffer, _Mapping]] = ...) -> None: ...
 
 class FeedRows(_message.Message):
     __slots__ = ("seq_id", "start_position", "buffer_row", "next_tokens")
@@ -148,12 +169,14 @@ class VerifyMessage(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedRows, _Mapping]]] = ..., proposals: _Optional[_Iterable[_Union[ProposalRequest, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., rejected_trees: _Optional[_Iterable[_Union[TreeRejection, _Mapping]]] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "generation")
+    __slots__ = ("session_id", "generation", "step_transport")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     generation: int
-    def __init__(self, session_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    step_transport: StepTransport
+    def __init__(self, session_id: _Optional[int] = ..., generation: _Optional[int] = ..., step_transport: _Optional[_Union[StepTransport, str]] = ...) -> None: ...
 
 class TreeRef(_message.Message):
     __slots__ = ("seq_id", "tree_slot", "num_nodes")

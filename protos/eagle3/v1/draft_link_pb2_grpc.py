@@ -58,7 +58,10 @@ class DraftLinkServicer:
 
     def Session(self, request_iterator, context):
         """One long-lived session: the verify side sends a step (feeds, proposal requests,
-        finished sequences); the draft answers each step with the trees it wrote.
+        finished sequences); the draft answers each step with the trees it wrote. With the unix
+        step socket (StepTransport) the steps travel on that socket and this stream carries only
+        the draft's SessionOpen: it stays open as the session's control channel, and either side
+        ending it ends the session (and closes the socket).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

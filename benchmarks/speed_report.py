@@ -1,0 +1,206 @@
+"""Speed report: tok/s and speed-up against batch size, verify cost against tree size and context,
+tau per depth, with Hugging Face transformers beside the engine on the same weights and prompts.
+
+    python benchmarks/speed_report.py --device cuda --dtype bfloat16 --out speed_report.json
+    python benchmarks/plot.py speed_report.json          # the PNGs, where matplotlib is installed
+
+Rows per batch size (the first max(batch, --min-prompts) MT-bench first turns, chat template, greedy,
+``--max-tokens`` new tokens at most, generated ``batch`` at a time): target-only (the reference),
+EAGLE-3 with the fixed tree (default: the device's), EAGLE-3 with adaptive speculation (its cost table
+measured first), transformers ``generate`` (left-padded batches) and its assisted generation where
+it applies: prompt lookup (``prompt_lookup_num_tokens``), which needs no second model, at batch 1
+(transformers assists one sequence at a time; SmolLM2-135M has no smaller sibling to assist it).
+Each row says how many outputs equal the target-only ones. Verify cost: the target's forward
+(``verify_service/cost_table.py``) over tokens per sequence x context x batch. tau per depth: the
+share of verification steps that accepted a node at depth d, per speculative row at batch 1.
+A model directory without a tokenizer (tests) gets prompts of token ids derived from the text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.sampling_params import SamplingParams  # noqa: E402
+from common.tree_settings import default_tree  # noqa: E402
+from hub.default_model import ensure_default_model  # noqa: E402
+from tools.evaluate import parse_config, run, summarize  # noqa: E402
+from tools.inprocess import build_engine  # noqa: E402
+from tools.train.data import load_prompts  # noqa: E402
+from verify_service.config import EngineConfig  # noqa: E402
+from verify_service.cost_table import CostGrid, calibrate  # noqa: E402
+
+DEFAULT_PROMPTS = Path(__file__).parent / "data" / "mt_bench.jsonl"
+
+
+def prompt_ids(engine, texts: list[str]) -> list[list[int]]:
+    if engine.target.tokenizer is None:  # a test model: ids from the text's bytes
+        vocab = engine.target.model_config.vocab_size
+        return [[b % (vocab - 1) for b in t.encode()[:64]] for t in texts]
+    return [engine.target.encode(messages=[{"role": "user", "content": t}]) for t in texts]
+
+
+def engine_rows(name: str, engine, prompts, batches, min_prompts: int, params, reference) -> list[dict]:
+    """One row per batch size; ``reference`` (target-only outputs per batch) is filled on the first call."""
+    run(engine, prompts[:2], params, 1)  # warm-up: kernels, CUDA graphs
+    rows = []
+    for b in batches:
+        ps = prompts[:max(b, min_prompts)]
+        outputs, secs, metrics = run(engine, ps, params, b)
+        ref_out, ref_secs = reference.setdefault(b, (outputs, secs))
+        row = summarize(name, outputs, secs, metrics if metrics and metrics[0] else None, ref_out, ref_secs)
+        if row.get("tau") == 0.0:  # no tree verified (adaptive speculation decoded plainly throughout)
+            del row["tau"], row["acceptance_per_depth"]
+        rows.append({"batch": b, **row})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def hf_rows(model_dir: str, prompts, batches, min_prompts: int, max_tokens: int, device: str, dtype,
+            eos: tuple[int, ...], reference) -> list[dict]:
+    """transformers generate at every batch size, prompt-lookup assisted generation at batch 1."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    pad = eos[0] if eos else 0
+    rows = []
+    cases = [(b, "hf generate", {}) for b in batches] + [(1, "hf assisted (prompt lookup)", {"prompt_lookup_num_tokens": 10})]
+    for b, name, extra in cases:
+        if b not in reference:
+            continue
+        ps = prompts[:max(b, min_prompts)]
+        _hf_generate(model, ps[:1], 1, 4, pad, device, extra)  # warm-up
+        sync(device)
+        start = time.perf_counter()
+        outputs = []
+        for i in range(0, len(ps), b):
+            outputs += _hf_generate(model, ps[i:i + b], b, max_tokens, pad, device, extra)
+        sync(device)
+        secs = time.perf_counter() - start
+        outputs = [_cut_at_eos(o, eos) for o in outputs]
+        row = {"batch": b, **summarize(name, outputs, secs, None, *reference[b])}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+@torch.inference_mode()
+def _hf_generate(model, prompts, b, max_tokens, pad, device, extra) -> list[list[int]]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                         pad_token_id=pad, **extra)
+    return out[:, width:].tolist()
+
+
+def _cut_at_eos(tokens: list[int], eos: tuple[int, ...]) -> list[int]:
+    """transformers pads finished rows with eos: keep up to and including the first (as the engine does)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i + 1]
+    return tokens
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def tau_per_depth(rows: list[dict]) -> dict:
+    first = min(r["batch"] for r in rows)
+    return {r["config"]: {"tau": r["tau"], "acceptance_per_depth": r["acceptance_per_depth"]}
+            for r in rows if r["batch"] == first and "tau" in r}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="target model directory (default: embedded SmolLM2)")
+    ap.add_argument("--head", default="default", help="EAGLE-3 head directory, or 'default' (the shipped one)")
+    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+    ap.add_argument("--batch", type=int, action="append", help="batch sizes (default 1, 4, 16, 64)")
+    ap.add_argument("--min-prompts", type=int, default=4, help="prompts per batch size at least")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--tree", default=None, help="TREE:DEPTH[:TOP_K[:NODES]] (default: the device's default tree)")
+    ap.add_argument("--no-adaptive", action="store_true", help="skip the adaptive speculation rows")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--verify-tokens", type=int, action="append", help="default 1, 2, 4, 8, 16, 32, 64")
+    ap.add_argument("--verify-contexts", type=int, action="append", help="default 512, 2048, 6144")
+    ap.add_argument("--verify-batches", type=int, action="append", help="default 1, 16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    batches = sorted(set(args.batch or [1, 4, 16, 64]))
+    model = args.model or str(ensure_default_model(progress=False))
+    tree = args.tree or _tree_text(default_tree(args.device.partition(":")[0]))
+    spec = parse_config(tree, args.head)
+    texts = load_prompts(args.prompts, max(max(batches), args.min_prompts))
+    longest = max(args.verify_contexts or [6144]) + max(args.verify_tokens or [64]) + 1
+    cfg = EngineConfig(model, device=args.device, dtype=args.dtype, max_model_len=max(4096, longest),
+                       max_num_seqs=max(batches))
+    params = SamplingParams(max_tokens=args.max_tokens)
+    report = {"kind": "speed_report", "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+              "torch": torch.__version__, "model": Path(model).name, "head": args.head, "dtype": args.dtype,
+              "prompts": f"{Path(args.prompts).name}, first turns, chat template", "max_tokens": args.max_tokens,
+              "tree": tree, "batches": batches, "throughput": []}
+    reference: dict[int, tuple] = {}
+    engine = build_engine(cfg)
+    prompts = prompt_ids(engine, texts)
+    eos = engine.target.model_config.eos_token_ids
+    report["verify_cost"] = _verify_cost(engine.target, args).to_json()  # before any request: see calibrate
+    report["throughput"] += engine_rows("target-only", engine, prompts, batches, args.min_prompts, params, reference)
+    del engine
+    for name, adaptive in ((f"eagle3 {tree}", False), (f"eagle3 adaptive (limits {tree})", True)):
+        if adaptive and args.no_adaptive:
+            continue
+        engine = build_engine(cfg, spec, adaptive=adaptive)
+        report["throughput"] += engine_rows(name, engine, prompts, batches, args.min_prompts, params, reference)
+        if adaptive:
+            report["adaptive_decisions"] = {str(k): v for k, v in sorted(engine.policy.decisions.items())}
+        del engine
+    report["tau_per_depth"] = tau_per_depth(report["throughput"])
+    report["hf"] = _hf(args, model, prompts, batches, eos, reference, report)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _hf(args, model, prompts, batches, eos, reference, report) -> dict:
+    if args.no_hf:
+        return {"ran": False, "why": "--no-hf"}
+    try:
+        import transformers
+    except ImportError:
+        return {"ran": False, "why": "transformers is not installed"}
+    try:
+        rows = hf_rows(model, prompts, batches, args.min_prompts, args.max_tokens, args.device,
+                       getattr(torch, args.dtype), eos, reference)
+    except Exception as exc:  # reported, not hidden: the JSON says transformers did not run
+        return {"ran": False, "transformers": transformers.__version__, "error": f"{type(exc).__name__}: {exc}"[:500]}
+    report["throughput"] += rows
+    return {"ran": True, "transformers": transformers.__version__,
+            "assisted": "prompt lookup (prompt_lookup_num_tokens=10), batch 1: transformers assists one sequence "
+                        "at a time, and SmolLM2-135M has no smaller model to assist it"}
+
+
+def _verify_cost(target, args):
+    tokens = tuple(sorted(set(args.verify_tokens or [1, 2, 4, 8, 16, 32, 64])))
+    contexts = tuple(sorted(set(args.verify_contexts or [512, 2048, 6144])))
+    batches = tuple(sorted(set(args.verify_batches or [1, 16])))
+    batches = tuple(b for b in batches if b <= target.cfg.max_num_seqs) or (1,)
+    return calibrate(target, CostGrid(batches, tokens, contexts, reps=5, warmup=2))
+
+
+def _tree_text(t) -> str:
+    return f"chain:{t.depth}" if t.tree == "chain" else f"{t.tree}:{t.depth}:{t.top_k}:{t.max_nodes}"
+
+
+if __name__ == "__main__":
+    main()

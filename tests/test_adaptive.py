@@ -1,0 +1,263 @@
+"""Adaptive speculation: the policy's choices on hand-made costs and acceptance, the cost table, the
+feed buffer, and end to end: greedy output equals target-only output whatever the policy picks."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from common.tree_settings import TreeSettings
+from draft_service.drafter import EagleDrafter
+from draft_service.spec_config import SpecConfig
+from drafters import OracleDrafter
+from link.protocol import DraftFeed
+from runtime.tree import CandidateTree
+from tiny_eagle import make_eagle_dir
+from tiny_models import make_model_dir, target_for, tiny_config
+from verify_service.adaptive import AdaptivePolicy, PolicyConfig, accepted_within, policy_for, tree_sizes
+from verify_service.cost_table import CostGrid, CostTable, calibrate, interp1
+from verify_service.engine import Engine
+from verify_service.feed_buffer import FeedBuffer
+
+PROMPTS = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2]]
+TOKENS = (1, 2, 3, 4, 5, 6, 9, 17, 33, 60)
+
+
+def table(per_token_ms: float, base_ms: float = 10.0, batches=(1, 64)) -> CostTable:
+    """Forward = base + per_token * (tokens - 1) * batch: how much a tree's nodes cost."""
+    ms = np.array([[[base_ms + per_token_ms * (q - 1) * b for q in TOKENS] for b in batches]])
+    return CostTable(tuple(batches), TOKENS, (1024,), ms)
+
+
+def chain(n: int) -> CandidateTree:
+    return CandidateTree.chain(np.arange(n), log_probs=-np.arange(1, n + 1, dtype=np.float32))
+
+
+def seen(policy: AdaptivePolicy, accepted: int, seq_id: int = 0, times: int = 100, nodes: int = 5) -> None:
+    """``times`` verified chains of ``nodes`` nodes, each accepting its first ``accepted``."""
+    for _ in range(times):
+        policy.observe_tree(seq_id, chain(nodes), list(range(accepted)), nodes)
+
+
+# --- the policy -----------------------------------------------------------------------------------
+
+def test_the_best_nodes_of_a_tree_show_what_each_smaller_tree_accepts():
+    #   root ─┬─ 0 (-0.1) ── 2 (-0.5) ── 4 (-0.7)        ranks by score: 0, 2, 4, 1, 3
+    #         └─ 1 (-1.0) ── 3 (-2.0)
+    tree = CandidateTree.from_lists([1, 2, 3, 4, 5], [-1, -1, 0, 1, 2],
+                                    log_probs=np.array([-0.1, -1.0, -0.5, -2.0, -0.7], dtype=np.float32))
+    assert accepted_within(tree, [0, 2, 4], [1, 2, 3, 4, 5, 8]).tolist() == [1, 2, 3, 3, 3, 3]
+    assert accepted_within(tree, [1, 3], [1, 2, 3, 4, 5]).tolist() == [0, 0, 0, 1, 2]
+    assert accepted_within(tree, [], [1, 5]).tolist() == [0, 0]
+
+
+def test_capped_settings_keep_the_best_nodes_and_fewer_levels():
+    dyn = TreeSettings("dynamic", 7, 10, 59)
+    assert dyn.capped(59) == dyn and dyn.capped(100) == dyn
+    assert dyn.capped(16) == TreeSettings("dynamic", 7, 10, 16)
+    assert dyn.capped(4) == TreeSettings("dynamic", 4, 10, 4)
+    assert TreeSettings("chain", 5).capped(2).depth == 2 and TreeSettings("chain", 5).capped(2).node_budget == 2
+    assert TreeSettings("static", 3).capped(1) == TreeSettings("static", 3)
+    assert tree_sizes(dyn) == (1, 2, 4, 8, 16, 32, 59)
+    assert tree_sizes(TreeSettings("chain", 3)) == (1, 2, 3)
+    assert tree_sizes(TreeSettings("static", 5, 10, 20)) == (20,)
+
+
+def test_plain_decoding_where_trees_cost_more_than_they_bring():
+    policy = AdaptivePolicy(table(per_token_ms=0.05), TreeSettings("chain", 5), PolicyConfig(probe_every=0))
+    seen(policy, accepted=1)  # tau 2
+    # batch 1: five nodes cost 0.25 ms on 10: speculation pays
+    assert policy.best(1, 1024, [0], [5]) > 0
+    # batch 64: every node of every sequence costs 0.05 ms (a 2-node tree: +6.4 ms on 10), tau 2 cannot pay
+    # for a tree beyond one node, and not even one node when the forward doubles per node
+    ids = list(range(64))
+    policy64 = AdaptivePolicy(table(per_token_ms=0.2), TreeSettings("chain", 5), PolicyConfig(probe_every=0))
+    for i in ids:
+        seen(policy64, accepted=1, seq_id=i, times=20)
+    assert policy64.best(64, 1024, ids, [5] * 64) == 0
+
+
+def test_bigger_trees_when_acceptance_is_high_smaller_when_low():
+    limits = TreeSettings("chain", 5)
+    high = AdaptivePolicy(table(per_token_ms=1.0), limits, PolicyConfig(probe_every=0))
+    seen(high, accepted=5)
+    assert high.best(1, 1024, [0], [5]) == 5
+    low = AdaptivePolicy(table(per_token_ms=1.0), limits, PolicyConfig(probe_every=0))
+    seen(low, accepted=1)
+    assert low.best(1, 1024, [0], [5]) == 1
+    none = AdaptivePolicy(table(per_token_ms=1.0), limits, PolicyConfig(probe_every=0))
+    seen(none, accepted=0)
+    assert none.best(1, 1024, [0], [5]) == 0
+    # a request's own smaller tree caps what it may gain
+    assert high.expected_accepted(0, 5) == pytest.approx(5, abs=1e-3)
+    assert high.expected_tokens(1, [0], [2], 5) == pytest.approx(1 + 2, abs=1e-3)
+
+
+def test_each_sequence_keeps_its_own_acceptance():
+    policy = AdaptivePolicy(table(per_token_ms=1.0), TreeSettings("chain", 5), PolicyConfig(probe_every=0))
+    seen(policy, accepted=5, seq_id=1)
+    seen(policy, accepted=0, seq_id=2)
+    assert policy.best(1, 1024, [1], [5]) == 5 and policy.best(1, 1024, [2], [5]) == 0
+    policy.release(1)
+    assert policy.expected_accepted(1, 5) == policy.expected_accepted(99, 5)  # back to the global prior
+
+
+def test_measured_draft_and_step_costs_change_the_choice():
+    policy = AdaptivePolicy(table(per_token_ms=0.1), TreeSettings("chain", 3), PolicyConfig(probe_every=0,
+                                                                                         cost_weight=1.0))
+    seen(policy, accepted=3, nodes=3)
+    assert policy.best(1, 1024, [0], [3]) == 3
+    policy.observe_draft(1, 3, 200.0)  # the draft turns out slow: 50 ms a level
+    assert policy.best(1, 1024, [0], [3]) == 0
+    policy.observe_draft(1, 3, 0.4)
+    policy.observe_step(1, 3, 1024, 500.0)  # tree steps cost far more than the table says
+    assert policy.best(1, 1024, [0], [3]) == 0
+    policy.observe_step(1, 3, 1024, 10.2)
+    assert policy.best(1, 1024, [0], [3]) == 3
+
+
+def test_probes_try_the_next_size_up_now_and_then():
+    policy = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4), PolicyConfig(probe_every=4))
+    seen(policy, accepted=0)
+    choices = [policy.choose(1, 1024, [0], [4]) for _ in range(8)]
+    assert choices == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert policy.decisions == {0: 6, 1: 2} and policy.choice == 1
+
+
+# --- the cost table -------------------------------------------------------------------------------
+
+def test_cost_table_interpolates_extrapolates_and_round_trips(tmp_path):
+    assert interp1([1, 3], [10, 30], 2) == 20 and interp1([1, 3], [10, 30], 5) == 50 and interp1([4], [7], 9) == 7
+    ms = np.array([[[1.0, 2.0], [3.0, 6.0]], [[2.0, 4.0], [6.0, 12.0]]])  # contexts 100, 200; batches 1, 3
+    t = CostTable((1, 3), (1, 5), (100, 200), ms, {"device": "cpu"})
+    assert t.forward_ms(1, 1, 100) == 1.0
+    assert t.forward_ms(2, 3, 100) == pytest.approx(3.0)  # (1.5 + 4.5) / 2
+    assert t.forward_ms(1, 1, 300) == pytest.approx(3.0)  # context extrapolated linearly
+    t.save(tmp_path / "t.json")
+    back = CostTable.load(tmp_path / "t.json")
+    assert back.to_json() == t.to_json() and back.forward_ms(2, 3, 150) == t.forward_ms(2, 3, 150)
+
+
+def test_calibration_times_the_runner_without_touching_live_blocks(tmp_path):
+    target = target_for(make_model_dir(tmp_path / "m", "llama3", seed=5, std=0.3))
+    t = calibrate(target, CostGrid((1, 2), (1, 3), (16, 100000), reps=1, warmup=1))
+    assert t.contexts == (16,)  # 100000 does not fit the model's context: dropped
+    assert t.ms.shape == (1, 2, 2) and (t.ms > 0).all()
+    assert target.blocks.num_used_blocks == 0 and t.meta["kernels"] == "reference"
+
+
+def test_policy_for_reads_a_matching_table_and_measures_again_otherwise(tmp_path, monkeypatch):
+    target = target_for(make_model_dir(tmp_path / "m", "llama3", seed=5, std=0.3))
+    path = tmp_path / "costs.json"
+    first = policy_for(target, TreeSettings("chain", 2), str(path))
+    assert path.is_file() and first.table.tokens == (1, 2, 3)
+    saved = json.loads(path.read_text())
+    saved["ms"] = [[[7.0] * 3] * len(saved["batches"])]
+    path.write_text(json.dumps(saved))
+    assert policy_for(target, TreeSettings("chain", 2), str(path)).table.forward_ms(1, 1, 64) == 7.0
+    saved["meta"]["dtype"] = "bfloat16"
+    path.write_text(json.dumps(saved))
+    assert policy_for(target, TreeSettings("chain", 2), str(path)).table.meta["dtype"] == "float32"
+
+
+# --- the feed buffer ------------------------------------------------------------------------------
+
+def feed(seq_id: int, start: int, n: int) -> DraftFeed:
+    return DraftFeed(seq_id, start, torch.full((n, 2), float(start)), np.arange(start, start + n))
+
+
+def test_feed_buffer_merges_rows_per_sequence_and_flushes_before_overflowing():
+    buf = FeedBuffer(max_rows=6)
+    assert buf.add([feed(1, 0, 3), feed(2, 0, 1)]) == []
+    assert buf.add([feed(1, 3, 1)]) == [] and buf.rows == 5
+    flushed = buf.add([feed(1, 4, 2)])  # 7 rows would not fit one call: the first 5 go now
+    assert [(f.seq_id, f.start, len(f.next_tokens)) for f in flushed] == [(1, 0, 4), (2, 0, 1)]
+    assert flushed[0].features[:, 0].tolist() == [0, 0, 0, 3] and flushed[0].next_tokens.tolist() == [0, 1, 2, 3]
+    buf.add([feed(2, 1, 1)])
+    buf.drop(2)
+    assert [(f.seq_id, f.start) for f in buf.take()] == [(1, 4)] and buf.rows == 0
+    with pytest.raises(AssertionError, match="in order"):
+        buf.add([feed(3, 0, 1)]), buf.add([feed(3, 2, 1)])
+
+
+# --- end to end -----------------------------------------------------------------------------------
+
+class ChaosPolicy(AdaptivePolicy):
+    """Picks a random size (plain decoding included) every step: whatever the choice, the output holds."""
+
+    def choose(self, batch, context, seq_ids, budgets):
+        self.choice = random.choice((0, *self.sizes))
+        self.decisions[self.choice] += 1
+        return self.choice
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive")
+    return (make_model_dir(root / "target", "llama3", seed=5, std=0.3),
+            make_eagle_dir(root / "draft", tiny_config("llama3"), draft_vocab=64, seed=1))
+
+
+def eagle_engine(dirs, tree, policy_cls, cost: CostTable, **engine_kw):
+    spec = SpecConfig(str(dirs[1]), tree=tree, depth=4, top_k=3, max_nodes=10)
+    target = target_for(dirs[0], **engine_kw)
+    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                           target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels)
+    return Engine(target, drafter, spec.settings, policy_cls(cost, spec.settings))
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "chain"])
+def test_greedy_output_equals_target_only_whatever_the_policy_picks(dirs, tree):
+    random.seed(3)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 30, 14, 2, 25)]
+    want = [r.token_ids for r in Engine(target_for(dirs[0])).generate(PROMPTS, params)]
+    engine = eagle_engine(dirs, tree, ChaosPolicy, table(1.0), max_batch_tokens=32)
+    assert [r.token_ids for r in engine.generate(PROMPTS, params)] == want
+    assert len(engine.policy.decisions) >= 4 and engine.speculation_totals().steps > 0
+    assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
+    engine = eagle_engine(dirs, tree, AdaptivePolicy, table(0.01), max_batch_tokens=32)  # the real policy
+    assert [r.token_ids for r in engine.generate(PROMPTS, params)] == want
+
+
+def test_the_draft_gets_every_row_before_it_proposes(dirs):
+    random.seed(5)
+    engine = eagle_engine(dirs, "dynamic", ChaosPolicy, table(1.0))
+    seq_id = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(25):
+        engine.step()
+        seq = engine.sequences[seq_id]
+        rows = engine.drafter.rows.get(seq_id, 0)
+        if seq.tree is not None:  # a tree was just proposed: every committed row reached the draft
+            assert rows == seq.num_tokens - 1
+        else:  # plain decoding: the rows wait in the buffer, none lost, none twice
+            assert rows + engine.feed_buffer.rows == seq.num_tokens - 1 - (seq.pending_feature is not None)
+
+
+class CountingOracle(OracleDrafter):
+    calls = 0
+
+    def step(self, feeds, proposals):
+        self.calls += 1
+        return super().step(feeds, proposals)
+
+
+@pytest.mark.parametrize("per_token_ms, speculates", [(0.01, True), (100.0, False)])
+def test_a_perfect_draft_speculates_when_trees_are_cheap_and_not_when_dear(dirs, per_token_ms, speculates):
+    limits = TreeSettings("chain", 4)
+    drafter = CountingOracle(target_for(dirs[0]), depth=4)
+    # The oracle runs a whole target generation per tree: measured, its cost would rule out speculation.
+    policy = AdaptivePolicy(table(per_token_ms), limits, PolicyConfig(cost_weight=0.0))
+    engine = Engine(target_for(dirs[0]), drafter, limits, policy)
+    drafter.engine = engine
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    result = engine.generate([PROMPTS[1]], params)[0]
+    assert result.token_ids == [r.token_ids for r in Engine(target_for(dirs[0])).generate([PROMPTS[1]], params)][0]
+    decisions = engine.policy.decisions
+    if speculates:
+        assert decisions.most_common(1)[0][0] == 4 and result.speculation.tau > 3
+    else:
+        assert decisions.most_common(1)[0][0] == 0 and decisions[0] >= 3 * sum(decisions[n] for n in (1, 2, 3, 4))
+        assert drafter.calls < len(result.token_ids) / 3  # plain steps do not call the draft

@@ -1,0 +1,105 @@
+"""The replay hook (benchmarks only), the benchmarks that use it and the plot step, small on the CPU."""
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import plot, replay_gates, speed_report
+from benchmarks.record_acceptance import record, summary
+from draft_service.drafter import EagleDrafter
+from draft_service.spec_config import SpecConfig
+from tiny_eagle import make_eagle_dir
+from tiny_models import make_model_dir, target_for, tiny_config
+from verify_service.engine import Engine
+from verify_service.replay import AcceptanceReplay
+
+TRACE = {"kind": "acceptance_trace", "model": "tiny", "head": "random", "prompts": "none",
+         "configs": {"chain:3": {"tree": {"tree": "chain", "depth": 3, "top_k": 8, "max_nodes": 59}, "tau": 2.5,
+                                 "acceptance_per_depth": [0.75, 0.5, 0.25], "traces": [[3, 0, 2, 1]]}}}
+
+
+def test_replayed_path_follows_first_children_then_tree_order():
+    #   root(0) ─┬─ 1 ── 3 ── 4        columns; parents in kernel convention (root = column 0)
+    #            └─ 2
+    parents = np.array([-1, 0, 0, 1, 3, -1])  # column 5: padding
+    assert AcceptanceReplay._path(parents, 5, 0) == [0]
+    assert AcceptanceReplay._path(parents, 5, 3) == [0, 1, 3, 4]
+    assert AcceptanceReplay._path(parents, 5, 4) == [0, 1, 3, 4, 2]  # deeper than the tree: tree order
+    assert AcceptanceReplay._path(parents, 5, 9) == [0, 1, 3, 4, 2]  # never more than the nodes
+
+
+def test_an_engine_with_a_replay_accepts_what_the_trace_says(tmp_path):
+    target_dir = make_model_dir(tmp_path / "t", "llama3", seed=5, std=0.3)
+    head = make_eagle_dir(tmp_path / "d", tiny_config("llama3"), draft_vocab=64, seed=1)
+    spec = SpecConfig(str(head), tree="chain", depth=3)
+    target = target_for(target_dir)
+    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                           target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels)
+    engine = Engine(target, drafter, spec.settings, replay=AcceptanceReplay([[3, 0, 2, 1], [1]]))
+    traces = record(engine, [list(range(10, 30)), [5, 6, 7]], max_tokens=40, batch=2)
+    assert traces[0][:8] == [3, 0, 2, 1, 3, 0, 2, 1] and set(traces[1][:-1]) == {1}  # the end may be cut short
+    assert summary(traces, 3)["tau"] > 2 and target.blocks.num_used_blocks == 0
+
+
+def test_replay_gates_runs_small_and_says_replay(tmp_path):
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps(TRACE))
+    out = tmp_path / "gates.json"
+    report = replay_gates.main(["--geometry", "tiny", "--device", "cpu", "--dtype", "float32", "--case", "32:1",
+                                "--case", "24:2", "--steps", "6", "--trace", str(trace), "--out", str(out)])
+    assert "REPLAY" in report and "meaningless" in report["REPLAY"] and json.loads(out.read_text()) == report
+    rows = {(r["context"], r["batch"], r["config"]): r for r in report["cases"]}
+    assert set(rows) == {(c, b, n) for c, b in ((32, 1), (24, 2)) for n in ("target-only", "chain:3 (replay)")}
+    spec = rows[(32, 1, "chain:3 (replay)")]
+    assert spec["tau"] > 1.5 and spec["efficiency"] == pytest.approx(spec["speedup"] / spec["tau"], abs=2e-3)
+    if plot_available():
+        assert [p.name for p in plot.main([str(out), "--out-dir", str(tmp_path / "png")])] == ["replay_gates.png"]
+
+
+def plot_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_speed_report_runs_small(tmp_path):
+    target_dir = make_model_dir(tmp_path / "t", "llama3", seed=5, std=0.3)
+    head = make_eagle_dir(tmp_path / "d", tiny_config("llama3"), draft_vocab=64, seed=1)
+    out = tmp_path / "report.json"
+    report = speed_report.main(["--model", str(target_dir), "--head", str(head), "--batch", "1", "--batch", "2",
+                                "--min-prompts", "2", "--max-tokens", "5", "--tree", "chain:2", "--no-hf",
+                                "--verify-tokens", "1", "--verify-tokens", "3", "--verify-contexts", "16",
+                                "--verify-batches", "1", "--device", "cpu", "--dtype", "float32", "--out", str(out)])
+    configs = {(r["batch"], r["config"]) for r in report["throughput"]}
+    assert configs == {(b, c) for b in (1, 2) for c in ("target-only", "eagle3 chain:2",
+                                                         "eagle3 adaptive (limits chain:2)")}
+    assert all(r["identical_outputs"] == r["prompts"] for r in report["throughput"])  # fp32: exact
+    assert report["verify_cost"]["tokens"] == [1, 3] and report["hf"] == {"ran": False, "why": "--no-hf"}
+    assert "eagle3 chain:2" in report["tau_per_depth"]
+
+
+SMALL_REPORT = {
+    "kind": "speed_report", "model": "m", "device": "cpu", "dtype": "float32", "batches": [1, 4],
+    "throughput": [{"batch": b, "config": c, "tokens_per_s": t, **({"speedup_vs_target": t / 10} if c != "base" else {})}
+                   for b, c, t in ((1, "base", 10), (4, "base", 30), (1, "spec", 20), (4, "spec", 25))],
+    "verify_cost": {"batches": [1, 4], "tokens": [1, 8], "contexts": [64, 256],
+                    "ms": [[[1, 2], [3, 4]], [[2, 3], [4, 5]]]},
+    "tau_per_depth": {"spec": {"tau": 2.1, "acceptance_per_depth": [0.6, 0.3, 0.2]}},
+}
+
+
+def test_plot_step_writes_the_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(SMALL_REPORT))
+    files = plot.main([str(src)])
+    assert sorted(p.name for p in files) == ["speedup_vs_batch.png", "tau_per_depth.png", "throughput_vs_batch.png",
+                                             "verify_cost.png"]
+    assert all(p.parent == tmp_path and p.read_bytes()[:4] == b"\x89PNG" for p in files)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"kind": "other"}))
+    with pytest.raises(SystemExit, match="no plots for kind"):
+        plot.main([str(bad)])

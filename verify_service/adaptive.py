@@ -1,0 +1,266 @@
+"""Adaptive speculation: each step, the tree size (or plain decoding) that gives the batch the most
+tokens per second, from measured costs and the acceptance its sequences have shown.
+
+For B decoding sequences, S of them speculating, and trees of at most n nodes::
+
+    tokens(n) = sum_i (1 + a_i(n)) + (B - S)        a_i(n): sequence i's expected accepted nodes
+    cost(n)   = forward(B, 1 + n, ctx) + residual(B, n > 0) + draft(S, n)        (n = 0: no draft)
+    choice    = argmax_n tokens(n) / cost(n); a tree must beat plain decoding by ``margin``
+
+forward: the calibrated ``CostTable``. residual: what a step costs beyond the forward (sampling,
+acceptance, compaction, commit), learned online per batch bucket for plain and tree steps apart.
+draft: the draft's part (extend + tree growth, the link's round trip included), learned online
+per batch bucket as milliseconds per level, levels = 1 + tree depth.
+
+Acceptance: the best m nodes of a tree (by draft score) are themselves the tree of size m
+(``TreeSettings.capped``) and closed under ancestors, so a verified tree of n nodes shows what every
+size m <= n would have accepted: under greedy verification exactly the leading nodes of the
+accepted path ranking among the best m (under sampling, an estimate). Each sequence keeps its own
+means per size (``Acceptance``), seeded from the global ones. Sizes above the largest seen are
+guessed optimistically (the last gain per node carried on), so a larger tree is tried when it might
+pay; and every ``probe_every`` decisions the next size up is tried once (from plain decoding: the
+smallest tree), so acceptance that rises is found even where the guess says no.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from common.tree_settings import TreeSettings
+from runtime.tree import CandidateTree
+from verify_service.cost_table import CostGrid, CostTable, calibrate, describe
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    prior_acceptance: float = 0.6  # before any tree is seen: node at depth d accepted with p^d
+    seq_weight: float = 0.2  # EWMA weight of one tree in a sequence's own estimate
+    global_weight: float = 0.02  # ... in the global estimate (the prior of new sequences)
+    cost_weight: float = 0.05  # EWMA weight of one measured step in the learned costs (0: the table alone)
+    margin: float = 0.02  # a tree must beat plain decoding by this fraction (noise in the estimates)
+    probe_every: int = 32  # decisions between probes of the next size up (0: never)
+    draft_prior_fraction: float = 0.15  # draft cost per level before one is measured, x a decode forward
+
+
+def tree_sizes(limits: TreeSettings) -> tuple[int, ...]:
+    """Node counts the policy picks from: every chain length; 1, 2, 4, ... and the budget of a
+    dynamic tree; a static tree whole (the draft's file cannot be cut)."""
+    budget = limits.node_budget
+    if limits.tree == "chain":
+        return tuple(range(1, budget + 1))
+    if limits.tree == "static":
+        return (budget,)
+    return tuple(sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n < budget} | {budget}))
+
+
+def accepted_within(tree: CandidateTree, accepted: list[int], sizes) -> np.ndarray:
+    """For each size m: nodes of the accepted path (node indices, root excluded, in path order) the
+    tree's best min(m, N) nodes hold, i.e. what the tree of size m would have accepted.
+
+    Best = highest cumulative draft log-prob; ties to the shallower, then the earlier node (the
+    dynamic builder's order). A path stops at its first node outside the best m."""
+    n = tree.num_nodes
+    order = np.lexsort((np.arange(n), tree.depths, -tree.log_probs))  # last key is the primary one
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    worst = np.maximum.accumulate(rank[np.asarray(accepted, dtype=np.int64)]) if accepted else np.zeros(0)
+    return (worst[None, :] < np.minimum(sizes, n)[:, None]).sum(axis=1).astype(np.float64)
+
+
+class Acceptance:
+    """Expected accepted nodes for each tree size, from the trees seen: an exponentially weighted
+    mean per size (bias-corrected, so the first tree of a size counts fully; a prior only while no
+    tree was seen). Above the largest size seen, the last gain per node is carried on: acceptance
+    grows concavely with the size, so the guess is optimistic, the policy tries a larger tree when
+    the guess says it pays, and that tree corrects it. A tree holds every smaller one (the best m
+    nodes), so the curve never decreases."""
+
+    def __init__(self, prior: np.ndarray, weight: float):
+        self.prior, self.weight = prior, weight
+        self._sum = np.zeros_like(prior)  # EWMA from zero ...
+        self._mass = np.zeros_like(prior)  # ... and the weight it has gathered: mean = sum / mass
+        self.seen = -1  # index of the largest size seen
+        self._curve: np.ndarray | None = None  # cached until the next update
+
+    def update(self, acc: np.ndarray) -> None:
+        """``acc``: what sizes 0..len(acc)-1 would have accepted in one tree."""
+        j, w = len(acc), self.weight
+        self._sum[:j] += w * (acc - self._sum[:j])
+        self._mass[:j] += w * (1.0 - self._mass[:j])
+        self.seen = max(self.seen, j - 1)
+        self._curve = None
+
+    def curve(self, sizes, levels: np.ndarray) -> np.ndarray:
+        """[len(sizes)] expected accepted nodes, the guess above the largest size seen included."""
+        if self._curve is None:
+            self._curve = self._estimate(np.asarray(sizes, dtype=np.float64), levels)
+        return self._curve
+
+    def _estimate(self, s: np.ndarray, levels: np.ndarray) -> np.ndarray:
+        top = self.seen
+        if top < 0:
+            return self.prior.copy()
+        v = np.zeros_like(self.prior)
+        v[:top + 1] = np.maximum.accumulate(self._sum[:top + 1] / self._mass[:top + 1])
+        slope = v[0] / s[0] if top == 0 else (v[top] - v[top - 1]) / (s[top] - s[top - 1])
+        v[top + 1:] = np.maximum(v[top] + slope * (s[top + 1:] - s[top]), v[top])
+        return np.minimum(v, levels)
+
+
+def _bucket(batch: int) -> int:
+    """Learned costs are kept per power-of-two batch bucket."""
+    return 1 << max(0, int(batch) - 1).bit_length()
+
+
+class AdaptivePolicy:
+    def __init__(self, table: CostTable, limits: TreeSettings, config: PolicyConfig = PolicyConfig()):
+        self.table, self.limits, self.cfg = table, limits, config
+        self.sizes = tree_sizes(limits)
+        self._levels = np.array([limits.capped(m).depth for m in self.sizes], dtype=np.float64)
+        p = config.prior_acceptance
+        prior = np.array([sum(p ** d for d in range(1, int(lv) + 1)) for lv in self._levels])
+        self._global = Acceptance(prior, config.global_weight)
+        self._seq: dict[int, Acceptance] = {}
+        self._nodes = np.array(self.sizes, dtype=np.float64)  # nodes the trees of each size really held
+        self._residual: dict[tuple[int, bool], float] = {}
+        self._draft_level_ms: dict[int, float] = {}
+        self._forward_cache: dict[tuple[int, int, int], float] = {}
+        self.decisions: Counter[int] = Counter()  # steps per choice (0: plain decoding)
+        self.choice = 0
+
+    # --- the decision ---------------------------------------------------------------------------
+
+    def choose(self, batch: int, context: float, seq_ids: list[int], budgets: list[int]) -> int:
+        """Nodes per tree for the next step (0: plain decoding). ``batch``: the sequences that decode
+        next step; ``seq_ids``/``budgets``: those that may speculate, and the most nodes each may have."""
+        best = self.best(batch, context, seq_ids, budgets)
+        self.choice = self._probe(best)
+        self.decisions[self.choice] += 1
+        return self.choice
+
+    def best(self, batch: int, context: float, seq_ids: list[int], budgets: list[int]) -> int:
+        """argmax over {0} + sizes of expected tokens per ms (no probing, no counting)."""
+        if not seq_ids:
+            return 0
+        plain = batch / self.step_ms(batch, context, 0, len(seq_ids))
+        tokens = batch + self._accepted(seq_ids, budgets).sum(axis=0)  # [len(sizes)]
+        rates = [t / self.step_ms(batch, context, m, len(seq_ids)) for t, m in zip(tokens, self.sizes)]
+        i = int(np.argmax(rates))
+        return self.sizes[i] if rates[i] > plain * (1 + self.cfg.margin) else 0
+
+    def expected_tokens(self, batch: int, seq_ids: list[int], budgets: list[int], nodes: int) -> float:
+        """tokens(n): every decoding sequence commits one, a speculating one its expected accepted too."""
+        return batch + sum(self.expected_accepted(s, min(nodes, b)) for s, b in zip(seq_ids, budgets))
+
+    def _accepted(self, seq_ids: list[int], budgets: list[int]) -> np.ndarray:
+        """[S, len(sizes)]: a_i(min(size, budget_i)), each sequence's curve computed once."""
+        rows = np.stack([self._seq.get(s, self._global).curve(self.sizes, self._levels) for s in seq_ids])
+        for i, b in enumerate(budgets):
+            if b < self.sizes[-1]:  # a request's own smaller tree caps what larger choices bring it
+                rows[i] = np.interp(np.minimum(self.sizes, b), (0, *self.sizes), (0.0, *rows[i]))
+        return rows
+
+    def expected_accepted(self, seq_id: int, nodes: int) -> float:
+        """a_i(n), linear between the sizes (a(0) = 0)."""
+        a = self._seq.get(seq_id, self._global).curve(self.sizes, self._levels)
+        return float(np.interp(nodes, (0, *self.sizes), (0.0, *a)))
+
+    def step_ms(self, batch: int, context: float, nodes: int, speculating: int) -> float:
+        """cost(n) for ``batch`` decoding sequences, ``speculating`` of them with a tree of ``nodes``."""
+        j = self.sizes.index(nodes) if nodes else -1
+        forward = self._forward(batch, 1 + (self._nodes[j] if nodes else 0), context)
+        # The learned residual may be negative (the table measured slower than steps run); a step is never free.
+        step = max(forward + self._residual.get((_bucket(batch), nodes > 0), 0.0), 0.05 * forward)
+        return step + self.draft_ms(speculating, self._levels[j], context) if nodes else step
+
+    def draft_ms(self, speculating: int, levels: float, context: float) -> float:
+        unit = self._draft_level_ms.get(_bucket(speculating))
+        if unit is None:
+            unit = self.cfg.draft_prior_fraction * self._forward(speculating, 1, context)
+        return unit * (1 + levels)
+
+    def _forward(self, batch: int, tokens: float, context: float) -> float:
+        """The table's forward ms, memoised on (batch, tokens, context to 128): asked every step."""
+        key = (batch, round(tokens), int(context) >> 7)
+        ms = self._forward_cache.get(key)
+        if ms is None:
+            if len(self._forward_cache) > 4096:
+                self._forward_cache.clear()
+            ms = self._forward_cache[key] = self.table.forward_ms(batch, round(tokens), (key[2] << 7) + 64)
+        return ms
+
+    def _probe(self, best: int) -> int:
+        every = self.cfg.probe_every
+        if not every or sum(self.decisions.values()) % every != every - 1 or best == self.sizes[-1]:
+            return best
+        return self.sizes[0] if best == 0 else self.sizes[self.sizes.index(best) + 1]
+
+    def settings(self, seq_settings: TreeSettings, nodes: int) -> TreeSettings:
+        """A sequence's tree for a choice of ``nodes`` (> 0)."""
+        return seq_settings.capped(nodes)
+
+    # --- what was measured ------------------------------------------------------------------
+
+    def observe_tree(self, seq_id: int, tree: CandidateTree, accepted: list[int], asked: int) -> None:
+        """A verified tree asked for with at most ``asked`` nodes, and the nodes accepted along its path."""
+        if not tree.num_nodes:
+            return
+        seen = [j for j, m in enumerate(self.sizes) if m <= asked]
+        if not seen:
+            return
+        acc = accepted_within(tree, accepted, [self.sizes[j] for j in seen])
+        own = self._seq.get(seq_id)
+        if own is None:  # a sequence's own estimate starts from the global one, as its prior
+            own = self._seq[seq_id] = Acceptance(self._global.curve(self.sizes, self._levels), self.cfg.seq_weight)
+        own.update(acc)
+        self._global.update(acc)
+        j = seen[-1]
+        self._nodes[j] += self.cfg.cost_weight * (min(tree.num_nodes, self.sizes[j]) - self._nodes[j])
+
+    def observe_step(self, batch: int, nodes: int, context: float, ms: float) -> None:
+        """A decode (``nodes`` = 0) or tree step without prefill, its draft's part excluded, took ``ms``."""
+        if not self.cfg.cost_weight:
+            return
+        key = (_bucket(batch), nodes > 0)
+        residual = ms - self.table.forward_ms(batch, 1 + nodes, context)
+        old = self._residual.get(key)
+        self._residual[key] = residual if old is None else old + self.cfg.cost_weight * (residual - old)
+
+    def observe_draft(self, speculating: int, levels: int, ms: float) -> None:
+        """The draft's part of a step that asked ``speculating`` trees of ``levels`` levels took ``ms``."""
+        if not self.cfg.cost_weight:
+            return
+        key, unit = _bucket(speculating), ms / (1 + levels)
+        old = self._draft_level_ms.get(key)
+        self._draft_level_ms[key] = unit if old is None else old + self.cfg.cost_weight * (unit - old)
+
+    def release(self, seq_id: int) -> None:
+        self._seq.pop(seq_id, None)
+
+
+def policy_for(target, limits: TreeSettings, table_path: str | None = None,
+               config: PolicyConfig = PolicyConfig()) -> AdaptivePolicy:
+    """The policy with its cost table: read from ``table_path`` when that file exists and was measured
+    with this target's device, dtype, model shape and kernels; else measured now (before any request:
+    see ``calibrate``) and written there when a path is given."""
+    sizes = tree_sizes(limits)
+    if table_path and Path(table_path).is_file():
+        table = CostTable.load(table_path)
+        here = describe(target)
+        if {k: table.meta.get(k) for k in here} == here:
+            log.info("cost table read from %s", table_path)
+            return AdaptivePolicy(table, limits, config)
+        log.warning("cost table %s was measured elsewhere (%s, here %s): measuring again", table_path,
+                    table.meta, here)
+    grid = CostGrid.default(target.device.type, target.cfg.max_num_seqs, sizes)
+    table = calibrate(target, grid)
+    if table_path:
+        table.save(table_path)
+    return AdaptivePolicy(table, limits, config)

@@ -1,0 +1,72 @@
+"""REPLAYED ACCEPTANCE, for benchmarks only (``benchmarks/replay_gates.py``): never in a server.
+
+A model with random weights accepts nothing, so it cannot show what speculation buys at a scale
+whose trained weights are not at hand. ``AcceptanceReplay`` takes the acceptance from a trace
+recorded with a real target and head (``benchmarks/record_acceptance.py``) instead: the verifier,
+given one, skips the token comparison and, per sequence per step, accepts as many nodes as the
+trace's next entry says. Every cost stays real (the draft's trees, the verify forward over every
+node, KV compaction of the accepted nodes, the commit, the draft extend over them); the OUTPUT IS
+MEANINGLESS (the accepted tokens are the draft's guesses).
+
+The accepted nodes are the tree's first-child path (each node's best-ranked child) as deep as it
+goes; where the recorded length is longer than that path (a random head's tree is shallow and
+wide), the next nodes in tree order stand in for the rest, so the compaction and the extend move
+the recorded number of rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from kernels.acceptance import AcceptResult
+
+
+class AcceptanceReplay:
+    def __init__(self, traces: list[list[int]]):
+        """``traces``: accepted-node counts per verification step, one list per recorded sequence;
+        sequence j of a run replays trace j (mod their number) from its start, wrapping around."""
+        assert traces and all(traces), "a replay needs non-empty traces"
+        self.traces = traces
+        self._next_trace = itertools.count()
+        self._cursor: dict[int, list[int]] = {}  # seq_id -> [trace, position]
+        self.replayed_steps = 0
+
+    def next_accepted(self, seq_id: int) -> int:
+        cur = self._cursor.setdefault(seq_id, [next(self._next_trace) % len(self.traces), 0])
+        trace = self.traces[cur[0]]
+        k = trace[cur[1] % len(trace)]
+        cur[1] += 1
+        return k
+
+    def accept(self, seq_ids: list[int], parents: np.ndarray, num_nodes: np.ndarray,
+               logits: torch.Tensor) -> AcceptResult:
+        """``parents`` [B, N+1] (root in column 0, kernel convention), ``num_nodes`` [B] (root included),
+        ``logits`` [B, N+1, V]: the target's, for the bonus token after the last accepted node."""
+        paths = [self._path(parents[i], int(num_nodes[i]), self.next_accepted(s)) for i, s in enumerate(seq_ids)]
+        width = max(len(p) for p in paths)
+        path = np.full((len(paths), width), -1, dtype=np.int64)
+        for i, p in enumerate(paths):
+            path[i, :len(p)] = p
+        dev = logits.device
+        path_t = torch.from_numpy(path).to(dev)
+        last = torch.tensor([p[-1] for p in paths], device=dev)
+        bonus = logits[torch.arange(len(paths), device=dev), last].argmax(dim=-1)
+        self.replayed_steps += 1
+        return AcceptResult(path_t, torch.tensor([len(p) - 1 for p in paths], device=dev), bonus)
+
+    @staticmethod
+    def _path(parents: np.ndarray, size: int, k: int) -> list[int]:
+        """Columns: the root, then k nodes (first-child path, then tree order)."""
+        path, cur = [0], 0
+        while len(path) <= k:
+            children = np.nonzero(parents[1:size] == cur)[0]
+            if not len(children):
+                break
+            cur = int(children[0]) + 1
+            path.append(cur)
+        rest = (c for c in range(1, size) if c not in path)
+        path += list(itertools.islice(rest, max(0, k + 1 - len(path))))
+        return path
