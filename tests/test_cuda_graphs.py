@@ -124,3 +124,17 @@ def test_warm_up_compiles_and_captures_without_changing_tokens(tmp_path):
             assert target.runner.warm_up(48) > 0 and target.runner._graphs
         runs[warm] = [r.token_ids for r in Engine(target).generate(prompts, params)]
     assert runs[True] == runs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphs_captured_again_after_the_capture_layers_change(tmp_path):
+    """New capture layers drop the graphs and their memory pool; the next captures take a new pool
+    (reusing the freed one failed inside PyTorch's allocator)."""
+    model_dir = make_model_dir(tmp_path / "m", "llama3", seed=4, std=0.3)
+    target = target_for(model_dir, device="cuda", dtype="float32", kernels="triton")
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    first = Engine(target).generate([[5, 6, 7]], params)[0].token_ids
+    target.runner.set_capture_layers((0, 1))
+    assert Engine(target).generate([[5, 6, 7]], params)[0].token_ids == first
+    assert target.runner._graphs

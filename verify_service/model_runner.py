@@ -94,6 +94,7 @@ class ModelRunner:
             raise UnsupportedModelError(f"capture layers {bad} outside [0, {self.model.config.num_layers})")
         if tuple(layers) != getattr(self, "capture_layers", None):
             self._graphs.clear()  # captured with other outputs
+            self._pool = None  # freed with its last graph: later captures take a new pool
         self.capture_layers = tuple(layers)
 
     @torch.inference_mode()
