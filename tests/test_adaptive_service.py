@@ -28,7 +28,8 @@ def parse(*flags):
 
 
 def test_the_flag_turns_it_on_off_and_auto_follows_the_device():
-    assert parse("--device", "cpu").adaptive_speculation is False  # auto: off on a CPU
+    assert parse("--device", "cpu").adaptive_speculation is False  # off by default
+    assert parse("--device", "cpu", "--adaptive-speculation", "auto").adaptive_speculation is False
     assert parse("--device", "cpu", "--adaptive-speculation", "on").adaptive_speculation is True
     assert parse("--device", "cpu", "--adaptive-speculation", "off").adaptive_speculation is False
     assert parse("--device", "cpu", "--adaptive-speculation", "on", "--no-speculation").adaptive_speculation is False
