@@ -10,6 +10,7 @@ the time to read the sequence's KV once at the measured copy bandwidth::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -20,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode_baseline import copy_bandwidth_gbs  # noqa: E402
+from kernels.attention_exact import ancestor_table, paged_attention_exact  # noqa: E402
 from kernels.attention_triton import AttentionConfig, attention_config, pack_mask, paged_attention_triton  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 
@@ -38,7 +40,7 @@ def setup(context: int, tokens: int, heads: int, kv_heads: int, head_dim: int, b
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, tokens], device=dev), seq_lens=torch.tensor([total], device=dev),
         block_tables=torch.randperm(nblocks, device=dev)[None], slot_mapping=torch.arange(tokens, device=dev),
-        positions=torch.arange(tokens, device=dev), token_seq=torch.zeros(tokens, dtype=torch.long, device=dev),
+        positions=context + torch.arange(tokens, device=dev), token_seq=torch.zeros(tokens, dtype=torch.long, device=dev),
         token_q_idx=torch.arange(tokens, device=dev), max_query_len=tokens, max_seq_len=total,
         custom_mask=pack_mask(tree) if tokens > 1 else None,
         mask_start=torch.tensor([context], device=dev) if tokens > 1 else None)
@@ -77,6 +79,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--sweep", action="store_true", help="time every config of the sweep, not just the default")
+    ap.add_argument("--exact", action="store_true", help="also time the batch-invariant kernel (--exact)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     bw = copy_bandwidth_gbs(torch.device("cuda"))
@@ -101,6 +104,13 @@ def main() -> None:
                 print(f"ctx {context:>6} tokens {tokens:>3} m{cfg.block_m:>3} n{cfg.block_n:>3} w{cfg.num_warps} "
                       f"s{cfg.num_stages}{' *' if r['default'] else '  '}: {us:8.1f} us  (KV read {read_us:.1f} us)",
                       flush=True)
+            if args.exact:
+                tree = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=q.device))
+                exact_meta = dataclasses.replace(meta, custom_mask=ancestor_table(tree) if tokens > 1 else None)
+                us = time_us(lambda: paged_attention_exact(q, k, v, exact_meta, args.head_dim ** -0.5))
+                results["cases"].append({"context": context, "tokens": tokens, "config": "exact", "us": round(us, 1),
+                                         "kv_read_us": round(read_us, 1)})
+                print(f"ctx {context:>6} tokens {tokens:>3} exact (batch-invariant): {us:8.1f} us", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -5,6 +5,10 @@ Each timed call reads a weight copy the previous calls did not touch (copies cyc
 more than twice the L2 cache), as in a real step where every layer's weights arrive cold.
 
     python benchmarks/gemm_shapes.py --rows 1 --rows 8 --rows 64 --sweep --out gemm.json
+
+``--exact-sweep`` times candidate tiles for the batch-invariant mode's one config
+(``EXACT_CONFIG``: the same tiles at every row count) and prints, per config, the summed time of
+the Llama-3-8B projections at each row count.
 """
 
 from __future__ import annotations
@@ -22,9 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.attention_kernel import time_us  # noqa: E402
 from benchmarks.decode_baseline import copy_bandwidth_gbs  # noqa: E402
-from kernels.linear_triton import LinearConfig, linear_config, linear_triton  # noqa: E402
+from kernels.linear_triton import EXACT_CONFIG, LinearConfig, linear_config, linear_triton  # noqa: E402
 
 SWEEP = [LinearConfig(16, n, k, 4, s) for n in (16, 32, 64) for k in (128, 256) for s in (3, 4)]
+
+EXACT_SWEEP = [LinearConfig(*c) for c in ((16, 32, 256, 4, 4), (16, 64, 128, 4, 4), (32, 32, 128, 4, 4),
+                                           (32, 64, 128, 4, 4), (64, 32, 128, 4, 4), (64, 64, 64, 4, 4),
+                                           (64, 64, 128, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3),
+                                           (128, 64, 64, 4, 3), (128, 128, 64, 8, 3))]
 
 SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
           "smol.qkv": (960, 576), "smol.o": (576, 576), "smol.gate_up": (3072, 576), "smol.down": (576, 1536)}
@@ -40,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, action="append", required=True)
     ap.add_argument("--sweep", action="store_true", help="also time every small-row Triton config (rows <= 16)")
+    ap.add_argument("--exact-sweep", action="store_true", help="time the batch-invariant mode's candidate tiles")
     ap.add_argument("--out", default=None, help="JSON file for the results")
     args = ap.parse_args()
     results = []
@@ -53,16 +63,26 @@ def main() -> None:
             a = time_us(_cycling(lambda w: F.linear(x, w), ws))
             b = time_us(_cycling(lambda w: torch.mm(w, x.t()).t(), ws))
             c = time_us(_cycling(lambda w: linear_triton(x, w), ws))
-            row = {"shape": name, "rows": m, "linear_us": a, "weight_first_us": b, "triton_us": c,
+            e = time_us(_cycling(lambda w: linear_triton(x, w, EXACT_CONFIG), ws))
+            row = {"shape": name, "rows": m, "linear_us": a, "weight_first_us": b, "triton_us": c, "exact_us": e,
                    "triton_config": list(dataclasses.astuple(linear_config(m))), "floor_us": round(floor, 2)}
             if args.sweep and m <= 16:
                 swept = sorted((time_us(_cycling(lambda w, cfg=cfg: linear_triton(x, w, cfg), ws)), list(dataclasses.astuple(cfg)))
                                for cfg in SWEEP)
                 row["sweep_best"] = swept[:3]
+            if args.exact_sweep:
+                row["exact_sweep_us"] = {str(dataclasses.astuple(cfg)): time_us(
+                    _cycling(lambda w, cfg=cfg: linear_triton(x, w, cfg), ws)) for cfg in EXACT_SWEEP}
             results.append(row)
             print(f"{name:>14} rows {m:>3}: linear {a:7.1f} us  weight-first {b:7.1f} us  triton {c:7.1f} us  "
-                  f"floor {floor:6.1f} us" + (f"  best {row['sweep_best'][0]}" if "sweep_best" in row else ""),
+                  f"exact {e:7.1f} us  floor {floor:6.1f} us" + (f"  best {row['sweep_best'][0]}" if "sweep_best" in row else ""),
                   flush=True)
+    if args.exact_sweep:
+        for m in args.rows:
+            rows = [r for r in results if r["rows"] == m and r["shape"].startswith("8b.")]
+            totals = sorted((round(sum(r["exact_sweep_us"][c] for r in rows), 1), c) for c in rows[0]["exact_sweep_us"])
+            print(f"exact tiles, 8B projections at {m} rows (us, best first; cuBLAS "
+                  f"{sum(r['linear_us'] for r in rows):.1f}): {totals[:5]}")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bw,
                                               "cases": results}, indent=1))

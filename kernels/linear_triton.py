@@ -42,8 +42,19 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     return torch.nn.functional.linear(x, w, bias)
 
 
-def linear_triton(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None) -> torch.Tensor:
-    """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype."""
+# The batch-invariant mode's one tile shape (kernels/exact_set.py): a row's result then never
+# depends on how many rows the call has, as no choice is made from M.
+EXACT_CONFIG = LinearConfig(64, 64, 64, num_warps=4, num_stages=4)
+
+
+def linear_exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear_triton`` with ``EXACT_CONFIG`` whatever the row count: batch-invariant rows."""
+    return linear_triton(x, w, EXACT_CONFIG, bias)
+
+
+def linear_triton(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T (+ bias [N], added in float32 before the one rounding) -> [..., N] in x's dtype."""
     lead, K = x.shape[:-1], x.shape[-1]
     N = w.shape[0]
     assert w.shape[1] == K, f"weight {tuple(w.shape)} does not take {K} inputs"
@@ -56,8 +67,9 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None 
         return out.reshape(*lead, N)
     cfg = config or linear_config(M)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    _linear_kernel[grid](x2, w, out, M, N, K, x2.stride(0), w.stride(0), out.stride(0),
-                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    has_bias = bias is not None
+    _linear_kernel[grid](x2, w, bias if has_bias else w, out, M, N, K, x2.stride(0), w.stride(0), out.stride(0),
+                         HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                          PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                          DOT_DTYPE=tl.float32 if not x.is_cuda or x.dtype == torch.float32 else
                          {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype],
@@ -65,8 +77,8 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None 
     return out.reshape(*lead, N)
 
 
-@triton.jit
-def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+@triton.jit(do_not_specialize=["M"])  # M == 1 compiles no other kernel than M == 7
+def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -87,5 +99,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])

@@ -1,0 +1,293 @@
+"""Batch-invariant paged attention: a query's output bits depend only on its own keys and values.
+
+The fast kernel (``kernels/attention_triton.py``) picks its tiles and its KV splits from the
+step's shape, and walks a tree step's keys in cache order, with the tree's nodes where the
+verification wrote them. So the logits of a token differ in their last bits between the
+64-token tree step that verified it and the one-token decode step target-only decoding runs
+at the same position, and a greedy argmax near a tie flips. This kernel computes every query
+the same way whatever the step around it:
+
+* **Keys in position order, in fixed tiles.** A query at position p sees the keys at positions
+  0..p. Tile i always holds positions [i * BLOCK_N, (i + 1) * BLOCK_N), whatever the step, and
+  column c of a tile is always position i * BLOCK_N + c. In a tree step a node's ancestors sit
+  at cache index ``mask_start + node`` while decoding after compaction finds them at
+  ``mask_start + depth``: the tiles holding tree positions are gathered per query, each column
+  from the ancestor at that depth (``prepare_attention_exact`` turns the boolean ancestor mask
+  into that table once per step), so the query sees the very tile it would see in a decode step.
+* **Fixed chunks, folded left.** Positions are cut into chunks of ``CHUNK`` keys at fixed
+  boundaries. Each chunk's online softmax gives (m, l, acc); the chunks are folded left to
+  right, with one helper, whether one program walks them in turn (``fold``: many programs
+  already) or each chunk has its own program and a second kernel folds their partials
+  (``split``: flash-decoding, for a long sequence with few queries). Both give the same bits.
+* **One tile shape.** Every launch uses ``BLOCK_M`` x ``BLOCK_N`` tiles and the same warps, so
+  the same matrix instructions compute every score and every partial sum.
+
+Visibility is positional: a query sees the keys at positions up to its own (its ancestors in a
+tree). Outside a tree, a token's KV index must equal its position, as every causal step here
+lays it out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention_triton import _DOT_DTYPES, LOG2E
+from kernels.metadata import AttentionMetadata
+
+BLOCK_M = 64  # query rows per program (tokens x the query heads sharing a KV head)
+BLOCK_N = 64  # keys per tile
+CHUNK = 512  # keys per fold chunk: a multiple of BLOCK_N
+SPLIT_BYTES = 32 * 2**20  # the most the split mode's float32 partials may take
+MODES = ("auto", "fold", "split")
+
+
+def ancestor_table(mask: torch.Tensor) -> torch.Tensor:
+    """bool [T, cols] ancestor mask -> int32 [T, cols]: entry [t, d] is the mask column of token t's
+    ancestor at depth d (its d-th visible column, in column order; the token itself last), -1 past
+    its own depth. Fixed shapes, no host sync."""
+    T, cols = mask.shape
+    rank = torch.where(mask, mask.to(torch.int64).cumsum(1) - 1, cols)  # invisible columns -> a spare column
+    table = torch.full((T, cols + 1), -1, dtype=torch.int32, device=mask.device)
+    col = torch.arange(cols, dtype=torch.int32, device=mask.device).expand(T, cols)
+    table.scatter_(1, rank, col)  # distinct targets among visible columns
+    return table[:, :cols].contiguous()
+
+
+def prepare_attention_exact(meta: AttentionMetadata) -> AttentionMetadata:
+    """Per-step work shared by every layer: the ancestor mask becomes the per-depth table."""
+    if meta.custom_mask is None:
+        return meta
+    return dataclasses.replace(meta, custom_mask=ancestor_table(meta.custom_mask))
+
+
+def _mode(meta: AttentionMetadata, T: int, heads: int, kvh: int, head_dim: int, q_tiles: int,
+          device: torch.device) -> bool:
+    """True: one program per chunk and a fold kernel (few programs otherwise); False: each program
+    folds its chunks itself. A choice of speed only: both give the same bits. Host sizes only."""
+    chunks = triton.cdiv(max(meta.max_seq_len, 1), CHUNK)
+    if chunks == 1:
+        return False
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    few = meta.num_seqs * q_tiles * kvh < 2 * sms
+    return few and chunks * T * heads * head_dim * 4 <= SPLIT_BYTES
+
+
+def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float, mode: str = "auto") -> torch.Tensor:
+    """Attention of new queries [T, heads, head_dim] over their sequences' cached KV -> [T, heads, head_dim],
+    each query's bits independent of the step around it.
+
+    ``meta.custom_mask``, if any, must be the ancestor table (``prepare_attention_exact``).
+    ``mode``: ``fold`` or ``split`` force a launch shape (tests); ``auto`` picks by size.
+    """
+    assert mode in MODES, mode
+    T, H, D = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    g = H // kvh
+    block_q = BLOCK_M // g
+    assert block_q >= 1, f"{g} query heads per KV head exceed a tile of {BLOCK_M} rows"
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    q_tiles = triton.cdiv(meta.max_query_len, block_q)
+    split = _mode(meta, T, H, kvh, D, q_tiles, q.device) if mode == "auto" else mode == "split"
+    chunks = triton.cdiv(max(meta.max_seq_len, 1), CHUNK) if split else 1
+    if split:
+        part_m = torch.empty(chunks, T, H, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(chunks, T, H, D, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # never touched
+    has_mask = meta.custom_mask is not None
+    table = meta.custom_mask if has_mask else meta.seq_lens  # any tensor: never read without a mask
+    mask_start = meta.mask_start if has_mask else meta.seq_lens
+    _exact_attention_kernel[(meta.num_seqs * q_tiles, kvh, chunks)](
+        q, k_cache, v_cache, out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, meta.positions,
+        meta.block_tables, table, mask_start, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        table.stride(0) if has_mask else 0, table.shape[1] if has_mask else 0,
+        part_m.stride(0) if split else 0, part_m.stride(1) if split else 0, part_acc.stride(0) if split else 0,
+        part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_tiles,
+        G=g, BLOCK_Q=block_q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=CHUNK, HEAD_DIM=D,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32),
+        num_warps=4, num_stages=2)
+    if split:
+        _fold_chunks_kernel[(T, H)](part_m, part_l, part_acc, out, meta.positions,
+                                    part_m.stride(0), part_m.stride(1), part_acc.stride(0), part_acc.stride(1),
+                                    part_acc.stride(2), out.stride(0), out.stride(1),
+                                    CHUNK=CHUNK, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)))
+    return out
+
+
+@triton.jit
+def _fold(m, l, acc, m_c, l_c, acc_c):
+    """Fold one chunk's online-softmax state into the running one (elementwise over rows; a chunk
+    that saw nothing leaves it as it was). The one formula both launch shapes use."""
+    m_new = tl.maximum(m, m_c)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp2(m - m_safe)
+    b = tl.exp2(m_c - m_safe)
+    take = l_c > 0.0
+    return (tl.where(take, m_new, m), tl.where(take, l * a + l_c * b, l),
+            tl.where(take[:, None], acc * a[:, None] + acc_c * b[:, None], acc))
+
+
+@triton.jit
+def _tile(acc, m_i, l_i, q, k, v, visible, active, scale_log2, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One key tile's online-softmax step for the rows in ``active`` (the others keep their state).
+    Scores stay raw; the running max is in scaled log2 units."""
+    s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)  # (M, N)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s * scale_log2 - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_new = l_i * alpha + tl.sum(p, 1)
+    acc_new = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+    return (tl.where(active[:, None], acc_new, acc), tl.where(active, m_new, m_i), tl.where(active, l_new, l_i))
+
+
+@triton.jit
+def _load_kv(k_cache_ptr, v_cache_ptr, tables_ptr, b, kv_idx, ok, kvh, d, d_ok, stride_bt, stride_kb, stride_ks,
+             stride_kh, BLOCK_SIZE: tl.constexpr):
+    """Keys and values (N, D) at per-sequence KV indices ``kv_idx`` (N,); zeros where not ``ok``."""
+    block = tl.load(tables_ptr + b * stride_bt + kv_idx // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+    addr = block * stride_kb + (kv_idx % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+    ptrs = addr[:, None] + d[None, :]
+    kv_ok = ok[:, None] & d_ok[None, :]
+    return tl.load(k_cache_ptr + ptrs, mask=kv_ok, other=0.0), tl.load(v_cache_ptr + ptrs, mask=kv_ok, other=0.0)
+
+
+@triton.jit
+def _chunk(q, pos, row_ok, row_tok, lo, hi, b, t0, m_start, tail_start, k_cache_ptr, v_cache_ptr, tables_ptr,
+           table_ptr, scale_log2, stride_bt, stride_kb, stride_ks, stride_kh, stride_tab, tab_cols, kvh, d, d_ok,
+           BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+           BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Online softmax over the key tiles at positions [lo, hi) (whole tiles; lo a tile boundary):
+    (m, l, acc) of this chunk for every row."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    shared_end = tl.minimum(hi, tail_start)  # tiles whose every key sits at its own position
+    for start in range(lo, shared_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        k, v = _load_kv(k_cache_ptr, v_cache_ptr, tables_ptr, b, keys, keys < hi, kvh, d, d_ok, stride_bt,
+                        stride_kb, stride_ks, stride_kh, BLOCK_SIZE)
+        visible = (keys[None, :] <= pos[:, None]) & row_ok[:, None]
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, k, v, visible, row_ok & (pos >= start), scale_log2,
+                              PRECISION, DOT_DTYPE)
+    if HAS_MASK:
+        # Tiles holding tree positions: one gather per token, each column the key at that position
+        # on the token's own path (a prefix key, or its ancestor at depth position - m_start).
+        for start in range(tl.maximum(lo, tail_start), hi, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            depth = keys - m_start
+            for j in range(BLOCK_Q):
+                tok_rows = row_ok & (row_tok == j)
+                t = t0 + j
+                tok_pos = tl.max(tl.where(tok_rows, pos, -1), 0)  # -1: no such token in this tile
+                in_tree = (depth >= 0) & (depth < tab_cols) & (keys <= tok_pos)
+                anc = tl.load(table_ptr + t * stride_tab + tl.maximum(depth, 0), mask=in_tree, other=-1)
+                ok = ((depth < 0) & (keys <= tok_pos)) | (in_tree & (anc >= 0))
+                kv_idx = tl.where(depth < 0, keys, m_start + anc)
+                k, v = _load_kv(k_cache_ptr, v_cache_ptr, tables_ptr, b, kv_idx, ok, kvh, d, d_ok, stride_bt,
+                                stride_kb, stride_ks, stride_kh, BLOCK_SIZE)
+                visible = ok[None, :] & tok_rows[:, None]
+                acc, m_i, l_i = _tile(acc, m_i, l_i, q, k, v, visible, tok_rows & (pos >= start), scale_log2,
+                                      PRECISION, DOT_DTYPE)
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["q_tiles"])
+def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+                            qsl_ptr, seq_lens_ptr, pos_ptr, tables_ptr, table_ptr, mask_start_ptr, scale_log2,
+                            stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_tab, tab_cols,
+                            stride_mc, stride_mt, stride_ac, stride_at, stride_ah, q_tiles,
+                            G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
+                            SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    b = tl.program_id(0) // q_tiles
+    tile = tl.program_id(0) % q_tiles
+    kvh = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if tile * BLOCK_Q >= q_len:
+        return
+    rows = tl.arange(0, BLOCK_M)
+    row_tok = rows // G  # token within the tile
+    qi = tile * BLOCK_Q + row_tok
+    head = kvh * G + rows % G
+    row_ok = (rows < BLOCK_Q * G) & (qi < q_len)
+    t = (q_start + qi).to(tl.int64)
+    pos = tl.load(pos_ptr + t, mask=row_ok, other=-1)
+    end = tl.max(pos, 0) + 1  # keys at positions [0, end) matter to some row
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (M, D)
+    if HAS_MASK:
+        m_start = tl.load(mask_start_ptr + b)
+        tail_start = (m_start // BLOCK_N) * BLOCK_N
+    else:
+        m_start = tl.load(seq_lens_ptr + b)  # unused without a mask
+        tail_start = end + BLOCK_N  # no gathered tiles
+    t0 = (q_start + tile * BLOCK_Q).to(tl.int64)
+    ok = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        c = tl.program_id(2)
+        lo = c * CHUNK
+        if lo >= end:
+            return
+        m_c, l_c, acc_c = _chunk(q, pos, row_ok, row_tok, lo, tl.minimum(lo + CHUNK, end), b, t0, m_start, tail_start,
+                                 k_cache_ptr, v_cache_ptr, tables_ptr, table_ptr, scale_log2, stride_bt, stride_kb,
+                                 stride_ks, stride_kh, stride_tab, tab_cols, kvh, d, d_ok, BLOCK_Q, BLOCK_M, BLOCK_N,
+                                 BLOCK_D, BLOCK_SIZE, HAS_MASK, PRECISION, DOT_DTYPE)
+        at = c * stride_mc + t * stride_mt + head  # partials [chunks, T, H] and [chunks, T, H, D]
+        tl.store(part_m_ptr + at, m_c, mask=row_ok)
+        tl.store(part_l_ptr + at, l_c, mask=row_ok)
+        tl.store(part_acc_ptr + c * stride_ac + t[:, None] * stride_at + head[:, None] * stride_ah + d[None, :],
+                 acc_c, mask=ok)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for lo in range(0, end, CHUNK):
+            m_c, l_c, acc_c = _chunk(q, pos, row_ok, row_tok, lo, tl.minimum(lo + CHUNK, end), b, t0, m_start,
+                                     tail_start, k_cache_ptr, v_cache_ptr, tables_ptr, table_ptr, scale_log2,
+                                     stride_bt, stride_kb, stride_ks, stride_kh, stride_tab, tab_cols, kvh, d, d_ok,
+                                     BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, HAS_MASK, PRECISION, DOT_DTYPE)
+            m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c)
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _fold_chunks_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, pos_ptr, stride_mc, stride_mt,
+                        stride_ac, stride_at, stride_ah, stride_ot, stride_oh,
+                        CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The split mode's second kernel: fold the chunks of one (token, head) left to right."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    one = tl.arange(0, 1)  # a row axis of one, so _fold sees the shapes the fold mode gives it
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
+    acc = tl.zeros([1, BLOCK_D], tl.float32)
+    chunks = tl.load(pos_ptr + t) // CHUNK + 1
+    for c in range(0, chunks):
+        m_c = tl.load(part_m_ptr + c * stride_mc + t * stride_mt + h + one)
+        l_c = tl.load(part_l_ptr + c * stride_mc + t * stride_mt + h + one)
+        acc_c = tl.load(part_acc_ptr + c * stride_ac + t * stride_at + h * stride_ah + one[:, None] * 0 + d[None, :],
+                        mask=d_ok[None, :], other=0.0)
+        m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c)
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + one[:, None] * 0 + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=d_ok[None, :])

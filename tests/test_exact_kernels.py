@@ -1,0 +1,150 @@
+"""The batch-invariant kernels (``--exact``): right, and bitwise the same whatever the step.
+
+A token's attention output and a row's matmul result must not change in their last bit when
+the step around them changes: a tree step against the decode steps that target-only decoding
+runs after compaction, a prefill chunk, other sequences in the batch, either launch shape.
+On a CPU the kernels run through Triton's interpreter; on a GPU natively, where the tile
+instructions are the real ones (``pytest -m gpu`` on the device).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import REFERENCE  # noqa: E402
+from kernels.attention import paged_attention_ref  # noqa: E402
+from kernels.attention_exact import CHUNK, ancestor_table, paged_attention_exact  # noqa: E402
+from kernels.exact_set import EXACT  # noqa: E402
+from kernels.linear_triton import linear_exact  # noqa: E402
+from kernels.tree import tree_mask_ref  # noqa: E402
+from runtime.step_layout import SeqChunk, layout_step  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK = 16
+TREE = [-1, -1, 0, 0, 1, 4, 2]  # 7 nodes below the root; node 5's path: root, 1, 4, 5
+PATH = [0, 2, 5, 6]  # tree columns (root = 0, node i = i + 1) of that path
+
+
+def tree_mask(parents: list[int]) -> np.ndarray:
+    return tree_mask_ref(torch.tensor([parents]), torch.tensor([len(parents)]))[0].numpy()
+
+
+class Cache:
+    """Paged caches filled sequence by sequence in shuffled blocks; NaN in every slot no sequence owns."""
+
+    def __init__(self, kv: list[torch.Tensor], seed: int):
+        kvh, d = kv[0].shape[2:]
+        need = [-(-t.shape[1] // BLOCK) + 1 for t in kv]  # a spare block each: room for new tokens
+        order = torch.randperm(sum(need), generator=torch.Generator().manual_seed(seed)).tolist()
+        self.k = torch.full((sum(need), BLOCK, kvh, d), float("nan"), dtype=kv[0].dtype)
+        self.v = self.k.clone()
+        self.tables, at = [], 0
+        for t, blocks in zip(kv, need):
+            table = order[at:at + blocks]
+            at += blocks
+            slots = [table[i // BLOCK] * BLOCK + i % BLOCK for i in range(t.shape[1])]
+            self.k.view(-1, kvh, d)[slots] = t[0]
+            self.v.view(-1, kvh, d)[slots] = t[1]
+            self.tables.append(table)
+        self.k, self.v = self.k.to(DEVICE), self.v.to(DEVICE)
+
+
+def attend(cache: Cache, chunks: list[SeqChunk], q: torch.Tensor, mode: str = "auto") -> torch.Tensor:
+    meta = layout_step(chunks, BLOCK, torch.device(DEVICE), EXACT).meta
+    return paged_attention_exact(q.to(DEVICE), cache.k, cache.v, meta, q.shape[-1] ** -0.5, mode)
+
+
+def scenario(prefix: int, kvh: int, g: int, d: int, dtype, seed: int):
+    """A prefix, a tree step's 8 tokens after it, and the same sequence after the path is kept."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, prefix + 8, kvh, d, generator=gen).to(dtype)  # prefix + root + 7 nodes
+    q = torch.randn(8, kvh * g, d, generator=gen).to(dtype)
+    compacted = torch.cat([kv[:, :prefix], kv[:, [prefix + c for c in PATH]]], dim=1)
+    other = torch.randn(2, 300, kvh, d, generator=gen).to(dtype)  # a neighbour in the batch
+    return kv, q, compacted, other
+
+
+@pytest.mark.parametrize("prefix", [37, 60, 509, 700])  # within a tile, across tiles, across a chunk
+@pytest.mark.parametrize("kvh, g, d, dtype", [(2, 3, 64, torch.bfloat16), (1, 4, 32, torch.float32)])
+def test_tree_rows_equal_decode_rows_bitwise(prefix, kvh, g, d, dtype):
+    """The accepted path's rows of a tree step are bit for bit the rows target-only decoding
+    computes at the same positions after compaction: alone, in a prefill chunk, beside another
+    sequence, in either launch shape."""
+    kv, q, compacted, other = scenario(prefix, kvh, g, d, dtype, seed=prefix)
+    depths = [0, 1, 1, 2, 2, 2, 3, 3]  # by column: root, nodes 0 .. 6
+    tree = Cache([kv, other], seed=1)
+    step = [SeqChunk(list(range(8)), prefix, tree.tables[0], positions=[prefix + x for x in depths],
+                     custom_mask=tree_mask(TREE), mask_start=prefix),
+            SeqChunk([0], 299, tree.tables[1])]
+    q_other = torch.randn(1, kvh * g, d, generator=torch.Generator().manual_seed(9)).to(dtype)
+    got_tree = {mode: attend(tree, step, torch.cat([q, q_other]), mode)[:8] for mode in ("fold", "split")}
+    assert torch.equal(got_tree["fold"], got_tree["split"])
+
+    # Sanity against the reference: the tree step is attention at all.
+    ref_meta = layout_step(step, BLOCK, torch.device(DEVICE), REFERENCE).meta
+    want = paged_attention_ref(torch.cat([q, q_other]).to(DEVICE), tree.k.nan_to_num(0.0), tree.v.nan_to_num(0.0),
+                               ref_meta, d ** -0.5)[:8]
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(got_tree["fold"].float(), want.float(), atol=tol, rtol=tol)
+
+    after = Cache([compacted, other], seed=2)
+    for i, col in enumerate(PATH):  # decode steps, one token each, with and without a neighbour
+        alone = attend(after, [SeqChunk([0], prefix + i, after.tables[0])], q[col:col + 1])
+        assert torch.equal(alone[0], got_tree["fold"][col]), f"depth {i} alone"
+        batched = attend(after, [SeqChunk([0], 299, after.tables[1]), SeqChunk([0], prefix + i, after.tables[0])],
+                         torch.cat([q_other, q[col:col + 1]]), "split")
+        assert torch.equal(batched[1], got_tree["fold"][col]), f"depth {i} batched"
+    chunk = attend(after, [SeqChunk(list(range(4)), prefix, after.tables[0])], q[PATH])  # a prefill chunk
+    assert torch.equal(chunk, got_tree["fold"][PATH])
+
+
+def test_prefill_rows_do_not_depend_on_chunking():
+    """A 600-token prompt prefilled whole, in uneven chunks, or token by token: the same bits."""
+    kvh, g, d = 2, 3, 64
+    gen = torch.Generator().manual_seed(5)
+    kv = torch.randn(2, 600, kvh, d, generator=gen).to(torch.bfloat16)
+    q = torch.randn(600, kvh * g, d, generator=gen).to(torch.bfloat16)
+    cache = Cache([kv], seed=3)
+    whole = attend(cache, [SeqChunk(list(range(600)), 0, cache.tables[0])], q)
+    for lo, hi in [(0, 130), (130, 517), (517, 600)]:
+        part = attend(cache, [SeqChunk(list(range(hi - lo)), lo, cache.tables[0])], q[lo:hi])
+        assert torch.equal(part, whole[lo:hi]), (lo, hi)
+    for pos in (0, 63, 64, 511, 512, 599):
+        one = attend(cache, [SeqChunk([0], pos, cache.tables[0])], q[pos:pos + 1], "split")
+        assert torch.equal(one[0], whole[pos]), pos
+
+
+def test_chunk_is_a_whole_number_of_tiles():
+    from kernels.attention_exact import BLOCK_N
+    assert CHUNK % BLOCK_N == 0
+
+
+def test_ancestor_table():
+    mask = torch.from_numpy(tree_mask(TREE))
+    table = ancestor_table(mask)
+    assert table[6].tolist() == [0, 2, 5, 6, -1, -1, -1, -1]  # node 5: root, node 1, node 4, itself
+    assert table[0].tolist() == [0] + [-1] * 7
+    assert table[3].tolist() == [0, 1, 3] + [-1] * 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_exact_rows_do_not_depend_on_row_count(dtype):
+    """Rows computed in calls of 1, 7, 64 and 300 rows: bit for bit the same, bias included."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(300, 96, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(80, 96, generator=gen) * 0.1).to(dtype).to(DEVICE)
+    bias = torch.randn(80, generator=gen).to(dtype).to(DEVICE)
+    full = linear_exact(x, w, bias)
+    torch.testing.assert_close(full.float(), torch.nn.functional.linear(x.float(), w.float(), bias.float()),
+                               atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=2e-2)
+    for rows in (1, 7, 64):
+        for start in (0, 5, 200):
+            assert torch.equal(linear_exact(x[start:start + rows], w, bias), full[start:start + rows]), (rows, start)
+
+
+def test_kernel_set():
+    assert EXACT.name == "exact" and EXACT.linear is linear_exact and EXACT.paged_attention is paged_attention_exact
