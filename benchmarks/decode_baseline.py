@@ -9,6 +9,8 @@ device-to-device copy bandwidth measured in the same run.
     python benchmarks/decode_baseline.py --case smollm2:1:512 --kernels reference --kernels triton
 
 ``--kernels`` (repeatable) runs every case with each kernel set, side by side in one run.
+``--exact`` also runs every case with the batch-invariant target kernels (README: Exact mode), right
+after the default ones, and prints the mode's cost: the fraction of tok/s it loses.
 
 A case is GEOMETRY:BATCH:CONTEXT; GEOMETRY is ``smollm2``, ``llama3-8b`` (random bf16
 weights) or a model directory (real weights).
@@ -66,11 +68,12 @@ def copy_bandwidth_gbs(device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / statistics.median(times[5:]) / 1e9
 
 
-def make_engine(geometry: str, batch: int, context: int, steps: int, device, kernels: str = "auto") -> Target:
+def make_engine(geometry: str, batch: int, context: int, steps: int, device, kernels: str = "auto",
+                exact: bool = False) -> Target:
     max_len = context + steps + batch + 16
     cfg = EngineConfig(geometry if geometry not in GEOMETRIES else "<random>", device=str(device),
                        dtype="bfloat16", max_model_len=max_len, max_num_seqs=batch,
-                       max_batch_tokens=4096, kv_cache_gib=None, kernels=kernels)
+                       max_batch_tokens=4096, kv_cache_gib=None, kernels=kernels, exact=exact)
     if geometry in GEOMETRIES:
         mcfg = ModelConfig.from_hf(GEOMETRIES[geometry])
         tensors = random_tensors(mcfg, seed=0, device=device, dtype=torch.bfloat16)
@@ -93,12 +96,12 @@ def step_bytes(target: Target, batch: int, context: int) -> int:
 
 
 def run_case(case: str, steps: int, bandwidth: float, device, kernels: str = "auto", linear: str = "default",
-             profile: str | None = None) -> dict:
+             profile: str | None = None, exact: bool = False) -> dict:
     """``linear``: ``cublas`` swaps the kernel set's projection matmul for F.linear (an A/B of the
     Triton one). ``profile``: write the host-side cProfile of the timed steps there."""
     geometry, batch, context = case.rsplit(":", 2)
     batch, context = int(batch), int(context)
-    target = make_engine(geometry, batch, context, steps, device, kernels)
+    target = make_engine(geometry, batch, context, steps, device, kernels, exact)
     if linear == "cublas":
         target.runner.kernels = dataclasses.replace(target.runner.kernels, linear=torch.nn.functional.linear)
     engine = Engine(target)
@@ -149,6 +152,9 @@ def main() -> None:
                     help="kernel set (repeatable: each case runs with each; default auto)")
     ap.add_argument("--linear", action="append", choices=["default", "cublas"],
                     help="projection matmul: the kernel set's own, or cuBLAS (repeatable, as --kernels)")
+    ap.add_argument("--exact", action="store_true",
+                    help="also run each case with the batch-invariant target kernels (--exact of the server), "
+                         "side by side: the mode's cost")
     ap.add_argument("--profile-dir", default=None, help="write each case's host cProfile here")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -157,16 +163,22 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                "copy_bandwidth_gbs": round(bandwidth, 1), "cases": []}
     print(f"{results['device']}: device-to-device copy {bandwidth:.0f} GB/s (read + write)")
-    for case, kernels, linear in [(c, k, m) for c in args.case for k in args.kernels or ["auto"]
-                                  for m in args.linear or ["default"]]:
+    for case, kernels, linear, exact in [(c, k, m, e) for c in args.case for k in args.kernels or ["auto"]
+                                         for m in args.linear or ["default"] for e in ([False, True] if args.exact
+                                                                                       else [False])]:
         profile = None
         if args.profile_dir:
             Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
-            profile = str(Path(args.profile_dir) / f"{case.replace(':', '_')}_{kernels}_{linear}.txt")
-        r = run_case(case, args.steps, bandwidth, device, kernels, linear, profile)
+            name = "exact" if exact else kernels
+            profile = str(Path(args.profile_dir) / f"{case.replace(':', '_')}_{name}_{linear}.txt")
+        r = run_case(case, args.steps, bandwidth, device, kernels, linear, profile, exact)
+        r["exact"] = exact
+        if exact:  # the same case without the mode ran just before
+            r["exact_cost"] = round(1 - r["tokens_per_s"] / results["cases"][-1]["tokens_per_s"], 4)
         results["cases"].append(r)
         print(f"{r['case']:>24} {r['kernels']:>9} {linear:>7}: {r['ms_per_step']:8.3f} ms/step  floor {r['floor_ms']:7.3f} ms  "
-              f"x{r['floor_ratio']:<6} {r['tokens_per_s']:9.1f} tok/s  p90 {r['p90_ms']} ms  (prefill {r['prefill_s']} s)", flush=True)
+              f"x{r['floor_ratio']:<6} {r['tokens_per_s']:9.1f} tok/s  p90 {r['p90_ms']} ms  (prefill {r['prefill_s']} s)"
+              + (f"  exact mode cost {r['exact_cost']:.1%}" if exact else ""), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

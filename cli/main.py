@@ -63,7 +63,8 @@ def _generate(args: argparse.Namespace) -> None:
     prompt = read_prompt(args.prompt, args.prompt_file)
     cfg = EngineConfig(args.model or "<embedded SmolLM2>", dtype=args.dtype, device=args.device,
                        max_model_len=args.max_model_len, max_num_seqs=1, kernels=args.kernels,
-                       enforce_eager=args.enforce_eager, sampling_acceptance=args.sampling_acceptance)  # checks --device
+                       enforce_eager=args.enforce_eager, sampling_acceptance=args.sampling_acceptance,
+                       exact=args.exact)  # checks --device
     spec = None
     if args.draft:  # validated before the (slow) model load
         tree = tree_settings_from_args(args, device_type(args.device))
@@ -269,6 +270,8 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="the sampled requests' seed (request i: seed + i)")
     p.add_argument("--sampling-acceptance", default="seeded", choices=["seeded", "residual"],
                    help="how sampled requests verify trees (see eagle3 serve-verify --help)")
+    p.add_argument("--exact", action="store_true",
+                   help="batch-invariant target kernels for every run (see eagle3 serve-verify --help)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
 
 
@@ -282,7 +285,7 @@ def _eval(args: argparse.Namespace) -> None:
     report = evaluate(args.target or str(ensure_default_model()), args.draft, args.prompts, configs,
                       args.max_tokens, args.batch, args.limit, args.device, args.dtype,
                       temperature=args.temperature, seed=args.seed, sampling_acceptance=args.sampling_acceptance,
-                      report=lambda name, row: print(f"[{name}] {json.dumps(row)}", file=sys.stderr, flush=True))
+                      exact=args.exact, report=lambda name, row: print(f"[{name}] {json.dumps(row)}", file=sys.stderr, flush=True))
     print(format_table(report))
     if args.out:
         with open(args.out, "w") as f:

@@ -3,12 +3,15 @@
 ``select_kernels`` is the one dispatch point: the implementation is chosen once, when a
 runner is constructed, never per call. Every entry of ``KernelSet`` is a plain function.
 ``REFERENCE`` holds the pure-torch references; ``kernels/triton_set.py`` the Triton set, which
-replaces the entries that have a Triton kernel and keeps the references for the rest.
+replaces the entries that have a Triton kernel and keeps the references for the rest;
+``kernels/exact_set.py`` the batch-invariant set of ``--exact`` (the Triton set with a fixed-tile
+matmul and position-ordered attention).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -76,12 +79,15 @@ KERNEL_CHOICES = ("auto", "triton", "reference")
 TRITON_BY_DEFAULT = True
 
 
-def select_kernels(device: torch.device | str, kind: str = "auto") -> KernelSet:
+def select_kernels(device: torch.device | str, kind: str = "auto", exact: bool = False) -> KernelSet:
     """The kernels for ``device``. ``reference``: the pure-torch references; ``triton``: the Triton
     set (on a CPU through Triton's interpreter, with ``TRITON_INTERPRET=1``: tests); ``auto``: the
-    Triton set on CUDA where ``TRITON_BY_DEFAULT``, else the references."""
+    Triton set on CUDA where ``TRITON_BY_DEFAULT``, else the references. ``exact``: the
+    batch-invariant set (``kernels.exact_set.EXACT``) for ``auto`` and ``triton``."""
     if kind not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kind!r}")
+    if exact:
+        return _exact_kernels(device, kind)
     if kind == "reference" or (kind == "auto" and not (TRITON_BY_DEFAULT and torch.device(device).type == "cuda")):
         return REFERENCE
     try:
@@ -92,3 +98,19 @@ def select_kernels(device: torch.device | str, kind: str = "auto") -> KernelSet:
         log.warning("triton does not import (%s): the pure-torch reference kernels run on %s", exc, device)
         return REFERENCE
     return TRITON
+
+
+def _exact_kernels(device: torch.device | str, kind: str) -> KernelSet:
+    if kind == "reference":
+        raise ValueError("--exact runs batch-invariant Triton kernels: it contradicts --kernels reference")
+    # On a CPU the float32 references already make speculative output equal target-only output;
+    # Triton's interpreter (TRITON_INTERPRET=1) runs the exact kernels on a CPU, for tests.
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"--exact needs CUDA, got device {device}: on a CPU the float32 reference kernels "
+                         "already give speculative output equal to target-only output (TRITON_INTERPRET=1 "
+                         "runs the exact kernels through Triton's interpreter, for tests)")
+    try:
+        from kernels.exact_set import EXACT
+    except ImportError as exc:  # triton is not installed
+        raise RuntimeError(f"--exact needs the Triton kernels but triton does not import: {exc}") from exc
+    return EXACT

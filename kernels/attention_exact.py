@@ -19,6 +19,8 @@ the same way whatever the step around it:
   right, with one helper, whether one program walks them in turn (``fold``: many programs
   already) or each chunk has its own program and a second kernel folds their partials
   (``split``: flash-decoding, for a long sequence with few queries). Both give the same bits.
+  In the split mode the one or two chunks holding tree tiles get one program per token, so
+  the per-token gathers run side by side rather than one after another.
 * **One tile shape.** Every launch uses ``BLOCK_M`` x ``BLOCK_N`` tiles and the same warps, so
   the same matrix instructions compute every score and every partial sum.
 
@@ -41,7 +43,8 @@ from kernels.metadata import AttentionMetadata
 BLOCK_M = 64  # query rows per program (tokens x the query heads sharing a KV head)
 BLOCK_N = 64  # keys per tile
 CHUNK = 512  # keys per fold chunk: a multiple of BLOCK_N
-SPLIT_BYTES = 32 * 2**20  # the most the split mode's float32 partials may take
+SPLIT_BYTES = 256 * 2**20  # the most the split mode's float32 partials may take
+TAIL_CHUNKS = 2  # chunks tree tiles may span: (mask columns + BLOCK_N) <= CHUNK
 MODES = ("auto", "fold", "split")
 
 
@@ -105,13 +108,16 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     has_mask = meta.custom_mask is not None
     table = meta.custom_mask if has_mask else meta.seq_lens  # any tensor: never read without a mask
     mask_start = meta.mask_start if has_mask else meta.seq_lens
-    _exact_attention_kernel[(meta.num_seqs * q_tiles, kvh, chunks)](
+    if has_mask:
+        assert table.shape[1] + BLOCK_N <= CHUNK, f"a tree of {table.shape[1]} tokens spans more than {TAIL_CHUNKS} chunks"
+    per_token = TAIL_CHUNKS * block_q if split and has_mask else 0  # programs of the tree chunks, per token
+    _exact_attention_kernel[(meta.num_seqs * q_tiles, kvh, chunks + per_token)](
         q, k_cache, v_cache, out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, meta.positions,
         meta.block_tables, table, mask_start, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         table.stride(0) if has_mask else 0, table.shape[1] if has_mask else 0,
         part_m.stride(0) if split else 0, part_m.stride(1) if split else 0, part_acc.stride(0) if split else 0,
-        part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_tiles,
+        part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_tiles, chunks,
         G=g, BLOCK_Q=block_q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=CHUNK, HEAD_DIM=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -165,12 +171,12 @@ def _load_kv(k_cache_ptr, v_cache_ptr, tables_ptr, b, kv_idx, ok, kvh, d, d_ok, 
 
 
 @triton.jit
-def _chunk(q, pos, row_ok, row_tok, lo, hi, b, t0, m_start, tail_start, k_cache_ptr, v_cache_ptr, tables_ptr,
+def _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, hi, b, t0, m_start, tail_start, k_cache_ptr, v_cache_ptr, tables_ptr,
            table_ptr, scale_log2, stride_bt, stride_kb, stride_ks, stride_kh, stride_tab, tab_cols, kvh, d, d_ok,
            BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
            BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Online softmax over the key tiles at positions [lo, hi) (whole tiles; lo a tile boundary):
-    (m, l, acc) of this chunk for every row."""
+    (m, l, acc) of this chunk for the rows in ``row_ok``; tree tiles gathered for tokens [j_lo, j_hi)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -188,7 +194,7 @@ def _chunk(q, pos, row_ok, row_tok, lo, hi, b, t0, m_start, tail_start, k_cache_
         for start in range(tl.maximum(lo, tail_start), hi, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
             depth = keys - m_start
-            for j in range(BLOCK_Q):
+            for j in range(j_lo, j_hi):
                 tok_rows = row_ok & (row_tok == j)
                 t = t0 + j
                 tok_pos = tl.max(tl.where(tok_rows, pos, -1), 0)  # -1: no such token in this tile
@@ -204,11 +210,11 @@ def _chunk(q, pos, row_ok, row_tok, lo, hi, b, t0, m_start, tail_start, k_cache_
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["q_tiles"])
+@triton.jit(do_not_specialize=["q_tiles", "chunks"])
 def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                             qsl_ptr, seq_lens_ptr, pos_ptr, tables_ptr, table_ptr, mask_start_ptr, scale_log2,
                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_tab, tab_cols,
-                            stride_mc, stride_mt, stride_ac, stride_at, stride_ah, q_tiles,
+                            stride_mc, stride_mt, stride_ac, stride_at, stride_ah, q_tiles, chunks,
                             G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
@@ -238,34 +244,47 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
         m_start = tl.load(seq_lens_ptr + b)  # unused without a mask
         tail_start = end + BLOCK_N  # no gathered tiles
     t0 = (q_start + tile * BLOCK_Q).to(tl.int64)
-    ok = row_ok[:, None] & d_ok[None, :]
+    n_tok = tl.minimum(q_len - tile * BLOCK_Q, BLOCK_Q)
     if SPLIT:
-        c = tl.program_id(2)
+        pid = tl.program_id(2)
+        # Programs [0, chunks): one chunk each, all tokens; then, with a tree, one program per
+        # (tree chunk, token) for the chunks holding tree tiles, which the first ones skip.
+        per_token = pid >= chunks
+        whole = pid < chunks
+        j_lo = tl.where(per_token, (pid - chunks) % BLOCK_Q, 0)
+        j_hi = tl.where(per_token, j_lo + 1, n_tok)
+        c = tl.where(per_token, tail_start // CHUNK + (pid - chunks) // BLOCK_Q, pid)
+        if HAS_MASK:
+            if (per_token & (j_lo >= n_tok)) | (whole & ((c + 1) * CHUNK > tail_start)):
+                return
+            row_ok = row_ok & (row_tok >= j_lo) & (row_tok < j_hi)
+            pos = tl.where(row_ok, pos, -1)
+            end = tl.max(pos, 0) + 1
         lo = c * CHUNK
         if lo >= end:
             return
-        m_c, l_c, acc_c = _chunk(q, pos, row_ok, row_tok, lo, tl.minimum(lo + CHUNK, end), b, t0, m_start, tail_start,
-                                 k_cache_ptr, v_cache_ptr, tables_ptr, table_ptr, scale_log2, stride_bt, stride_kb,
-                                 stride_ks, stride_kh, stride_tab, tab_cols, kvh, d, d_ok, BLOCK_Q, BLOCK_M, BLOCK_N,
-                                 BLOCK_D, BLOCK_SIZE, HAS_MASK, PRECISION, DOT_DTYPE)
+        m_c, l_c, acc_c = _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, tl.minimum(lo + CHUNK, end), b, t0,
+                                 m_start, tail_start, k_cache_ptr, v_cache_ptr, tables_ptr, table_ptr, scale_log2,
+                                 stride_bt, stride_kb, stride_ks, stride_kh, stride_tab, tab_cols, kvh, d, d_ok,
+                                 BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, HAS_MASK, PRECISION, DOT_DTYPE)
         at = c * stride_mc + t * stride_mt + head  # partials [chunks, T, H] and [chunks, T, H, D]
         tl.store(part_m_ptr + at, m_c, mask=row_ok)
         tl.store(part_l_ptr + at, l_c, mask=row_ok)
         tl.store(part_acc_ptr + c * stride_ac + t[:, None] * stride_at + head[:, None] * stride_ah + d[None, :],
-                 acc_c, mask=ok)
+                 acc_c, mask=row_ok[:, None] & d_ok[None, :])
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for lo in range(0, end, CHUNK):
-            m_c, l_c, acc_c = _chunk(q, pos, row_ok, row_tok, lo, tl.minimum(lo + CHUNK, end), b, t0, m_start,
-                                     tail_start, k_cache_ptr, v_cache_ptr, tables_ptr, table_ptr, scale_log2,
+            m_c, l_c, acc_c = _chunk(q, pos, row_ok, row_tok, 0, n_tok, lo, tl.minimum(lo + CHUNK, end), b, t0,
+                                     m_start, tail_start, k_cache_ptr, v_cache_ptr, tables_ptr, table_ptr, scale_log2,
                                      stride_bt, stride_kb, stride_ks, stride_kh, stride_tab, tab_cols, kvh, d, d_ok,
                                      BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, HAS_MASK, PRECISION, DOT_DTYPE)
             m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=ok)
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit

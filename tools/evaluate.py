@@ -95,7 +95,8 @@ def summarize(name: str, outputs, secs, metrics, reference, ref_secs) -> dict:
 
 def evaluate(model_dir: str, head: str, prompt_files: list[str], configs: list[str], max_tokens: int = 256,
              batch: int = 1, limit: int | None = None, device: str = "auto", dtype: str = "auto",
-             temperature: float = 0.0, seed: int = 0, sampling_acceptance: str = "seeded", report=print) -> dict:
+             temperature: float = 0.0, seed: int = 0, sampling_acceptance: str = "seeded", exact: bool = False,
+             report=print) -> dict:
     """Every configuration on every prompt file; ``report`` gets each row as it is measured.
 
     ``temperature`` > 0: every request sampled, request i with seed ``seed + i`` (target-only and
@@ -104,7 +105,7 @@ def evaluate(model_dir: str, head: str, prompt_files: list[str], configs: list[s
     specs = [(text, parse_config(text, head)) for text in configs]  # bad configs fail before loading
     mask = draft_vocab_mask(specs[0][1].draft_path) if specs else None
     cfg = EngineConfig(model_dir, device=device, dtype=dtype, max_model_len=4096, max_num_seqs=batch,
-                       sampling_acceptance=sampling_acceptance)
+                       sampling_acceptance=sampling_acceptance, exact=exact)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed if temperature > 0 else None)
     sets = {}
     for path in prompt_files:
@@ -129,7 +130,7 @@ def evaluate(model_dir: str, head: str, prompt_files: list[str], configs: list[s
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "model": model_dir, "head": head, "max_tokens": max_tokens, "batch": batch,
             "temperature": temperature, "seed": seed if temperature > 0 else None,
-            "sampling_acceptance": sampling_acceptance if temperature > 0 else None,
+            "sampling_acceptance": sampling_acceptance if temperature > 0 else None, "exact": exact,
             "dtype": engine_dtype, "results": sets}
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.devices import check_device
+from common.devices import check_device, device_type
 from common.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class EngineConfig:
     kernels: str = "auto"  # "triton", "reference", or "auto" (kernels.select_kernels decides)
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the Triton kernels)
     sampling_acceptance: str = "seeded"  # one of SAMPLING_ACCEPTANCE
+    exact: bool = False  # batch-invariant kernels (kernels.exact_set): bf16 speculative == target-only
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -49,6 +51,8 @@ class EngineConfig:
         check_device(self.device)
         if self.kernels not in KERNEL_CHOICES:
             raise InvalidRequestError("kernels", f"must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+        if self.exact:
+            self._check_exact()
         if self.sampling_acceptance not in SAMPLING_ACCEPTANCE:
             raise InvalidRequestError("sampling_acceptance", f"must be one of {', '.join(SAMPLING_ACCEPTANCE)}, "
                                                              f"got {self.sampling_acceptance!r}")
@@ -63,6 +67,14 @@ class EngineConfig:
             raise InvalidRequestError("num_kv_blocks", f"must be > 0, got {self.num_kv_blocks}")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise InvalidRequestError("kv_cache_gib", f"must be > 0, got {self.kv_cache_gib}")
+
+    def _check_exact(self) -> None:
+        """What kernels.select_kernels would refuse, refused before the model loads."""
+        if self.kernels == "reference":
+            raise InvalidRequestError("exact", "runs batch-invariant Triton kernels: it contradicts kernels=reference")
+        if device_type(self.device) != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise InvalidRequestError("exact", "needs CUDA: on a CPU the float32 reference kernels already give "
+                                               "speculative output equal to target-only output")
 
     def torch_device(self) -> torch.device:
         import torch

@@ -9,6 +9,7 @@ final-normed hidden states and, for EAGLE-3, the hidden states *entering* chosen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +100,7 @@ class CausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] in float32 for the rows of ``hidden`` that need them."""
-        return F.linear(hidden, self.lm_head_weight()).float()
+    def compute_logits(self, hidden: torch.Tensor, linear: Callable = F.linear) -> torch.Tensor:
+        """Logits [N, vocab] in float32 for the rows of ``hidden`` that need them; ``linear`` is the
+        kernel set's matmul (the batch-invariant one in exact mode)."""
+        return linear(hidden, self.lm_head_weight()).float()

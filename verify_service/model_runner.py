@@ -14,6 +14,7 @@ shapes follow each step's lengths) or with ``enforce_eager``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -23,9 +24,10 @@ import torch
 
 from common.errors import UnsupportedModelError
 from kernels import KernelSet
+from kernels.metadata import AttentionMetadata
 from runtime.block_manager import blocks_for
 from runtime.kv_cache import PagedKVCache
-from runtime.step_layout import Bucket, SeqChunk, Staging, StaticLayout, layout_step
+from runtime.step_layout import Bucket, SeqChunk, Staging, StaticLayout, layout_step, unpack_mask
 from verify_service.model import CausalLM
 
 __all__ = ["ModelRunner", "SeqChunk", "StepOutput", "graph_buckets"]
@@ -73,7 +75,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, kernels: KernelSet,
                  capture_layers: tuple[int, ...] = (), cuda_graphs: bool = False, max_num_seqs: int = 1):
         """``cuda_graphs``: replay captured graphs for decode and verification steps (CUDA with the
-        Triton kernels only; the caller decides)."""
+        Triton or the exact kernels only; the caller decides)."""
         self.model = model
         self.kv_cache = kv_cache
         self.kernels = kernels
@@ -105,7 +107,7 @@ class ModelRunner:
             return self._replay(graph, chunks)
         lay = layout_step(chunks, self.kv_cache.block_size, self.device, self.kernels, self.staging)
         out = self.model(lay.input_ids, lay.meta, self.kv_cache, self.kernels, self.capture_layers)
-        logits = self.model.compute_logits(out.hidden[lay.logits_rows])
+        logits = self.model.compute_logits(out.hidden[lay.logits_rows], self.kernels.linear)
         return StepOutput(logits, out.hidden, out.captured, lay.query_start_loc.tolist())
 
     def capture(self, buckets: list[Bucket]) -> None:
@@ -180,8 +182,9 @@ class ModelRunner:
         layout = StaticLayout(bucket, width, self.max_model_len, self.kv_cache.block_size, self.device)
 
         def forward():
-            out = self.model(layout.input_ids, layout.meta, self.kv_cache, self.kernels, self.capture_layers)
-            return self.model.compute_logits(out.hidden), out.hidden, out.captured
+            out = self.model(layout.input_ids, self._graph_meta(layout), self.kv_cache, self.kernels,
+                             self.capture_layers)
+            return self.model.compute_logits(out.hidden, self.kernels.linear), out.hidden, out.captured
 
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -194,6 +197,17 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             logits, hidden, captured = forward()
         return _Graph(layout, graph, logits, hidden, captured)
+
+    def _graph_meta(self, layout: StaticLayout) -> AttentionMetadata:
+        """The layout's metadata as this kernel set takes it. The layout holds the mask packed as the
+        Triton set's ``prepare_attention`` packs it; another set (the exact one: an ancestor table)
+        prepares its own from the unpacked mask, inside the graph."""
+        from kernels.attention_triton import prepare_attention_triton  # graphs imply Triton
+
+        meta = layout.meta
+        if meta.custom_mask is None or self.kernels.prepare_attention is prepare_attention_triton:
+            return meta
+        return self.kernels.prepare_attention(dataclasses.replace(meta, custom_mask=unpack_mask(meta.custom_mask)))
 
     def _replay(self, graph: _Graph, chunks: list[SeqChunk]) -> StepOutput:
         qsl = graph.layout.fill(chunks)

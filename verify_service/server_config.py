@@ -97,6 +97,9 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
                    help="how sampled requests verify draft trees: seeded (default) accepts a node iff it is the "
                         "target's own sample there, so a seed gives the same text with or without a draft; "
                         "residual: the SpecInfer/EAGLE residual rule (same distribution, other text per seed)")
+    p.add_argument("--exact", action="store_true",
+                   help="batch-invariant target numerics, so greedy output with a draft is token-for-token the "
+                        "target-only output in bf16 too; costs speed (README: Exact mode)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -143,7 +146,7 @@ def engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
                         kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks,
                         kernels=args.kernels, enforce_eager=args.enforce_eager,
-                        sampling_acceptance=args.sampling_acceptance)
+                        sampling_acceptance=args.sampling_acceptance, exact=args.exact)
 
 
 def from_args(args: argparse.Namespace, model_dir: str) -> VerifyServerConfig:

@@ -40,8 +40,8 @@ class Target:
         check_fits(f"KV cache of {num_blocks} blocks of {cfg.block_size} tokens", num_blocks * per_block, self.device)
         self.kv_cache = PagedKVCache.for_model(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
-        kernels = select_kernels(self.device, cfg.kernels)
-        graphs = self.device.type == "cuda" and kernels.name == "triton" and not cfg.enforce_eager
+        kernels = select_kernels(self.device, cfg.kernels, exact=cfg.exact)
+        graphs = self.device.type == "cuda" and kernels.name in ("triton", "exact") and not cfg.enforce_eager
         self.runner = ModelRunner(model, self.kv_cache, kernels, capture_layers, graphs, cfg.max_num_seqs)
         log.info("target engine: %s on %s/%s, %d KV blocks of %d tokens, context %d, %s kernels, %s",
                  self.model_config.architecture, self.device, self.dtype, num_blocks, cfg.block_size,

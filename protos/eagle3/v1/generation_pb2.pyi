@@ -144,7 +144,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "dtype", "device", "speculation_configured", "draft_connected", "limits", "max_tokens_default", "version")
+    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "dtype", "device", "speculation_configured", "draft_connected", "limits", "max_tokens_default", "version", "exact_numerics")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class ServerInfo(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXACT_NUMERICS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -167,7 +168,8 @@ class ServerInfo(_message.Message):
     limits: _speculation_pb2.SpeculationLimits
     max_tokens_default: int
     version: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., speculation_configured: _Optional[bool] = ..., draft_connected: _Optional[bool] = ..., limits: _Optional[_Union[_speculation_pb2.SpeculationLimits, _Mapping]] = ..., max_tokens_default: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    exact_numerics: bool
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., speculation_configured: _Optional[bool] = ..., draft_connected: _Optional[bool] = ..., limits: _Optional[_Union[_speculation_pb2.SpeculationLimits, _Mapping]] = ..., max_tokens_default: _Optional[int] = ..., version: _Optional[str] = ..., exact_numerics: _Optional[bool] = ...) -> None: ...
 
 class GetMetricsRequest(_message.Message):
     __slots__ = ()

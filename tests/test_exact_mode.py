@@ -1,0 +1,163 @@
+"""``--exact``: the batch-invariant target kernels (kernels/exact_set.py), from the flag to ServerInfo.
+
+Without a GPU the exact kernels run through Triton's interpreter (TRITON_INTERPRET=1, set by
+conftest.py): slow, so the models here are tiny (hidden 64, 2 layers) and the outputs short.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from cli import main as cli
+from client.eagle3_client import Eagle3Client
+from common.errors import InvalidRequestError
+from common.sampling_params import SamplingParams
+from common.tree_settings import TreeSettings
+from draft_service.drafter import EagleDrafter
+from draft_service.spec_config import SpecConfig
+from drafters import OracleDrafter
+from kernels import REFERENCE, select_kernels
+from runtime.step_layout import Bucket, StaticLayout, unpack_mask
+from tiny_eagle import make_eagle_dir
+from tiny_models import TRITON_DEVICE, make_model_dir, target_for, tiny_config
+from verify_service import server_config
+from verify_service.config import EngineConfig
+from verify_service.engine import Engine
+from verify_service.model_runner import SeqChunk
+from verify_service.server import create_server
+
+PROMPTS = [[5, 6, 7], list(range(10, 30))]
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+EXACT_BF16 = {"device": TRITON_DEVICE, "dtype": "bfloat16", "exact": True}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exact")
+    target = make_model_dir(root / "target", "llama3", seed=5, std=0.3, num_hidden_layers=2)
+    draft = make_eagle_dir(root / "draft", tiny_config("llama3", num_hidden_layers=2), draft_vocab=64, seed=1)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def exact_target_only(dirs):
+    pytest.importorskip("triton")
+    return [r.token_ids for r in Engine(target_for(dirs[0], **EXACT_BF16)).generate(PROMPTS, PARAMS)]
+
+
+def test_exact_selects_the_batch_invariant_set_on_cuda_or_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    from kernels.exact_set import EXACT
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_kernels("cpu", exact=True) is EXACT
+    assert select_kernels("cpu", "triton", exact=True) is EXACT
+    assert select_kernels("cpu", "auto").name != "exact"  # off unless asked for
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="--exact needs CUDA"):
+        select_kernels("cpu", exact=True)
+
+
+def test_exact_contradicts_the_reference_kernels():
+    with pytest.raises(ValueError, match="reference"):
+        select_kernels(TRITON_DEVICE, "reference", exact=True)
+    with pytest.raises(InvalidRequestError, match="contradicts") as info:  # refused before the model loads
+        EngineConfig("m", device=TRITON_DEVICE, kernels="reference", exact=True)
+    assert info.value.field == "exact"
+
+
+def test_the_config_refuses_exact_on_a_cpu_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(InvalidRequestError, match="needs CUDA"):
+        EngineConfig("m", device="cpu", exact=True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert EngineConfig("m", device="cpu", exact=True).exact
+
+
+def test_the_lm_head_goes_through_the_kernel_sets_matmul(dirs):
+    """The logits use ``kernels.linear`` (the exact matmul in exact mode), not F.linear directly."""
+    target = target_for(dirs[0], kernels="reference")
+    seen = []
+
+    def linear(x, w, bias=None):
+        seen.append(tuple(w.shape))
+        return REFERENCE.linear(x, w, bias)
+
+    target.runner.kernels = dataclasses.replace(REFERENCE, linear=linear)
+    target.blocks.ensure_capacity(0, 3)
+    target.runner.step([SeqChunk([5, 6, 7], 0, target.blocks.block_table(0), (2,))])
+    cfg = target.model_config
+    assert seen[-1] == (cfg.vocab_size, cfg.hidden_size)
+
+
+def test_a_graphed_tree_step_gives_other_kernel_sets_the_bool_mask():
+    """A graph's layout holds the mask packed for the Triton set; the exact set takes it unpacked."""
+    tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], bool)
+    chunks = [SeqChunk([1, 2, 3, 4], 20, [3, 7], np.arange(4), positions=[20, 21, 21, 22], custom_mask=tree),
+              SeqChunk([6], 9, [2], (0,))]
+    lay = StaticLayout(Bucket(2, 4, True), table_width=2, max_seq_len=64, block_size=16, device=torch.device("cpu"))
+    lay.fill(chunks)
+    want = np.zeros((8, 32), bool)  # (seqs * tokens, 32 columns a word)
+    want[:4, :4] = tree
+    want[4, 0] = True  # the decode token sees itself
+    assert torch.equal(unpack_mask(lay.meta.custom_mask), torch.from_numpy(want))
+
+
+def _eagle_engine(dirs):
+    spec = SpecConfig(str(dirs[1]), tree="dynamic", depth=4, top_k=3, max_nodes=10)
+    target = target_for(dirs[0], **EXACT_BF16)
+    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                           target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels)
+    return Engine(target, drafter, spec.settings)
+
+
+def _oracle_engine(dirs):
+    # The oracle guesses with the float32 references (cheap): mostly the bf16 target's own tokens,
+    # so trees are accepted deep, next to a wrong sibling at every depth.
+    drafter = OracleDrafter(target_for(dirs[0], device="cpu", dtype="float32", kernels="reference"), 3, 1)
+    engine = Engine(target_for(dirs[0], **EXACT_BF16), drafter, TreeSettings("dynamic", depth=3, max_nodes=6))
+    drafter.engine = engine
+    return engine
+
+
+@pytest.mark.parametrize("make_engine, accepts", [(_eagle_engine, False), (_oracle_engine, True)],
+                         ids=["eagle", "oracle"])
+def test_bf16_greedy_speculative_output_equals_target_only(dirs, exact_target_only, make_engine, accepts):
+    """Tree steps (and, with the oracle, deep accepted nodes) give the target-only tokens, bit for bit."""
+    engine = make_engine(dirs)
+    assert engine.target.runner.kernels.name == "exact" and engine.target.dtype == torch.bfloat16
+    results = engine.generate(PROMPTS, PARAMS)
+    assert [r.token_ids for r in results] == exact_target_only
+    assert all(r.speculation.steps > 0 for r in results)
+    assert (sum(r.speculation.accepted_tokens for r in results) > 0) == accepts  # the random head accepts none
+
+
+@pytest.mark.parametrize("flags, exact", [([], False), (["--exact"], True)])
+def test_server_info_reports_exact_numerics(dirs, tmp_path, flags, exact):
+    if exact:
+        pytest.importorskip("triton")
+    args = cli.build_parser().parse_args(["serve-verify", "--model", str(dirs[0]), "--device", TRITON_DEVICE,
+                                          "--no-speculation", "--num-kv-blocks", "16",
+                                          "--listen", f"unix:{tmp_path}/api.sock", *flags])
+    cfg = server_config.from_args(args, str(dirs[0]))
+    assert cfg.engine.exact is exact
+    server = create_server(cfg)
+    try:
+        with Eagle3Client(cfg.listen, timeout_s=60) as client:
+            assert client.server_info()["exact_numerics"] is exact
+    finally:
+        server.stop(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_exact_mode_replays_cuda_graphs_with_the_eager_tokens(dirs):
+    """Decode and tree steps replay graphs (the tree's mask unpacked for the exact set inside them)."""
+    eager = Engine(target_for(dirs[0], **EXACT_BF16, enforce_eager=True))
+    want = [r.token_ids for r in eager.generate(PROMPTS, PARAMS)]
+    assert eager.target.runner.graph_steps == 0
+    for engine in (Engine(target_for(dirs[0], **EXACT_BF16)), _eagle_engine(dirs), _oracle_engine(dirs)):
+        assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == want
+        assert engine.target.runner.graph_steps > 0
