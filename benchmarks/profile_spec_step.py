@@ -1,0 +1,96 @@
+"""Where a speculative step's time goes: the draft (extend + tree levels) against verification.
+
+The target is a random-weight geometry (``smollm2``, ``llama3-8b``) or a model directory; the
+draft head is a checkpoint of matching geometry (default: the shipped SmolLM2 head). With
+random target weights almost nothing is accepted, but every step still drafts the whole tree
+and verifies all its nodes, so the timing is a real speculative step's. Prints the median step,
+the host time of the draft's and the target's top-level calls (cProfile, cumulative), and the
+top device kernels (torch.profiler)::
+
+    python benchmarks/profile_spec_step.py smollm2 --config dynamic:7:10:59 --batch 1 --context 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.decode_baseline import make_engine  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
+from draft_service.drafter import EagleDrafter  # noqa: E402
+from tools.evaluate import parse_config  # noqa: E402
+from verify_service.engine import Engine  # noqa: E402
+
+SHIPPED_HEAD = str(Path(__file__).resolve().parent.parent / "hub" / "heads" / "smollm2-135m-instruct")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", help="smollm2, llama3-8b (random weights) or a model directory")
+    ap.add_argument("--head", default=SHIPPED_HEAD)
+    ap.add_argument("--config", default="dynamic:7:10:59", help="TREE:DEPTH[:TOP_K[:NODES]]")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a CPU: a smoke run
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    spec = parse_config(args.config, args.head)
+    target = make_engine(args.model, args.batch, args.context, 16 * args.steps + 128, device)  # + tree room
+    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                           args.batch, target.max_model_len, "auto")
+    engine = Engine(target, drafter, spec.settings)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(args.batch):
+        prompt = torch.randint(1, target.model_config.vocab_size, (args.context,), generator=gen).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=16 * args.steps, ignore_eos=True))
+    while any(s.prefilling for s in engine.sequences.values()):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    times = []
+    for _ in range(args.steps):
+        sync()
+        t = time.perf_counter()
+        engine.step()
+        sync()
+        times.append((time.perf_counter() - t) * 1e3)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.steps):
+        engine.step()
+    sync()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])) as tprof:
+        for _ in range(5):
+            engine.step()
+        sync()
+    kernels = tprof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=15)
+    launches = sum(e.count for e in tprof.key_averages() if e.device_type.name == "CUDA") / 5
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": args.model, "config": args.config,
+              "batch": args.batch, "context": args.context, "step_ms_median": round(statistics.median(times), 3),
+              "step_ms": [round(x, 3) for x in times], "device_kernels_per_step": launches}
+    print(json.dumps({k: v for k, v in result.items() if k != "step_ms"}))
+    print(text.getvalue())
+    print(kernels)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n" + text.getvalue() + "\n" + kernels)
+
+
+if __name__ == "__main__":
+    main()
