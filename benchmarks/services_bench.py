@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--tree", default="chain:3", help="TREE:DEPTH (server default tree)")
     ap.add_argument("--adaptive-speculation", default="off", choices=["on", "off"],
                     help="the verify service's --adaptive-speculation (off: always the --tree)")
+    ap.add_argument("--exact", action="store_true",
+                    help="batch-invariant target kernels in the verify service and the in-process reference")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = str(ensure_default_model(progress=False))
@@ -55,7 +57,7 @@ def main() -> None:
 
     # Reference: the in-process target-only engine, same device and dtype.
     ref_gen = build_engine(EngineConfig(model, device=args.device, dtype=args.dtype, max_model_len=4096,
-                                           max_num_seqs=1))
+                                        max_num_seqs=1, exact=args.exact))
     prompts = [ref_gen.target.encode(messages=[{"role": "user", "content": t}]) for t in texts]
     params = SamplingParams(max_tokens=args.max_tokens)
     reference = [ref_gen.generate([p], params)[0].token_ids for p in prompts]
@@ -65,7 +67,8 @@ def main() -> None:
     common = ["--device", args.device]
     verify = spawn(["serve-verify", "--model", model, "--listen", public, "--internal", internal, "--dtype",
                     args.dtype, "--max-model-len", "4096", "--max-num-seqs", "8", "--tree", tree,
-                    "--tree-depth", depth, "--adaptive-speculation", args.adaptive_speculation, *common],
+                    "--tree-depth", depth, "--adaptive-speculation", args.adaptive_speculation, *common,
+                    *(["--exact"] if args.exact else [])],
                    tmp / "verify.log")
     draft = None
     try:
@@ -85,7 +88,8 @@ def main() -> None:
         plain_secs = time.perf_counter() - plain_start
         metrics = client.metrics()
         tokens = sum(len(t) for t, _ in rows)
-        report = {"device": args.device, "dtype": args.dtype, "tree": args.tree, "prompts": len(prompts),
+        report = {"device": args.device, "dtype": args.dtype, "tree": args.tree, "exact": args.exact,
+                  "prompts": len(prompts),
                   "max_tokens": args.max_tokens, "identical_outputs": sum(t == r for (t, _), r in zip(rows, reference)),
                   "tokens": tokens, "tokens_per_s": round(tokens / secs, 1),
                   "plain_tokens_per_s": round(sum(len(t) for t in plain) / plain_secs, 1),
