@@ -23,6 +23,7 @@ import torch
 
 from common.config import ModelConfig
 from common.tree_settings import TreeSettings
+from draft_service.draft_graphs import DraftGraphs
 from draft_service.eagle_config import DraftConfig
 from draft_service.eagle_loader import load_eagle
 from draft_service.eagle_net import EagleNet
@@ -42,7 +43,9 @@ log = logging.getLogger(__name__)
 
 class EagleDrafter:
     def __init__(self, net: EagleNet, spec: SpecConfig, capture_layers: tuple[int, ...], kernels: KernelSet,
-                 max_num_seqs: int, max_model_len: int, block_size: int = 16):
+                 max_num_seqs: int, max_model_len: int, block_size: int = 16, cuda_graphs: bool = False):
+        """``cuda_graphs``: replay tree levels as CUDA graphs (``draft_graphs.py``; CUDA with the
+        Triton kernels only, else ignored)."""
         self.net, self.spec, self.kernels = net, spec, kernels
         self.capture_layers = capture_layers
         cfg = net.config
@@ -58,19 +61,24 @@ class EagleDrafter:
         self.rows: dict[int, int] = {}  # committed rows per sequence
         self.last_out: dict[int, torch.Tensor] = {}  # [H] draft output of the newest committed row
         self.last_logp: dict[int, torch.Tensor] = {}  # [Vd] its log-probs over the draft vocabulary
+        rows = spec.settings.draft_tree_rows
+        self.graphs = DraftGraphs(net, self.kv, kernels, blocks_for(max_model_len + rows, block_size),
+                                  max_model_len + rows, rows) \
+            if cuda_graphs and self.device.type == "cuda" and kernels.name == "triton" else None
 
     @classmethod
     def from_checkpoint(cls, spec: SpecConfig, target: ModelConfig, target_embedding: torch.Tensor,
-                        max_num_seqs: int, max_model_len: int, kernels: str = "auto") -> "EagleDrafter":
+                        max_num_seqs: int, max_model_len: int, kernels: str = "auto",
+                        cuda_graphs: bool = True) -> "EagleDrafter":
         """Load ``spec.draft_path`` against the target; runs on the embedding's device and dtype with
-        ``kernels`` (``select_kernels``' choice)."""
+        ``kernels`` (``select_kernels``' choice), tree levels as CUDA graphs where they can be."""
         positions = max_model_len + spec.settings.draft_positions
         check_fits(f"draft RoPE tables for {positions} positions",
                    rope_table_bytes(DraftConfig.from_dir(spec.draft_path).head_dim, positions), target_embedding.device)
         net = load_eagle(spec.draft_path, target, target_embedding, target_embedding.dtype,
                          target_embedding.device, max_model_len + spec.settings.draft_positions)
         return cls(net, spec, net.config.capture_layers(target), select_kernels(target_embedding.device, kernels),
-                   max_num_seqs, max_model_len)
+                   max_num_seqs, max_model_len, cuda_graphs=cuda_graphs)
 
     # --- DraftProvider -------------------------------------------------------------------
 
@@ -108,7 +116,12 @@ class EagleDrafter:
     def _run(self, chunks: list[SeqChunk], hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
              custom_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft forward; returns every row's output [T, H] and log-probs at the logits rows.
-        ``input_ids``/``custom_mask``: already on the device (see ``layout_step``)."""
+        ``input_ids``/``custom_mask``: already on the device (see ``layout_step``): a tree level, which
+        replays a CUDA graph when the drafter has them."""
+        if self.graphs is not None and input_ids is not None:
+            graphed = self.graphs.run(chunks, hidden, input_ids, custom_mask)
+            if graphed is not None:
+                return graphed
         lay = layout_step(chunks, self.kv.block_size, self.device, self.kernels, self.staging, input_ids, custom_mask)
         out = self.net(lay.input_ids, hidden, lay.meta, self.kv, self.kernels)
         logits = self.net.compute_logits(out[lay.logits_rows])

@@ -178,7 +178,7 @@ class DraftWorker:
                 # The embedding is the target's table: mapped read-only where the backend can.
                 bufs = {name: importer.open(d, read_only=name == "embedding") for name, d in descs.items()}
                 drafter = self.make_drafter(self.cfg.spec, target, bufs["embedding"], hello.max_trees,
-                                            hello.max_model_len)
+                                            hello.max_model_len, cuda_graphs=not self.cfg.enforce_eager)
                 self._stream(stub, hello, bufs, drafter)
 
     def _stream(self, stub, hello, bufs, drafter) -> None:

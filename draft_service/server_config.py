@@ -29,6 +29,7 @@ class DraftServerConfig:
     max_message_bytes: int = 4 << 20
     metrics_port: int | None = None  # Prometheus /metrics on the --listen host (None: off; 0: any free port)
     step_transport: str = "socket"  # socket: the unix step socket when offered, else the stream; stream: always
+    enforce_eager: bool = False  # no CUDA graphs for the tree levels
 
     def __post_init__(self):
         check_device(self.device)
@@ -48,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default=DEFAULT_HEALTH, help="health / metrics address of this service")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (the verify service's device)")
     add_tree_arguments(p)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every tree level runs eagerly (graphs need CUDA and the Triton kernels)")
     p.add_argument("--reconnect-max-s", type=float, default=5.0)
     p.add_argument("--max-message-bytes", type=int, default=4 << 20)
     p.add_argument("--step-transport", default="socket", choices=STEP_TRANSPORTS,
@@ -67,4 +70,5 @@ def from_args(args: argparse.Namespace) -> DraftServerConfig:
     spec = SpecConfig(args.draft, tree.tree, tree.depth, tree.top_k, tree.max_nodes, static_tree_file=args.static_tree)
     return DraftServerConfig(spec, verify=args.verify, listen=args.listen, device=args.device,
                              reconnect_max_s=args.reconnect_max_s, max_message_bytes=args.max_message_bytes,
-                             metrics_port=args.metrics_port, step_transport=args.step_transport)
+                             metrics_port=args.metrics_port, step_transport=args.step_transport,
+                             enforce_eager=args.enforce_eager)

@@ -79,6 +79,25 @@ class Staging:
         return entry
 
 
+def layout_arrays(chunks: list[SeqChunk], block_size: int, table_width: int | None = None) -> dict[str, np.ndarray]:
+    """The host side of a step's layout, int64 arrays: qsl, seq_lens, tables ([B, table_width],
+    default the longest table), slots, positions, token_seq, q_idx."""
+    q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+    starts = np.array([c.kv_start for c in chunks], dtype=np.int64)
+    qsl = np.concatenate(([0], np.cumsum(q_lens)))
+    token_seq = np.repeat(np.arange(len(chunks)), q_lens)
+    token_q_idx = np.arange(qsl[-1]) - qsl[token_seq]
+    kv_idx = starts[token_seq] + token_q_idx
+    tables = np.zeros((len(chunks), table_width or max(len(c.block_table) for c in chunks)), dtype=np.int64)
+    for i, c in enumerate(chunks):
+        tables[i, : len(c.block_table)] = c.block_table
+    slots = tables[token_seq, kv_idx // block_size] * block_size + kv_idx % block_size
+    positions = np.concatenate([np.asarray(c.positions) if c.positions is not None else
+                                np.arange(c.kv_start, c.kv_start + len(c.token_ids)) for c in chunks])
+    return {"qsl": qsl, "seq_lens": starts + q_lens, "tables": tables, "slots": slots,
+            "positions": positions.astype(np.int64), "token_seq": token_seq, "q_idx": token_q_idx}
+
+
 def layout_step(chunks: list[SeqChunk], block_size: int, device: torch.device, kernels: KernelSet,
                 staging: Staging | None = None, input_ids: torch.Tensor | None = None,
                 custom_mask: torch.Tensor | None = None) -> StepLayout:
@@ -89,30 +108,16 @@ def layout_step(chunks: list[SeqChunk], block_size: int, device: torch.device, k
     device (a draft tree level grown there): the chunks' ``token_ids`` then only count the tokens,
     their ``custom_mask`` is ignored (``mask_start`` still applies), and nothing waits on the device.
     """
-    q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
-    starts = np.array([c.kv_start for c in chunks], dtype=np.int64)
-    seq_lens = starts + q_lens
-    qsl = np.concatenate(([0], np.cumsum(q_lens)))
-    token_seq = np.repeat(np.arange(len(chunks)), q_lens)
-    token_q_idx = np.arange(qsl[-1]) - qsl[token_seq]
-    kv_idx = starts[token_seq] + token_q_idx
-    width = max(len(c.block_table) for c in chunks)
-    tables = np.zeros((len(chunks), width), dtype=np.int64)
-    for i, c in enumerate(chunks):
-        tables[i, : len(c.block_table)] = c.block_table
-    slots = tables[token_seq, kv_idx // block_size] * block_size + kv_idx % block_size
-    positions = np.concatenate([np.asarray(c.positions) if c.positions is not None else
-                                np.arange(c.kv_start, c.kv_start + len(c.token_ids)) for c in chunks])
-    max_q = int(q_lens.max())
+    arrays = layout_arrays(chunks, block_size)
+    qsl, seq_lens = arrays["qsl"], arrays["seq_lens"]
+    max_q = int((qsl[1:] - qsl[:-1]).max())
     if custom_mask is not None:
         assert custom_mask.shape[0] == qsl[-1], f"a mask of {custom_mask.shape[0]} rows for {qsl[-1]} tokens"
         mask, mask_start = None, np.array([c.kv_start if c.mask_start is None else c.mask_start for c in chunks],
                                           dtype=np.int64)
     else:
         mask, mask_start = _custom_mask(chunks)
-    rows = np.concatenate([qsl[i] + np.asarray(c.logits_rows, dtype=np.int64) for i, c in enumerate(chunks)])
-    arrays = {"qsl": qsl, "seq_lens": seq_lens, "tables": tables, "slots": slots,
-              "positions": positions.astype(np.int64), "token_seq": token_seq, "q_idx": token_q_idx, "rows": rows}
+    arrays["rows"] = np.concatenate([qsl[i] + np.asarray(c.logits_rows, dtype=np.int64) for i, c in enumerate(chunks)])
     if input_ids is None:
         arrays["ids"] = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks])
     if mask_start is not None:

@@ -1,0 +1,50 @@
+"""Draft tree levels replayed as CUDA graphs (draft_service/draft_graphs.py) against eager levels.
+
+CUDA only. A random draft head on a tiny target in float32: the graphed levels give the eager
+trees (same tokens, parents and scores within float rounding), and greedy speculative output
+with graphed levels is still the target-only output.
+"""
+
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from draft_service.drafter import EagleDrafter
+from draft_service.spec_config import SpecConfig
+from tiny_eagle import make_eagle_dir
+from tiny_models import make_model_dir, target_for, tiny_config
+from verify_service.engine import Engine
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")]
+
+PROMPTS = [[5, 6, 7], list(range(10, 30)), [3] * 9]
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft_graphs")
+    target = make_model_dir(root / "target", "llama3", seed=5, std=0.3, num_hidden_layers=2)
+    draft = make_eagle_dir(root / "draft", tiny_config("llama3", num_hidden_layers=2), draft_vocab=64, seed=1)
+    return target, draft
+
+
+def engine(dirs, cuda_graphs: bool, tree: str = "dynamic"):
+    spec = SpecConfig(str(dirs[1]), tree=tree, depth=4, top_k=3, max_nodes=10)
+    target = target_for(dirs[0], device="cuda", dtype="float32")
+    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                           target.cfg.max_num_seqs, target.max_model_len, cuda_graphs=cuda_graphs)
+    return Engine(target, drafter, spec.settings)
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "chain"])
+def test_graphed_levels_give_the_eager_output(dirs, tree):
+    want = [r.token_ids for r in Engine(target_for(dirs[0], device="cuda", dtype="float32")).generate(PROMPTS, PARAMS)]
+    eager, graphed = engine(dirs, False, tree), engine(dirs, True, tree)
+    assert eager.drafter.graphs is None and graphed.drafter.graphs is not None
+    got_eager = eager.generate(PROMPTS, PARAMS)
+    got_graphed = graphed.generate(PROMPTS, PARAMS)
+    assert [r.token_ids for r in got_eager] == want == [r.token_ids for r in got_graphed]
+    assert graphed.drafter.graphs.replays > 0
+    assert [r.speculation.accepted_tokens for r in got_eager] == [r.speculation.accepted_tokens for r in got_graphed]
+
