@@ -110,7 +110,7 @@ class _PoolBuilder:
 
     def __init__(self, d2t: torch.Tensor, kernels: KernelSet):
         self._d2t, self._kernels = d2t, kernels
-        self._fed_parents: torch.Tensor | None = None  # int64 [B, fed]: parent's feed column, -1 = root
+        self._fed_mask: torch.Tensor | None = None  # bool [B, 1 + fed, fed]: the root's row, then each fed node's
         self._last_fed = 0  # feed column of the previous frontier's first node
 
     pool_tokens = property(lambda self: self._filled().tokens)  # int64 [B, P], target ids
@@ -124,18 +124,21 @@ class _PoolBuilder:
 
         Every ancestor of a frontier node was itself in an earlier frontier, hence already fed;
         the parent of node j sits at column (previous frontier's first column) + parent_slot[j].
+        So a new node's row is its parent's row plus its own column: one gather a level, with
+        the fed nodes' rows kept from level to level.
         """
         b, f = frontier.tokens.shape
         dev = frontier.tokens.device
-        if self._fed_parents is None:
-            self._fed_parents = torch.zeros(b, 0, dtype=torch.int64, device=dev)
-        fed = self._fed_parents.shape[1]
-        parents = torch.where(frontier.parent_slot >= 0, self._last_fed + frontier.parent_slot, -1)
-        self._fed_parents = torch.cat([self._fed_parents, parents.to(dev)], dim=1)  # (B, fed + F)
+        if self._fed_mask is None:
+            self._fed_mask = torch.zeros(b, 1, 0, dtype=torch.bool, device=dev)  # row 0: the root, sees none
+        fed = self._fed_mask.shape[2]
+        row = torch.where(frontier.parent_slot >= 0, 1 + self._last_fed + frontier.parent_slot, 0).to(dev)  # (B, F)
         self._last_fed = fed
-        n = fed + f
-        mask = self._kernels.tree_mask(self._fed_parents, torch.full((b,), n, device=dev))  # (B, n+1, n+1)
-        return mask[:, 1 + fed:, 1:]  # the new nodes' rows; the root column is the committed rows
+        inherited = torch.gather(self._fed_mask, 1, row[..., None].expand(b, f, fed))  # (B, F, fed)
+        own = torch.eye(f, dtype=torch.bool, device=dev).expand(b, f, f)
+        rows = torch.cat([inherited, own], dim=2)  # (B, F, fed + F)
+        self._fed_mask = torch.cat([torch.nn.functional.pad(self._fed_mask, (0, f)), rows], dim=1)
+        return rows
 
     def _filled(self) -> _NodePool:
         assert self._pool is not None, "start() first"
@@ -144,7 +147,7 @@ class _PoolBuilder:
     def _new_pool(self, logprobs: torch.Tensor, capacity: int) -> None:
         self._pool = _NodePool(logprobs.shape[0], capacity, logprobs.device)
         self._d2t = self._d2t.to(logprobs.device)
-        self._fed_parents, self._last_fed = None, 0
+        self._fed_mask, self._last_fed = None, 0
 
     def _level_topk(self, logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k children of every fed node: (target ids, log-probs), each [B, F, k]."""
