@@ -114,3 +114,23 @@ def _depths_from_parents(parents: np.ndarray) -> np.ndarray:
         anc[live] = parents[anc[live]]
         anc = np.where((anc >= 0) & (anc < n), anc, -1)
     return depths
+
+
+def ancestor_masks(parents: np.ndarray, num_nodes: np.ndarray) -> np.ndarray:
+    """bool [B, N+1, N+1] on the host, as ``kernels.tree.tree_mask_ref`` computes it on a device:
+    row i sees column j iff j == i, j is the root (slot 0), or j is an ancestor of i; padding
+    nodes (index >= num_nodes) see only themselves and the root.
+
+    For validated trees (every parent before its child), one pass in node order: a node's row is
+    its parent's row plus its own column, vectorised over the batch.
+    """
+    b, n = parents.shape
+    mask = np.zeros((b, n + 1, n + 1), dtype=bool)
+    mask[:, np.arange(n + 1), np.arange(n + 1)] = True
+    mask[:, :, 0] = True
+    real = np.arange(n)[None, :] < np.asarray(num_nodes)[:, None]
+    parent_slot = np.where(real, parents + 1, 0)  # a child of the root, or padding: the root's row
+    rows = np.arange(b)
+    for i in range(n):
+        mask[:, i + 1] |= mask[rows, parent_slot[:, i]]
+    return mask

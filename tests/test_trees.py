@@ -355,3 +355,20 @@ def test_static_rank_beyond_draft_vocab():
     builder = StaticTreeBuilder(StaticTreeSpec.from_paths([[0], [4]]), torch.zeros(4, dtype=torch.int64), REFERENCE)
     with pytest.raises(InvalidRequestError):
         builder.start(torch.zeros(1, 4))
+
+
+def test_host_ancestor_masks_equal_the_device_kernel():
+    """runtime.tree.ancestor_masks (verification's host masks) against kernels.tree.tree_mask_ref,
+    on random valid trees of a padded batch."""
+    from runtime.tree import ancestor_masks
+    gen = np.random.default_rng(3)
+    for _ in range(20):
+        b, n = int(gen.integers(1, 6)), int(gen.integers(1, 40))
+        num = gen.integers(0, n + 1, size=b)
+        parents = np.full((b, n), -1, dtype=np.int64)
+        for i in range(b):
+            for j in range(1, num[i]):
+                parents[i, j] = gen.integers(-1, j)
+            parents[i, num[i]:] = gen.integers(-1, n, size=n - num[i])  # padding: any value
+        want = tree_mask_ref(torch.from_numpy(parents), torch.from_numpy(num)).numpy()
+        assert np.array_equal(ancestor_masks(parents, num), want)

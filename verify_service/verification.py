@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.tree import tree_mask_ref, tree_positions_ref
+from kernels.tree import tree_positions_ref
 from link.protocol import DraftFeed
 from runtime.step_layout import SeqChunk, Staging
-from runtime.tree import CandidateTree
+from runtime.tree import CandidateTree, ancestor_masks
 from verify_service.model_runner import StepOutput
 from verify_service.replay import AcceptanceReplay
 from verify_service.sampler import Sampler
@@ -44,8 +44,8 @@ class Verified:
 def tree_chunks(seqs: list[Sequence], tables: list[list[int]]) -> list[SeqChunk]:
     """The verification inputs of ``seqs``: each newest token followed by its tree's nodes.
 
-    The step layout is built on the host, so are the masks and positions: the reference kernels
-    on host tensors, one batched call each for every tree of the step.
+    The step layout is built on the host, so are the masks and positions: one batched call each
+    for every tree of the step (trees arrive validated: parents before children).
     """
     trees = [s.tree for s in seqs]
     width = max(t.num_nodes for t in trees)
@@ -54,7 +54,7 @@ def tree_chunks(seqs: list[Sequence], tables: list[list[int]]) -> list[SeqChunk]
     for i, t in enumerate(trees):
         parents[i, :t.num_nodes], depths[i, :t.num_nodes] = t.parents, t.depths
     num_nodes = torch.tensor([t.num_nodes for t in trees])
-    masks = tree_mask_ref(torch.from_numpy(parents), num_nodes).numpy()  # (B, N+1, N+1)
+    masks = ancestor_masks(parents, num_nodes.numpy())  # (B, N+1, N+1)
     starts = torch.tensor([s.num_cached for s in seqs])
     positions = tree_positions_ref(torch.from_numpy(depths), num_nodes, starts).numpy()  # (B, N+1)
     return [SeqChunk(np.concatenate(([s.output_ids[-1]], t.tokens)), s.num_cached, table,
