@@ -19,6 +19,7 @@ import json
 import pstats
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,9 +28,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.decode_baseline import make_engine  # noqa: E402
+from benchmarks.decode_baseline import GEOMETRIES, make_engine  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from draft_service.drafter import EagleDrafter  # noqa: E402
+from draft_service.eagle_init import write_random_head  # noqa: E402
 from tools.evaluate import parse_config  # noqa: E402
 from verify_service.engine import Engine  # noqa: E402
 
@@ -39,7 +41,9 @@ SHIPPED_HEAD = str(Path(__file__).resolve().parent.parent / "hub" / "heads" / "s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", help="smollm2, llama3-8b (random weights) or a model directory")
-    ap.add_argument("--head", default=SHIPPED_HEAD)
+    ap.add_argument("--head", default=SHIPPED_HEAD, help="head directory, or 'random' (a random head of the "
+                    "target's geometry with --draft-vocab entries)")
+    ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--config", default="dynamic:7:10:59", help="TREE:DEPTH[:TOP_K[:NODES]]")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
@@ -48,7 +52,13 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a CPU: a smoke run
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    spec = parse_config(args.config, args.head)
+    head = args.head
+    if head == "random":
+        raw = GEOMETRIES[args.model] if args.model in GEOMETRIES else \
+            json.loads((Path(args.model) / "config.json").read_text())
+        head = str(write_random_head(tempfile.mkdtemp(prefix="eagle3-profile-head-"), raw,
+                                     min(args.draft_vocab, raw["vocab_size"])))
+    spec = parse_config(args.config, head)
     target = make_engine(args.model, args.batch, args.context, 16 * args.steps + 128, device)  # + tree room
     drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                            args.batch, target.max_model_len, "auto")
