@@ -1,5 +1,6 @@
-"""CUDA graphs of the draft forward over one tree level: the draft head's layers, LM head and
-log-softmax replayed as one graph, captured per (sequences, level width) on first use.
+"""CUDA graphs of the draft forward: the draft head's layers, LM head and log-softmax replayed as
+one graph, captured on first use per (sequences, level width) for tree levels and per sequences
+for the draft extend over each step's accepted tokens.
 
 A tree level is the same computation at every step: B sequences of F new nodes each, their
 ids and ancestor mask already on the device, the hidden input gathered from the parents'
@@ -14,6 +15,8 @@ The levels of one proposal follow each other without a host sync, so each fill t
 of a ring of pinned buffers, waiting only on the copy that last used it. ``max_seq_len`` of the
 graphed metadata is the cache's capacity, so the attention grid never depends on a step's
 lengths; the mask buffer is as wide as the deepest level, zero past each level's columns.
+An extend holds up to ``extend_tokens`` (the tree depth + 1) rows a sequence, packed at the
+front; the rows past a step's own write no KV (slot -1) and give outputs no one reads.
 """
 
 from __future__ import annotations
@@ -32,29 +35,31 @@ from runtime.step_layout import SeqChunk, layout_arrays
 
 log = logging.getLogger(__name__)
 
-_FIELDS = ("qsl", "seq_lens", "tables", "slots", "positions", "token_seq", "q_idx", "mask_start")
+_FIELDS = {"level": ("qsl", "seq_lens", "tables", "slots", "positions", "token_seq", "q_idx", "mask_start"),
+           "extend": ("qsl", "seq_lens", "tables", "slots", "positions", "token_seq", "q_idx", "ids", "rows")}
 _RING = 16  # pinned host buffers in turn: more than the levels of one proposal
 
 
 @dataclass
 class _LevelGraph:
     graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor  # int64 [T]
-    hidden: torch.Tensor  # [T, H]
-    mask: torch.Tensor  # bool [T, mask_cols]
+    ids: torch.Tensor  # int64 [T] (an extend's live in meta_buffer)
+    hidden: torch.Tensor  # [T, H] (an extend's: [T, k * H], the target's features)
+    mask: torch.Tensor | None  # bool [T, mask_cols] (levels)
     meta_buffer: torch.Tensor  # int64, the _FIELDS back to back
     views: dict[str, tuple[int, tuple[int, ...]]]  # field -> (offset, shape) in meta_buffer
     out: torch.Tensor  # [T, H]
-    logp: torch.Tensor  # float32 [T, draft vocab]
+    logp: torch.Tensor  # float32 [T, draft vocab] (an extend's: [B, draft vocab], each sequence's last row)
 
 
 class DraftGraphs:
     def __init__(self, net: EagleNet, kv: PagedKVCache, kernels: KernelSet, table_width: int, max_seq_len: int,
-                 mask_cols: int):
+                 mask_cols: int, extend_tokens: int):
         self.net, self.kv, self.kernels = net, kv, kernels
         self.table_width, self.max_seq_len, self.mask_cols = table_width, max_seq_len, mask_cols
+        self.extend_tokens = extend_tokens
         self.device = net.norm.weight.device
-        self._graphs: dict[tuple[int, int], _LevelGraph | None] = {}
+        self._graphs: dict[tuple[str, int, int], _LevelGraph | None] = {}
         self._pool = None
         self._ring: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self._turn = 0
@@ -67,16 +72,12 @@ class DraftGraphs:
         B, F = len(chunks), len(chunks[0].token_ids)
         if mask.shape[1] > self.mask_cols or any(len(c.token_ids) != F or len(c.logits_rows) != F for c in chunks):
             return None
-        g = self._graph(B, F, hidden.shape[1])
+        g = self._graph("level", B, F, hidden.shape[1])
         if g is None:
             return None
         arrays = layout_arrays(chunks, self.kv.block_size, self.table_width)
         arrays["mask_start"] = np.array([c.mask_start for c in chunks], dtype=np.int64)
-        buf, turn = self._pinned(g, arrays)
-        g.meta_buffer.copy_(buf, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._ring[turn] = (self._ring[turn][0], event)
+        self._send(g, arrays)
         g.ids.copy_(ids)
         g.hidden.copy_(hidden)
         g.mask.zero_()
@@ -84,6 +85,37 @@ class DraftGraphs:
         g.graph.replay()
         self.replays += 1
         return g.out, g.logp
+
+    def run_extend(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(out [T, H], log-probs [B, Vd] at each sequence's last row) of a draft extend (host token
+        ids, causal); None when a sequence brings more than ``extend_tokens`` rows."""
+        B, Q = len(chunks), self.extend_tokens
+        n = [len(c.token_ids) for c in chunks]
+        if max(n) > Q:
+            return None
+        g = self._graph("extend", B, Q, hidden.shape[1])
+        if g is None:
+            return None
+        arrays = layout_arrays(chunks, self.kv.block_size, self.table_width)
+        T, pad = sum(n), B * Q - sum(n)
+        for name, fill in (("slots", -1), ("positions", 0), ("token_seq", 0), ("q_idx", 0)):
+            arrays[name] = np.concatenate([arrays[name], np.full(pad, fill, dtype=np.int64)])
+        arrays["ids"] = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks] +
+                                       [np.zeros(pad, dtype=np.int64)])
+        arrays["rows"] = arrays["qsl"][1:] - 1
+        self._send(g, arrays)
+        g.hidden[:T].copy_(hidden)
+        g.graph.replay()
+        self.replays += 1
+        return g.out[:T], g.logp
+
+    def _send(self, g: _LevelGraph, arrays: dict[str, np.ndarray]) -> None:
+        """``arrays`` to the graph's metadata buffer: a pinned ring buffer, one copy."""
+        buf, turn = self._pinned(g, arrays)
+        g.meta_buffer.copy_(buf, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._ring[turn] = (self._ring[turn][0], event)
 
     def _pinned(self, g: _LevelGraph, arrays: dict[str, np.ndarray]) -> tuple[torch.Tensor, int]:
         """The next ring buffer (once the copy that last read it is done), holding ``arrays``, and
@@ -104,22 +136,24 @@ class DraftGraphs:
             host[at:at + int(np.prod(shape))] = arrays[name].reshape(-1)
         return buf[:size], turn
 
-    def _graph(self, B: int, F: int, hidden_size: int) -> _LevelGraph | None:
-        if (B, F) not in self._graphs:
+    def _graph(self, kind: str, B: int, F: int, hidden_size: int) -> _LevelGraph | None:
+        key = (kind, B, F)
+        if key not in self._graphs:
             try:
-                self._graphs[(B, F)] = self._capture(B, F, hidden_size)
+                self._graphs[key] = self._capture(kind, B, F, hidden_size)
             except torch.OutOfMemoryError:  # exact either way: this shape runs eagerly
-                log.warning("no GPU memory to capture a draft graph for %d x %d nodes: that level runs eagerly", B, F)
-                self._graphs[(B, F)] = None
+                log.warning("no GPU memory to capture a draft %s graph for %d x %d rows: it runs eagerly", kind, B, F)
+                self._graphs[key] = None
                 torch.cuda.empty_cache()
-        return self._graphs[(B, F)]
+        return self._graphs[key]
 
-    def _capture(self, B: int, F: int, hidden_size: int) -> _LevelGraph:
+    def _capture(self, kind: str, B: int, F: int, hidden_size: int) -> _LevelGraph:
         T, dev = B * F, self.device
         shapes = {"qsl": (B + 1,), "seq_lens": (B,), "tables": (B, self.table_width), "slots": (T,),
-                  "positions": (T,), "token_seq": (T,), "q_idx": (T,), "mask_start": (B,)}
+                  "positions": (T,), "token_seq": (T,), "q_idx": (T,), "mask_start": (B,), "ids": (T,),
+                  "rows": (B,)}
         views, at = {}, 0
-        for name in _FIELDS:
+        for name in _FIELDS[kind]:
             views[name] = (at, shapes[name])
             at += int(np.prod(shapes[name]))
         meta_buffer = torch.zeros(at, dtype=torch.int64, device=dev)
@@ -131,18 +165,24 @@ class DraftGraphs:
         field["positions"].copy_(torch.arange(F, device=dev).repeat(B))
         field["token_seq"].copy_(torch.arange(B, device=dev).repeat_interleave(F))
         field["q_idx"].copy_(torch.arange(F, device=dev).repeat(B))
-        ids = torch.zeros(T, dtype=torch.int64, device=dev)
         hidden = torch.zeros(T, hidden_size, dtype=self.net.norm.weight.dtype, device=dev)
-        mask = torch.zeros(T, self.mask_cols, dtype=torch.bool, device=dev)
-        mask[:, 0] = True
+        level = kind == "level"
+        if level:
+            ids = torch.zeros(T, dtype=torch.int64, device=dev)
+            mask = torch.zeros(T, self.mask_cols, dtype=torch.bool, device=dev)
+            mask[:, 0] = True
+        else:
+            ids, mask = field["ids"], None
+            field["rows"].copy_(torch.arange(1, B + 1, device=dev) * F - 1)
         meta = AttentionMetadata(query_start_loc=field["qsl"], seq_lens=field["seq_lens"], block_tables=field["tables"],
                                  slot_mapping=field["slots"], positions=field["positions"],
                                  token_seq=field["token_seq"], token_q_idx=field["q_idx"], max_query_len=F,
-                                 max_seq_len=self.max_seq_len, custom_mask=mask, mask_start=field["mask_start"])
+                                 max_seq_len=self.max_seq_len, custom_mask=mask,
+                                 mask_start=field["mask_start"] if level else None)
 
         def forward():
             out = self.net(ids, hidden, self.kernels.prepare_attention(meta), self.kv, self.kernels)
-            return out, torch.log_softmax(self.net.compute_logits(out), dim=-1)
+            return out, torch.log_softmax(self.net.compute_logits(out if level else out[field["rows"]]), dim=-1)
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))

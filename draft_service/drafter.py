@@ -63,7 +63,7 @@ class EagleDrafter:
         self.last_logp: dict[int, torch.Tensor] = {}  # [Vd] its log-probs over the draft vocabulary
         rows = spec.settings.draft_tree_rows
         self.graphs = DraftGraphs(net, self.kv, kernels, blocks_for(max_model_len + rows, block_size),
-                                  max_model_len + rows, rows) \
+                                  max_model_len + rows, rows, spec.settings.depth + 1) \
             if cuda_graphs and self.device.type == "cuda" and kernels.name == "triton" else None
 
     @classmethod
@@ -108,7 +108,8 @@ class EagleDrafter:
             chunks.append(SeqChunk(f.next_tokens, f.start, self.blocks.block_table(f.seq_id), logits_rows=(n - 1,)))
             self.rows[f.seq_id] = f.start + n
         hidden = torch.cat([f.features for f in feeds]).to(self.dtype)
-        out, logp = self._run(chunks, hidden)
+        graphed = self.graphs.run_extend(chunks, hidden) if self.graphs is not None else None
+        out, logp = graphed if graphed is not None else self._run(chunks, hidden)
         last_rows = np.cumsum([len(f.next_tokens) for f in feeds]) - 1
         for j, f in enumerate(feeds):
             self.last_out[f.seq_id], self.last_logp[f.seq_id] = out[last_rows[j]], logp[j]
