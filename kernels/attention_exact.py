@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_triton import _DOT_DTYPES, LOG2E
+from kernels.attention_triton import _DOT_DTYPES, LOG2E, _query_tile
 from kernels.metadata import AttentionMetadata
 
 BLOCK_M = 64  # query rows per program (tokens x the query heads sharing a KV head)
@@ -225,18 +225,11 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     if tile * BLOCK_Q >= q_len:
         return
-    rows = tl.arange(0, BLOCK_M)
-    row_tok = rows // G  # token within the tile
-    qi = tile * BLOCK_Q + row_tok
-    head = kvh * G + rows % G
-    row_ok = (rows < BLOCK_Q * G) & (qi < q_len)
-    t = (q_start + qi).to(tl.int64)
+    qi, head, row_ok, t, d, d_ok, q = _query_tile(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh,
+                                                  G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
+    row_tok = qi - tile * BLOCK_Q  # token within the tile
     pos = tl.load(pos_ptr + t, mask=row_ok, other=-1)
     end = tl.max(pos, 0) + 1  # keys at positions [0, end) matter to some row
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (M, D)
     if HAS_MASK:
         m_start = tl.load(mask_start_ptr + b)
         tail_start = (m_start // BLOCK_N) * BLOCK_N

@@ -226,6 +226,24 @@ def _attend_keys(acc, m_i, l_i, q, lo, hi, b, t, qi, row_ok, m_start, first_kv, 
 
 
 @triton.jit
+def _query_tile(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh, G: tl.constexpr, BLOCK_Q: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A program's query rows: row r is token qi = tile * BLOCK_Q + r // G of the sequence's new
+    tokens (flat index t) and query head kvh * G + r % G. Returns qi, head, row_ok, t, d, d_ok and
+    the queries (M, D), zero in rows and columns out of range."""
+    rows = tl.arange(0, BLOCK_M)
+    qi = tile * BLOCK_Q + rows // G
+    head = kvh * G + rows % G
+    row_ok = (rows < BLOCK_Q * G) & (qi < q_len)
+    t = (q_start + qi).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    return qi, head, row_ok, t, d, d_ok, q
+
+
+@triton.jit
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, qsl_ptr, seq_lens_ptr, tables_ptr,
                       mask_ptr, mask_start_ptr, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                       stride_bt, stride_mask, mask_words, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
@@ -244,15 +262,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, qsl_ptr
         return
     seq_len = tl.load(seq_lens_ptr + b)
     first_kv = seq_len - q_len  # KV index of the sequence's first new token
-    rows = tl.arange(0, BLOCK_M)
-    qi = tile * BLOCK_Q + rows // G  # (M,) token within the sequence's new tokens
-    head = kvh * G + rows % G
-    row_ok = (rows < BLOCK_Q * G) & (qi < q_len)
-    t = (q_start + qi).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (M, D)
+    qi, head, row_ok, t, d, d_ok, q = _query_tile(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh,
+                                                  G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
     if HAS_MASK:
         m_start = tl.load(mask_start_ptr + b)
         open_end = m_start  # keys before the mask: visible to every token

@@ -11,8 +11,8 @@ import torch
 from common.sampling_params import SamplingParams
 from draft_service.drafter import EagleDrafter
 from draft_service.spec_config import SpecConfig
-from tiny_eagle import make_eagle_dir
-from tiny_models import make_model_dir, target_for, tiny_config
+from tiny_eagle import make_target_and_head
+from tiny_models import target_for
 from verify_service.engine import Engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")]
@@ -23,10 +23,7 @@ PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("draft_graphs")
-    target = make_model_dir(root / "target", "llama3", seed=5, std=0.3, num_hidden_layers=2)
-    draft = make_eagle_dir(root / "draft", tiny_config("llama3", num_hidden_layers=2), draft_vocab=64, seed=1)
-    return target, draft
+    return make_target_and_head(tmp_path_factory.mktemp("draft_graphs"), num_hidden_layers=2)
 
 
 def engine(dirs, cuda_graphs: bool, tree: str = "dynamic"):

@@ -20,8 +20,8 @@ from draft_service.spec_config import SpecConfig
 from drafters import OracleDrafter
 from kernels import REFERENCE, select_kernels
 from runtime.step_layout import Bucket, StaticLayout, unpack_mask
-from tiny_eagle import make_eagle_dir
-from tiny_models import TRITON_DEVICE, make_model_dir, target_for, tiny_config
+from tiny_eagle import make_target_and_head
+from tiny_models import TRITON_DEVICE, target_for
 from verify_service import server_config
 from verify_service.config import EngineConfig
 from verify_service.engine import Engine
@@ -35,10 +35,7 @@ EXACT_BF16 = {"device": TRITON_DEVICE, "dtype": "bfloat16", "exact": True}
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("exact")
-    target = make_model_dir(root / "target", "llama3", seed=5, std=0.3, num_hidden_layers=2)
-    draft = make_eagle_dir(root / "draft", tiny_config("llama3", num_hidden_layers=2), draft_vocab=64, seed=1)
-    return target, draft
+    return make_target_and_head(tmp_path_factory.mktemp("exact"), num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")

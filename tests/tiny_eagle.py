@@ -24,9 +24,10 @@ def make_eagle_dir(root: Path, target_raw_config: dict, draft_vocab: int, form: 
     return write_random_head(root, target_raw_config, draft_vocab, seed, std, form, **config_overrides)
 
 
-def make_target_and_head(root: Path) -> tuple[Path, Path]:
-    """The tiny llama3 target (seed 5) and a random EAGLE-3 head for it: the pair the service tests run."""
+def make_target_and_head(root: Path, **overrides) -> tuple[Path, Path]:
+    """The tiny llama3 target (seed 5) and a random EAGLE-3 head for it: the pair the service tests
+    run. ``overrides`` (e.g. ``num_hidden_layers=2``) change both configs."""
     from tiny_models import make_model_dir, tiny_config
 
-    return (make_model_dir(root / "target", "llama3", seed=5, std=0.3),
-            make_eagle_dir(root / "draft", tiny_config("llama3"), draft_vocab=64, seed=1))
+    return (make_model_dir(root / "target", "llama3", seed=5, std=0.3, **overrides),
+            make_eagle_dir(root / "draft", tiny_config("llama3", **overrides), draft_vocab=64, seed=1))
