@@ -60,7 +60,9 @@ class DraftWorker:
 
     def __init__(self, cfg: DraftServerConfig, status: health.HealthServicer, make_drafter=None,
                  on_step=lambda compute_s: None):
-        """``on_step(compute_s)``: called after every answered step with its draft compute time (metrics)."""
+        """``on_step(compute_s)``: called after every answered step with its draft compute time (metrics).
+        ``make_drafter(spec, target, embedding, max_seqs, max_len, cuda_graphs=...)``: builds each
+        session's drafter (default ``EagleDrafter.from_checkpoint``)."""
         self.cfg = cfg
         self.device = _device(cfg.device)
         self.status = status

@@ -54,9 +54,9 @@ def main() -> None:
     args = build_parser().parse_args(["serve-draft", *sys.argv[2:]])
     cfg = server_config.from_args(args)
 
-    def make(spec, target, embedding, max_seqs, max_len):
-        return FaultyDrafter(EagleDrafter.from_checkpoint(spec, target, embedding, max_seqs, max_len), mode,
-                             target.vocab_size)
+    def make(spec, target, embedding, max_seqs, max_len, cuda_graphs=True):
+        return FaultyDrafter(EagleDrafter.from_checkpoint(spec, target, embedding, max_seqs, max_len,
+                                                          cuda_graphs=cuda_graphs), mode, target.vocab_size)
 
     server.create_server(cfg, make).worker.run()
 
