@@ -41,18 +41,31 @@ def uniform_noise_ref(seeds: list[int], offsets: list[int], n: int, device) -> t
 
 
 def logits_to_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                        top_k: torch.Tensor) -> torch.Tensor:
+                        top_k: torch.Tensor, any_filtered: bool | None = None) -> torch.Tensor:
     """Sampling distribution [N, V] float32 per row's parameters.
 
     temperature == 0 gives a one-hot at the argmax (greedy), so greedy and sampled rows share
-    one path. top_k == 0 and top_p == 1 disable those filters.
+    one path. top_k == 0 and top_p == 1 disable those filters; such a row is a plain softmax,
+    computed the same way whatever the other rows ask (a row's bits never depend on its batch).
+    ``any_filtered``: False when the caller knows no row filters, which skips the vocabulary
+    sort altogether; None: not known (rows are told apart on the device).
     """
     logits = logits.float()
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    probs = scaled.softmax(dim=-1)
+    if any_filtered is not False:
+        filtered = (top_k > 0) | (top_p < 1.0)
+        probs = torch.where(filtered[:, None], _filtered_probs(scaled, top_p, top_k), probs)
+    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def _filtered_probs(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p over the sorted vocabulary, renormalised: [N, V]."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
+    rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    k = torch.where(top_k > 0, top_k, scaled.shape[-1])[:, None]
     sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
     sorted_probs = sorted_logits.softmax(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it >= top_p.
@@ -60,9 +73,7 @@ def logits_to_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_p: 
     sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)
     sorted_probs[:, 0] = torch.where(sorted_probs[:, 0] > 0, sorted_probs[:, 0], 1.0)
     probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], one_hot, probs)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def sample_ref(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -99,3 +99,17 @@ def test_tiny_temperatures_are_refused_and_the_smallest_allowed_gives_finite_pro
     logits = torch.tensor([[100.0, -100.0, 99.9999, 0.0]])
     probs = logits_to_probs_ref(logits, torch.tensor([MIN_TEMPERATURE]), torch.tensor([1.0]), torch.tensor([0]))
     assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(1))
+
+
+def test_an_unfiltered_row_does_not_depend_on_its_batch():
+    """A row without top-k / top-p is a plain softmax, bit for bit the same next to a filtered row,
+    alone, and with the sort skipped (``any_filtered=False``, the sampler's call when no row filters)."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 500, generator=gen) * 3
+    both = logits_to_probs_ref(logits, torch.tensor([0.7, 0.7]), torch.tensor([1.0, 0.9]), torch.tensor([0, 20]))
+    alone = logits_to_probs_ref(logits[:1], torch.tensor([0.7]), torch.tensor([1.0]), torch.tensor([0]))
+    unsorted = logits_to_probs_ref(logits[:1], torch.tensor([0.7]), torch.tensor([1.0]), torch.tensor([0]),
+                                   any_filtered=False)
+    assert torch.equal(both[0], alone[0]) and torch.equal(alone, unsorted)
+    torch.testing.assert_close(alone[0], (logits[0] / 0.7).softmax(-1))
+    assert (both[1] > 0).sum() <= 20 and abs(float(both[1].sum()) - 1) < 1e-5  # the filtered row still filters

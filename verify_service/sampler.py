@@ -20,7 +20,8 @@ class Sampler:
         return self.kernels.logits_to_probs(
             logits, as_tensor([p.temperature for p in params], torch.float32),
             as_tensor([p.top_p for p in params], torch.float32),
-            as_tensor([p.top_k for p in params], torch.int64))
+            as_tensor([p.top_k for p in params], torch.int64),
+            any_filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params))
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Next token of each sequence, int64 [N] on the device (no sync); row n is ``seqs[n]``'s."""
