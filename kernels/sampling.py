@@ -22,22 +22,46 @@ def mix_seed(seed: int, offset: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def _signed(x: int) -> int:
+    """A 64-bit pattern as the int64 that holds it."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch shifts arithmetically)."""
+    return torch.bitwise_right_shift(z, s) & ((1 << (64 - s)) - 1)
+
+
+def _counter_uniform(keys: list[int], n: int, device) -> torch.Tensor:
+    """float64 [N, n] in (0, 1): entry [r, i] is SplitMix64(keys[r] + (i + 1) * golden) to 53 bits.
+
+    A counter-based generator: one batched computation for every row (no generator object, no
+    launch per row), the same bits on every device (integer arithmetic wrapping mod 2^64)."""
+    key = torch.tensor([_signed(k) for k in keys], dtype=torch.int64, device=device)
+    z = key[:, None] + (torch.arange(1, n + 1, dtype=torch.int64, device=device) * _GOLDEN)[None, :]
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 11).to(torch.float64) + 0.5) * 2.0 ** -53
+
+
 def exponential_noise_ref(seeds: list[int], offsets: list[int], vocab_size: int, device) -> torch.Tensor:
     """Exp(1) noise [N, vocab] float32; row n is a pure function of (seeds[n], offsets[n])."""
-    rows = []
-    for seed, offset in zip(seeds, offsets):  # one row per sequence, never per token
-        gen = torch.Generator(device=device).manual_seed(mix_seed(seed, offset))
-        rows.append(torch.empty(vocab_size, device=device).exponential_(generator=gen))
-    return torch.stack(rows)
+    if not seeds:
+        return torch.empty(0, vocab_size, device=device)
+    u = _counter_uniform([mix_seed(s, o) for s, o in zip(seeds, offsets)], vocab_size, device)
+    return (-torch.log(u)).to(torch.float32)
 
 
 def uniform_noise_ref(seeds: list[int], offsets: list[int], n: int, device) -> torch.Tensor:
     """U(0, 1) noise [N, n] float32 for acceptance tests; a stream separate from the Exp(1) noise."""
-    rows = []
-    for seed, offset in zip(seeds, offsets):  # one row per sequence, never per token
-        gen = torch.Generator(device=device).manual_seed(mix_seed(seed ^ _UNIFORM_STREAM, offset))
-        rows.append(torch.rand(n, device=device, generator=gen))
-    return torch.stack(rows)
+    if not seeds:
+        return torch.empty(0, n, device=device)
+    u = _counter_uniform([mix_seed(s ^ _UNIFORM_STREAM, o) for s, o in zip(seeds, offsets)], n, device)
+    return u.to(torch.float32).clamp(max=1.0 - 2.0 ** -24)  # float32 would round the top ones up to 1
 
 
 def logits_to_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,

@@ -113,3 +113,32 @@ def test_an_unfiltered_row_does_not_depend_on_its_batch():
     assert torch.equal(both[0], alone[0]) and torch.equal(alone, unsorted)
     torch.testing.assert_close(alone[0], (logits[0] / 0.7).softmax(-1))
     assert (both[1] > 0).sum() <= 20 and abs(float(both[1].sum()) - 1) < 1e-5  # the filtered row still filters
+
+
+def _splitmix53(key: int, i: int) -> float:
+    """The counter-based generator, entry i of a row, in plain Python integers."""
+    m = (1 << 64) - 1
+    z = (key + (i + 1) * 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    z ^= z >> 31
+    return ((z >> 11) + 0.5) * 2.0 ** -53
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_noise_is_counter_based_and_batch_independent(device):
+    """Exp(1) and uniform noise: entry [r, i] from SplitMix64 of (mix_seed(seed, offset), i) exactly as
+    plain integers give it (int64 tensors wrap the same way on every device), each row the same
+    whatever rows share its call, and distributed as it should be."""
+    import math
+    from kernels.sampling import exponential_noise_ref, uniform_noise_ref
+    seeds, offsets = [3, 11, 3], [0, 5, 1]
+    e = exponential_noise_ref(seeds, offsets, 4096, device).cpu()
+    for r, (s, o) in enumerate(zip(seeds, offsets)):
+        for i in (0, 1, 4095):
+            assert abs(float(e[r, i]) + math.log(_splitmix53(mix_seed(s, o), i))) < 1e-6 * max(1.0, float(e[r, i]))
+    assert torch.equal(exponential_noise_ref([11], [5], 4096, device).cpu()[0], e[1])
+    assert abs(float(e.mean()) - 1) < 0.05 and float(e.min()) > 0
+    u = uniform_noise_ref(seeds, offsets, 4096, device).cpu()
+    assert 0 < float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.02
+    assert not torch.equal(u, torch.exp(-e))  # a stream of its own
