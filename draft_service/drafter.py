@@ -110,9 +110,12 @@ class EagleDrafter:
         hidden = torch.cat([f.features for f in feeds]).to(self.dtype)
         graphed = self.graphs.run_extend(chunks, hidden) if self.graphs is not None else None
         out, logp = graphed if graphed is not None else self._run(chunks, hidden)
-        last_rows = np.cumsum([len(f.next_tokens) for f in feeds]) - 1
+        # Copies, not views: a graph's outputs are overwritten by its next replay, and a sequence's
+        # newest row must last until its next proposal, whichever steps come between.
+        last = out[np.cumsum([len(f.next_tokens) for f in feeds]) - 1]
+        logp = logp.clone() if graphed is not None else logp
         for j, f in enumerate(feeds):
-            self.last_out[f.seq_id], self.last_logp[f.seq_id] = out[last_rows[j]], logp[j]
+            self.last_out[f.seq_id], self.last_logp[f.seq_id] = last[j], logp[j]
 
     def _run(self, chunks: list[SeqChunk], hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
              custom_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
