@@ -100,15 +100,23 @@ def select_kernels(device: torch.device | str, kind: str = "auto", exact: bool =
     return TRITON
 
 
-def _exact_kernels(device: torch.device | str, kind: str) -> KernelSet:
+def exact_refusal(device_type: str, kind: str) -> str | None:
+    """Why ``--exact`` cannot run with these kernels on this device type, or None."""
     if kind == "reference":
-        raise ValueError("--exact runs batch-invariant Triton kernels: it contradicts --kernels reference")
+        return "runs batch-invariant Triton kernels: it contradicts --kernels reference"
     # On a CPU the float32 references already make speculative output equal target-only output;
     # Triton's interpreter (TRITON_INTERPRET=1) runs the exact kernels on a CPU, for tests.
-    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"--exact needs CUDA, got device {device}: on a CPU the float32 reference kernels "
-                         "already give speculative output equal to target-only output (TRITON_INTERPRET=1 "
-                         "runs the exact kernels through Triton's interpreter, for tests)")
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"needs CUDA, got a {device_type} device: on a CPU the float32 reference kernels already give "
+                "speculative output equal to target-only output (TRITON_INTERPRET=1 runs the exact kernels "
+                "through Triton's interpreter, for tests)")
+    return None
+
+
+def _exact_kernels(device: torch.device | str, kind: str) -> KernelSet:
+    refusal = exact_refusal(torch.device(device).type, kind)
+    if refusal is not None:
+        raise ValueError(f"--exact {refusal}")
     try:
         from kernels.exact_set import EXACT
     except ImportError as exc:  # triton is not installed

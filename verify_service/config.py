@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,11 +69,11 @@ class EngineConfig:
 
     def _check_exact(self) -> None:
         """What kernels.select_kernels would refuse, refused before the model loads."""
-        if self.kernels == "reference":
-            raise InvalidRequestError("exact", "runs batch-invariant Triton kernels: it contradicts kernels=reference")
-        if device_type(self.device) != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise InvalidRequestError("exact", "needs CUDA: on a CPU the float32 reference kernels already give "
-                                               "speculative output equal to target-only output")
+        from kernels import exact_refusal  # torch-free until a config asks for the exact kernels
+
+        refusal = exact_refusal(device_type(self.device), self.kernels)
+        if refusal is not None:
+            raise InvalidRequestError("exact", refusal)
 
     def torch_device(self) -> torch.device:
         import torch
