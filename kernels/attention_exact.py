@@ -44,7 +44,9 @@ BLOCK_M = 64  # query rows per program (tokens x the query heads sharing a KV he
 BLOCK_N = 64  # keys per tile
 CHUNK = 512  # keys per fold chunk: a multiple of BLOCK_N
 SPLIT_BYTES = 256 * 2**20  # the most the split mode's float32 partials may take
-TAIL_CHUNKS = 2  # chunks tree tiles may span: (mask columns + BLOCK_N) <= CHUNK
+# Chunks the gathered tiles of a masked step may span: they run from the tile holding mask_start to
+# the deepest position, at most BLOCK_N - 1 + max_query_len positions, so 2 while max_query_len <= CHUNK.
+TAIL_CHUNKS = 2
 MODES = ("auto", "fold", "split")
 
 
@@ -97,7 +99,12 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if T == 0:
         return out
     q_tiles = triton.cdiv(meta.max_query_len, block_q)
-    split = _mode(meta, T, H, kvh, D, q_tiles, q.device) if mode == "auto" else mode == "split"
+    has_mask = meta.custom_mask is not None
+    split_ok = not has_mask or meta.max_query_len <= CHUNK  # the gathered tiles within TAIL_CHUNKS chunks
+    if mode == "split" and not split_ok:
+        raise ValueError(f"the split launch takes masked steps of at most {CHUNK} tokens a sequence, "
+                         f"not {meta.max_query_len}")
+    split = (_mode(meta, T, H, kvh, D, q_tiles, q.device) and split_ok) if mode == "auto" else mode == "split"
     chunks = triton.cdiv(max(meta.max_seq_len, 1), CHUNK) if split else 1
     if split:
         part_m = torch.empty(chunks, T, H, dtype=torch.float32, device=q.device)
@@ -105,11 +112,8 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         part_acc = torch.empty(chunks, T, H, D, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # never touched
-    has_mask = meta.custom_mask is not None
     table = meta.custom_mask if has_mask else meta.seq_lens  # any tensor: never read without a mask
     mask_start = meta.mask_start if has_mask else meta.seq_lens
-    if has_mask:
-        assert table.shape[1] + BLOCK_N <= CHUNK, f"a tree of {table.shape[1]} tokens spans more than {TAIL_CHUNKS} chunks"
     per_token = TAIL_CHUNKS * block_q if split and has_mask else 0  # programs of the tree chunks, per token
     _exact_attention_kernel[(meta.num_seqs * q_tiles, kvh, chunks + per_token)](
         q, k_cache, v_cache, out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, meta.positions,

@@ -148,3 +148,26 @@ def test_linear_exact_rows_do_not_depend_on_row_count(dtype):
 
 def test_kernel_set():
     assert EXACT.name == "exact" and EXACT.linear is linear_exact and EXACT.paged_attention is paged_attention_exact
+
+
+def test_a_long_prefill_chunk_beside_a_tree():
+    """A masked step (a tree beside a 600-token prefill chunk, whose rows get causal mask rows) is
+    right and gives the prefill rows the bits of the same chunk without a tree; the split launch,
+    whose gathered tiles span at most two chunks, refuses masked chunks longer than one chunk."""
+    kvh, g, d = 1, 4, 32
+    kv, q, _, other = scenario(40, kvh, g, d, torch.bfloat16, seed=6)
+    q_long = torch.randn(600, kvh * g, d, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    long_kv = torch.randn(2, 600, kvh, d, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    cache = Cache([kv, long_kv], seed=4)
+    tree = SeqChunk(list(range(8)), 40, cache.tables[0], positions=[40 + x for x in [0, 1, 1, 2, 2, 2, 3, 3]],
+                    custom_mask=tree_mask(TREE), mask_start=40)
+    prefill = SeqChunk(list(range(600)), 0, cache.tables[1])
+    mixed = attend(cache, [tree, prefill], torch.cat([q, q_long]))
+    alone = attend(cache, [prefill], q_long)
+    assert torch.equal(mixed[8:], alone)
+    meta = layout_step([tree, prefill], BLOCK, torch.device(DEVICE), REFERENCE).meta
+    want = paged_attention_ref(torch.cat([q, q_long]).to(DEVICE), cache.k.nan_to_num(0.0), cache.v.nan_to_num(0.0),
+                               meta, d ** -0.5)
+    torch.testing.assert_close(mixed.float(), want.float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="split launch"):
+        attend(cache, [tree, prefill], torch.cat([q, q_long]), "split")
