@@ -35,6 +35,11 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
+    compiles: list[str] = []  # Triton compilations after the warm-up: each is a stall of its step
+    if device.type == "cuda":
+        import triton.knobs
+        triton.knobs.runtime.jit_post_compile_hook = \
+            lambda *a, **kw: compiles.append(f"{getattr(kw.get('fn'), 'name', kw.get('fn'))}: {str(kw.get('repr'))[:300]}")
     target = make_engine(args.geometry, args.streams + 1, args.prompt, 4096, device)
     print(f"warm-up (as the server runs it at start-up): {target.runner.warm_up(args.max_batch_tokens):.1f} s",
           flush=True)
@@ -49,18 +54,23 @@ def main() -> None:
         engine.step()
     long_id = engine.add_request(torch.randint(0, vocab, (args.prompt,), generator=g).tolist(),
                                  SamplingParams(max_tokens=4, ignore_eos=True))
-    gaps, started = [], time.perf_counter()
+    gaps, started, step_compiles = [], time.perf_counter(), {}
+    compiles.clear()
     while engine.sequences[long_id].prefilling:
         t = time.perf_counter()
         events = engine.step()
         gaps.append(time.perf_counter() - t)
+        if compiles:
+            step_compiles[len(gaps) - 1] = compiles[:]
+            compiles.clear()
         assert set(streams) <= {e.seq_id for e in events if e.token_ids}, "a decoding stream got no token"
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "geometry": args.geometry, "prompt": args.prompt, "streams": args.streams,
               "max_batch_tokens": args.max_batch_tokens, "prefill_steps": len(gaps),
               "prefill_s": round(time.perf_counter() - started, 3),
               "max_gap_ms": round(max(gaps) * 1e3, 2), "median_gap_ms": round(sorted(gaps)[len(gaps) // 2] * 1e3, 2),
-              "gaps_ms": [round(g * 1e3, 2) for g in gaps]}  # in step order: which step a spike was
+              "gaps_ms": [round(g * 1e3, 2) for g in gaps],  # in step order: which step a spike was
+              "compiles_by_step": step_compiles}
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -61,9 +61,16 @@ class DraftGraphs:
         self.device = net.norm.weight.device
         self._graphs: dict[tuple[str, int, int], _LevelGraph | None] = {}
         self._pool = None
-        self._ring: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._ring: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []  # buffer, view, last copy
         self._turn = 0
         self.replays = 0
+
+    @property
+    def pool(self):
+        """The memory pool the drafter's graphs share (they never run concurrently)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     def run(self, chunks: list[SeqChunk], hidden: torch.Tensor, ids: torch.Tensor,
             mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -115,26 +122,33 @@ class DraftGraphs:
         g.meta_buffer.copy_(buf, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._ring[turn] = (self._ring[turn][0], event)
+        self._ring[turn] = (*self._ring[turn][:2], event)
 
     def _pinned(self, g: _LevelGraph, arrays: dict[str, np.ndarray]) -> tuple[torch.Tensor, int]:
         """The next ring buffer (once the copy that last read it is done), holding ``arrays``, and
         its place in the ring."""
-        size = g.meta_buffer.numel()
-        if len(self._ring) < _RING:
-            self._ring.append((torch.empty(0, dtype=torch.int64), None))
-        buf, event = self._ring[self._turn]
+        buf, host, event = self._ring[self._turn]
         if event is not None:
             event.synchronize()  # normally long done: it is _RING levels old
-        if buf.numel() < size:
-            buf = torch.empty(max(size, 1024), dtype=torch.int64, pin_memory=True)
         turn = self._turn
-        self._ring[turn] = (buf, None)
+        self._ring[turn] = (buf, host, None)
         self._turn = (turn + 1) % _RING
-        host = buf.numpy()
         for name, (at, shape) in g.views.items():
             host[at:at + int(np.prod(shape))] = arrays[name].reshape(-1)
-        return buf[:size], turn
+        return buf[:g.meta_buffer.numel()], turn
+
+    def _grow_ring(self, size: int) -> None:
+        """Every ring buffer at least ``size`` long, made when a graph is captured: a step then
+        allocates no pinned memory and reads no tensor on the host."""
+        while len(self._ring) < _RING:
+            empty = torch.empty(0, dtype=torch.int64)
+            self._ring.append((empty, empty.numpy(), None))
+        for i, (buf, _, event) in enumerate(self._ring):
+            if buf.numel() < size:
+                if event is not None:
+                    event.synchronize()
+                buf = torch.empty(max(size, 1024), dtype=torch.int64, pin_memory=True)
+                self._ring[i] = (buf, buf.numpy(), None)
 
     def _graph(self, kind: str, B: int, F: int, hidden_size: int) -> _LevelGraph | None:
         key = (kind, B, F)
@@ -189,9 +203,8 @@ class DraftGraphs:
         with torch.cuda.stream(side):
             forward()  # compiles the kernels and settles the allocator before capture
         torch.cuda.current_stream(dev).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self.pool):
             out, logp = forward()
+        self._grow_ring(meta_buffer.numel())
         return _LevelGraph(graph, ids, hidden, mask, meta_buffer, views, out, logp)

@@ -27,6 +27,7 @@ from draft_service.draft_graphs import DraftGraphs
 from draft_service.eagle_config import DraftConfig
 from draft_service.eagle_loader import load_eagle
 from draft_service.eagle_net import EagleNet
+from draft_service.proposal_graph import DeviceProposal, padded_batch
 from draft_service.spec_config import SpecConfig
 from draft_service.static_tree import StaticTreeSpec
 from draft_service.tree_builders import DynamicTreeBuilder, Frontier, StaticTreeBuilder
@@ -62,9 +63,12 @@ class EagleDrafter:
         self.last_out: dict[int, torch.Tensor] = {}  # [H] draft output of the newest committed row
         self.last_logp: dict[int, torch.Tensor] = {}  # [Vd] its log-probs over the draft vocabulary
         rows = spec.settings.draft_tree_rows
-        self.graphs = DraftGraphs(net, self.kv, kernels, blocks_for(max_model_len + rows, block_size),
-                                  max_model_len + rows, rows, spec.settings.depth + 1) \
+        self._table_width, self._capacity = blocks_for(max_model_len + rows, block_size), max_model_len + rows
+        self.graphs = DraftGraphs(net, self.kv, kernels, self._table_width, self._capacity, rows,
+                                  spec.settings.depth + 1) \
             if cuda_graphs and self.device.type == "cuda" and kernels.name == "triton" else None
+        self.max_num_seqs = max_num_seqs
+        self._proposals: dict[tuple[TreeSettings, int], DeviceProposal] = {}  # (shape, padded batch)
 
     @classmethod
     def from_checkpoint(cls, spec: SpecConfig, target: ModelConfig, target_embedding: torch.Tensor,
@@ -152,6 +156,12 @@ class EagleDrafter:
         return trees
 
     def _propose_group(self, requests: list[ProposeRequest], settings: TreeSettings) -> dict[int, CandidateTree]:
+        if max(r.max_depth for r in requests) >= settings.depth:  # full depth: the whole proposal at once
+            return self._propose_on_device(requests, settings)
+        return self._propose_by_levels(requests, settings)  # near the end of the context or max_tokens
+
+    def _propose_by_levels(self, requests: list[ProposeRequest], settings: TreeSettings) -> dict[int, CandidateTree]:
+        """Level by level, laid out on the host, stopping at the deepest level asked for."""
         ids = [r.seq_id for r in requests]
         builder = self._builder(settings)
         frontier = builder.start(torch.stack([self.last_logp[i] for i in ids]))
@@ -166,6 +176,27 @@ class EagleDrafter:
         for i in ids:  # drop the speculative rows; the next feed overwrites them
             self.blocks.truncate(i, self.rows[i])
         return {r.seq_id: t.prune_depth(r.max_depth) for r, t in zip(requests, builder.finish())}
+
+    def _propose_on_device(self, requests: list[ProposeRequest], settings: TreeSettings) -> dict[int, CandidateTree]:
+        """Every level at once (``proposal_graph.py``): one CUDA graph where the drafter has them."""
+        ids = [r.seq_id for r in requests]
+        batch = min(padded_batch(len(ids)), max(self.max_num_seqs, len(ids)))
+        key = (settings, batch)
+        if key not in self._proposals:
+            self._proposals[key] = DeviceProposal(
+                self.net, self.kv, self.kernels, lambda: self._builder(settings), settings.depth,
+                settings.draft_tree_rows, batch, self._table_width, self._capacity, graph=self.graphs is not None,
+                pool=self.graphs.pool if self.graphs is not None else None)
+        rows = np.array([self.rows[i] for i in ids], dtype=np.int64)
+        for i, m in zip(ids, rows):
+            self.blocks.ensure_capacity(i, int(m) + settings.draft_tree_rows)
+        tokens, parents, depths, scores = self._proposals[key].run(
+            torch.stack([self.last_logp[i] for i in ids]), torch.stack([self.last_out[i] for i in ids]), rows,
+            [self.blocks.block_table(i) for i in ids])
+        for i in ids:  # drop the speculative rows; the next feed overwrites them
+            self.blocks.truncate(i, self.rows[i])
+        return {r.seq_id: CandidateTree(tokens[j], parents[j], depths[j], scores[j]).prune_depth(r.max_depth)
+                for j, r in enumerate(requests)}
 
     def _feed_level(self, ids, builder, frontier: Frontier, parent_out, fed):
         """Run the draft on one frontier level; returns outputs [B, F, H], log-probs [B, F, Vd].

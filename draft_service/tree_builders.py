@@ -84,22 +84,22 @@ class _NodePool:
         self.size = hi
         return torch.arange(lo, hi, device=tokens.device).expand(b, n)
 
-    def trees(self, keep: torch.Tensor) -> list[CandidateTree]:
-        """CandidateTrees of the pool nodes ``keep`` [B, n], in that order (parents first).
-
-        Parents are remapped from pool indices to positions in ``keep``; every kept node's
-        parent must be kept too.
-        """
+    def tree_tensors(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pool nodes ``keep`` [B, n] as trees, in that order (parents first), on the device:
+        tokens, parents (remapped from pool indices to positions in ``keep``, -1 = root), depths,
+        scores, each [B, n]. Every kept node's parent must be kept too."""
         b, n = keep.shape
         # pool index -> tree index; the extra column `size` stands for the root (-1)
         new_index = keep.new_full((b, self.size + 1), -1)
         new_index.scatter_(1, keep, torch.arange(n, device=keep.device).expand(b, n))
         pool_parent = self.parents.gather(1, keep)
         parents = new_index.gather(1, torch.where(pool_parent >= 0, pool_parent, self.size))
-        cols = (self.tokens, self.depths, self.scores)
-        tokens, depths, scores = (c.gather(1, keep).cpu().numpy() for c in cols)  # one copy per field
-        parents = parents.cpu().numpy()
-        return [CandidateTree(tokens[i], parents[i], depths[i], scores[i]) for i in range(b)]
+        return self.tokens.gather(1, keep), parents, self.depths.gather(1, keep), self.scores.gather(1, keep)
+
+    def trees(self, keep: torch.Tensor) -> list[CandidateTree]:
+        """``tree_tensors`` as CandidateTrees on the host (one copy per field)."""
+        tokens, parents, depths, scores = (t.cpu().numpy() for t in self.tree_tensors(keep))
+        return [CandidateTree(tokens[i], parents[i], depths[i], scores[i]) for i in range(keep.shape[0])]
 
 
 class _PoolBuilder:
@@ -188,7 +188,7 @@ class DynamicTreeBuilder(_PoolBuilder):
         assert nf == f.pool_idx.shape[1], "log-probs must follow the frontier"
         tokens, lp = self._level_topk(logprobs, k)  # (B, F, k)
         tokens, lp = tokens.reshape(b, nf * k), lp.reshape(b, nf * k)  # candidate c = (c // k)-th parent
-        parents = f.pool_idx.repeat_interleave(k, dim=1)  # (B, F*k)
+        parents = f.pool_idx[:, :, None].expand(b, nf, k).reshape(b, nf * k)  # (B, F*k): each parent k times
         scores = self._pool.scores.gather(1, parents) + lp
         idx = self._pool.append(tokens, parents, f.depth + 1, scores)
         # Global top-k; the stable sort sends equal scores to the earlier candidate.
@@ -197,6 +197,13 @@ class DynamicTreeBuilder(_PoolBuilder):
         return self._next()
 
     def finish(self) -> list[CandidateTree]:
+        return self._filled().trees(self._keep())
+
+    def finish_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``finish`` on the device: tokens, parents, depths, scores [B, n] (no host copy)."""
+        return self._filled().tree_tensors(self._keep())
+
+    def _keep(self) -> torch.Tensor:
         pool = self._filled()
         # Rank by score; equal scores go to the earlier pool index, i.e. the lower depth first.
         # A child never outscores its parent (log p <= 0), and on a tie the parent wins, so the
@@ -204,8 +211,7 @@ class DynamicTreeBuilder(_PoolBuilder):
         n = min(self.max_nodes, pool.size)
         keep = pool.scores.sort(dim=1, descending=True, stable=True).indices[:, :n]  # (B, n)
         # Parents first: stable sort by depth keeps score order (and its ties) inside a level.
-        keep = keep.gather(1, pool.depths.gather(1, keep).sort(dim=1, stable=True).indices)
-        return pool.trees(keep)
+        return keep.gather(1, pool.depths.gather(1, keep).sort(dim=1, stable=True).indices)
 
     def _next(self) -> Frontier | None:
         return self._frontier if self._frontier.depth < self.depth else None
@@ -219,6 +225,17 @@ class StaticTreeBuilder(_PoolBuilder):
     def __init__(self, spec: StaticTreeSpec, d2t: torch.Tensor, kernels: KernelSet):
         super().__init__(d2t, kernels)
         self.spec = spec
+        self._levels: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _level_tensors(self, level: StaticLevel, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """A level's index tensors on the device, made once per builder (a CUDA graph captured
+        from this builder replays them: a capture cannot copy from the host)."""
+        if level.depth not in self._levels:
+            slot, rank = (torch.tensor(x, device=device).clamp(min=0) for x in (level.parent_slot, level.rank))
+            self._levels[level.depth] = (slot, rank, torch.tensor(level.parent, device=device),
+                                         torch.tensor(level.frontier, device=device, dtype=torch.int64),
+                                         torch.tensor(level.frontier_parent_slot, device=device, dtype=torch.int64))
+        return self._levels[level.depth]
 
     def start(self, logprobs: torch.Tensor) -> Frontier | None:
         self.spec.check_vocab(logprobs.shape[-1])
@@ -233,15 +250,20 @@ class StaticTreeBuilder(_PoolBuilder):
         return self._grow(logprobs, self.spec.levels[f.depth])
 
     def finish(self) -> list[CandidateTree]:
-        pool = self._filled()
-        keep = torch.arange(pool.size, device=pool.tokens.device).expand(pool.tokens.shape[0], -1)
-        return pool.trees(keep)  # spec order: parents first, siblings by rank
+        return self._filled().trees(self._keep())
+
+    def finish_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._filled().tree_tensors(self._keep())
+
+    def _keep(self) -> torch.Tensor:
+        pool = self._filled()  # spec order: parents first, siblings by rank
+        return torch.arange(pool.size, device=pool.tokens.device).expand(pool.tokens.shape[0], -1)
 
     def _grow(self, logprobs: torch.Tensor, level: StaticLevel) -> Frontier | None:
         """Create ``level``'s nodes from the draft at the fed nodes (logprobs [B, F, Vd])."""
-        b, dev = logprobs.shape[0], logprobs.device
-        slot, rank = (torch.tensor(x, device=dev).clamp(min=0) for x in (level.parent_slot, level.rank))
-        parents = torch.tensor(level.parent, device=dev).expand(b, -1)  # (B, n), pool index or -1
+        b = logprobs.shape[0]
+        slot, rank, parent, frontier, frontier_slot = self._level_tensors(level, logprobs.device)
+        parents = parent.expand(b, -1)  # (B, n), pool index or -1
         ids, lp = self._level_topk(logprobs, level.top_k)  # (B, F, k)
         tokens, scores = ids[:, slot, rank], lp[:, slot, rank]  # (B, n): the rank-th child of its parent
         if level.depth > 1:
@@ -250,7 +272,7 @@ class StaticTreeBuilder(_PoolBuilder):
         if not level.frontier:
             self._frontier = None
             return None
-        idx = torch.tensor(level.frontier, device=dev).expand(b, -1)  # (B, F')
-        fslot = torch.tensor(level.frontier_parent_slot, device=dev).expand(b, -1)
+        idx = frontier.expand(b, -1)  # (B, F')
+        fslot = frontier_slot.expand(b, -1)
         self._frontier = Frontier(idx, self._pool.tokens.gather(1, idx), fslot, level.depth)
         return self._frontier

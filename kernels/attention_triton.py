@@ -243,7 +243,11 @@ def _query_tile(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh, G: tl.co
     return qi, head, row_ok, t, d, d_ok, q
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialised: Triton compiles a variant per
+# value class (== 1, divisible by 16), and a variant first met mid-serving stalls every stream for
+# the compilation (a block table's width, the splits, the mask's words, strides that scale with T).
+@triton.jit(do_not_specialize=["stride_bt", "stride_mask", "mask_words", "stride_os", "stride_ls", "q_tiles",
+                               "splits"])
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, qsl_ptr, seq_lens_ptr, tables_ptr,
                       mask_ptr, mask_start_ptr, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                       stride_bt, stride_mask, mask_words, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
@@ -298,7 +302,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, qsl_ptr
         tl.store(lse_ptr + split * stride_ls + t * stride_lt + head, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits", "stride_ps", "stride_ls"])
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, splits, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                     stride_ot, stride_oh, head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)

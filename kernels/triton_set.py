@@ -7,6 +7,7 @@ import dataclasses
 from kernels import REFERENCE
 from kernels.attention_triton import paged_attention_triton, prepare_attention_triton, write_kv_triton
 from kernels.fused_triton import rms_norm_triton, rope_write_kv_triton, silu_mul_triton
+from kernels.tree import draft_topk_chunked
 
 TRITON = dataclasses.replace(
     REFERENCE,
@@ -16,5 +17,6 @@ TRITON = dataclasses.replace(
     rms_norm=rms_norm_triton,
     silu_mul=silu_mul_triton,
     rope_write_kv=rope_write_kv_triton,
+    draft_topk=draft_topk_chunked,
     name="triton",
 )

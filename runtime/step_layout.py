@@ -48,6 +48,9 @@ class StepLayout:
     query_start_loc: np.ndarray  # host copy of meta.query_start_loc, for slicing outputs
 
 
+ALIGN = 8  # int64 elements: where each of a step's arrays starts in the staging buffer
+
+
 class Staging:
     """Host buffers a step's arrays are packed into, then copied to ``device`` at once.
 
@@ -62,13 +65,18 @@ class Staging:
         self._turn = 0
 
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """int64 arrays -> device tensors of the same shapes, through one copy."""
-        sizes = [a.size for a in arrays]
-        total = sum(sizes)
+        """int64 arrays -> device tensors of the same shapes, through one copy.
+
+        Each array starts at a multiple of ``ALIGN`` elements (64 bytes): Triton specialises a
+        pointer argument on its 16-byte alignment, so views at step-dependent offsets would
+        otherwise compile new kernel variants in the middle of serving."""
+        starts = np.concatenate(([0], np.cumsum([-(-a.size // ALIGN) * ALIGN for a in arrays])))
+        total = int(starts[-1])
         buf, host = self._buffer(total)
-        np.concatenate([a.reshape(-1) for a in arrays], out=host[:total])
+        for a, at in zip(arrays, starts):
+            host[at:at + a.size] = a.reshape(-1)
         moved = buf[:total].to(self.device, non_blocking=True) if self._pin else buf[:total].clone()
-        return [part.view(a.shape) for part, a in zip(moved.split(sizes), arrays)]
+        return [moved[at:at + a.size].view(a.shape) for a, at in zip(arrays, starts)]
 
     def _buffer(self, n: int) -> tuple[torch.Tensor, np.ndarray]:
         self._turn ^= 1
@@ -199,7 +207,7 @@ class StaticLayout:
         mask_int64 = -(-T * bucket.mask_words // 2)  # int32 words, two to an int64
         shapes = {"qsl": (B + 1,), "seq_lens": (B,), "tables": (B, W), "slots": (T,), "positions": (T,),
                   "token_seq": (T,), "q_idx": (T,), "ids": (T,), "mask_start": (B,), "mask": (mask_int64,)}
-        total = sum(int(np.prod(s)) for s in shapes.values())
+        total = sum(-(-int(np.prod(s)) // ALIGN) * ALIGN for s in shapes.values())  # aligned as Staging's
         self.device_buffer = torch.zeros(total, dtype=torch.int64, device=device)
         self.host_buffer = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
         host = self.host_buffer.numpy()
@@ -210,7 +218,7 @@ class StaticLayout:
             n = int(np.prod(shape))
             self.host[name] = host[at:at + n].reshape(shape)
             dev[name] = self.device_buffer[at:at + n].view(shape)
-            at += n
+            at += -(-n // ALIGN) * ALIGN
         words = bucket.mask_words
         self._mask_bytes = self.host["mask"].view(np.uint8)[:T * words * 4].reshape(T, words * 4) if words else None
         mask = dev["mask"].view(torch.int32)[:T * words].view(T, words) if words else None

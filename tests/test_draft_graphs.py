@@ -42,6 +42,8 @@ def test_graphed_levels_give_the_eager_output(dirs, tree):
     got_eager = eager.generate(PROMPTS, PARAMS)
     got_graphed = graphed.generate(PROMPTS, PARAMS)
     assert [r.token_ids for r in got_eager] == want == [r.token_ids for r in got_graphed]
-    assert graphed.drafter.graphs.replays > 0
+    assert graphed.drafter.graphs.replays > 0  # the draft extend (and levels cut short near max_tokens)
+    proposals = graphed.drafter._proposals.values()  # full-depth proposals: one graph each
+    assert proposals and all(p.graph is not None for p in proposals) and sum(p.replays for p in proposals) > 0
     assert [r.speculation.accepted_tokens for r in got_eager] == [r.speculation.accepted_tokens for r in got_graphed]
 

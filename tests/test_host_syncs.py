@@ -94,8 +94,8 @@ def test_every_step_reads_the_device_once(tmp_path):
 
 @pytest.mark.parametrize("tree", ["dynamic", "static", "chain"])
 def test_a_draft_proposal_reads_the_device_only_for_its_trees(tmp_path, tree):
-    """Draft extend and every tree level run without a host read: the tokens and ancestor masks
-    of a level stay on the device. A proposal's reads are the finished trees' fields, once."""
+    """Draft extend and every tree level run without a host read: the levels' tokens, masks, KV
+    slots and positions stay on the device. A proposal reads the finished trees, in one copy."""
     import json
 
     from draft_service.drafter import EagleDrafter
@@ -119,14 +119,15 @@ def test_a_draft_proposal_reads_the_device_only_for_its_trees(tmp_path, tree):
         return DraftFeed(seq, start, torch.randn(n, hidden, generator=g).to(TRITON_DEVICE),
                          torch.randint(0, target.model_config.vocab_size, (n,), generator=g).numpy())
 
-    drafter.step([feed(1, 0, 9), feed(2, 0, 4)], [ProposeRequest(1, 4), ProposeRequest(2, 4)])  # buffers settle
-    feeds = [feed(1, 9, 2), feed(2, 4, 3)]
+    for start in (0, 9):  # buffers settle (the step layout's two staging buffers, used in turn)
+        drafter.step([feed(1, start, 9), feed(2, start // 9 * 4, 4)], [ProposeRequest(1, 4), ProposeRequest(2, 4)])
+    feeds = [feed(1, 18, 2), feed(2, 8, 3)]
     with host_reads() as (reads, on):
         on["counting"] = True
         trees = drafter.step(feeds, [ProposeRequest(1, 4), ProposeRequest(2, 4)])
         on["counting"] = False
     assert set(trees) == {1, 2} and all(len(t.tokens) > 1 for t in trees.values())
-    # Only the finished trees come back (_NodePool.trees): tokens, depths, scores and parents of
-    # every tree of the batch, one copy each (each .cpu() then viewed through .numpy()).
-    assert {where.split(":")[0] for _, where in reads} == {"tree_builders.py"}, reads
-    assert sum(kind == "cpu" for kind, _ in reads) == 4, reads
+    # Only the finished trees come back (proposal_graph.py): tokens, parents, depths and scores of
+    # every tree of the batch packed together, one copy (.cpu() then viewed through .numpy()).
+    assert {where.split(":")[0] for _, where in reads} == {"proposal_graph.py"}, reads
+    assert [kind for kind, _ in reads] == ["cpu", "numpy"], reads

@@ -35,7 +35,7 @@ __all__ = ["ModelRunner", "SeqChunk", "StepOutput", "graph_buckets"]
 log = logging.getLogger(__name__)
 
 # Most tokens a graphed step holds: its logits ([tokens, vocab] float32) live in the graph pool.
-MAX_GRAPH_TOKENS = 512
+MAX_GRAPH_TOKENS = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +136,10 @@ class ModelRunner:
         bs = self.kv_cache.block_size
         n = max(3, min(max_batch_tokens, self.max_model_len - 1))  # a chunk and one decode token fit the budget
         for seq_len in sorted({min(self.max_model_len, length) for length in (n, 8192 + n, self.max_model_len)}):
-            for tokens in (n - 1, n - 2):  # token counts (T and T + 1) on both sides of a multiple of 16
+            # Full chunks (T and T + 1 tokens, on both sides of a multiple of 16), and short ones (a
+            # prompt's last piece) whose few programs make attention split the keys: each attention
+            # tile shape, split or not.
+            for tokens in sorted({n - 1, n - 2, *(t for t in (48, 12, 2) if t < n - 2)}):
                 start = max(0, seq_len - tokens - 1)
                 table = [0] * (-(-(start + tokens + 1) // bs))
                 prefill = SeqChunk(np.zeros(tokens, np.int64), start, table, logits_rows=(tokens - 1,))

@@ -1,0 +1,86 @@
+"""The whole proposal computed on the device (draft_service/proposal_graph.py) against the
+level-by-level drafter it replaces at full depth: the same trees for dynamic, static and chain
+shapes, in padded batches, over several proposals of a sequence (the speculative draft rows are
+dropped and rewritten), and the KV rows of committed tokens untouched.
+
+On a CPU the device proposal runs eagerly (the same ops the CUDA graph captures); on CUDA the
+graphed replay is checked by tests/test_draft_graphs.py.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from draft_service.drafter import EagleDrafter
+from draft_service.proposal_graph import padded_batch
+from draft_service.spec_config import SpecConfig
+from link.protocol import DraftFeed, ProposeRequest
+from tiny_eagle import make_eagle_dir
+from tiny_models import make_model_dir, target_for, tiny_config
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("device_proposal")
+    static = root / "tree.json"
+    static.write_text(json.dumps({"paths": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]}))
+    return (make_model_dir(root / "target", "llama3", seed=5, std=0.3),
+            make_eagle_dir(root / "draft", tiny_config("llama3"), draft_vocab=64, seed=1), static)
+
+
+def drafter_for(dirs, tree: str) -> tuple[EagleDrafter, int, int]:
+    """The drafter, the width of the features it is fed and the target's vocabulary."""
+    spec = SpecConfig(str(dirs[1]), tree=tree, depth=4, top_k=3, max_nodes=10,
+                      static_tree_file=str(dirs[2]) if tree == "static" else None)
+    target = target_for(dirs[0])
+    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                           8, target.max_model_len)
+    return drafter, target.model_config.hidden_size * len(drafter.capture_layers), target.model_config.vocab_size
+
+
+def committed_kv(drafter: EagleDrafter, seq: int) -> torch.Tensor:
+    """The draft KV (every layer, K and V) of a sequence's committed rows."""
+    bs, table = drafter.kv.block_size, drafter.blocks.block_table(seq)
+    slots = [table[r // bs] * bs + r % bs for r in range(drafter.rows[seq])]
+    data = drafter.kv.data
+    return data.view(*data.shape[:2], -1, *data.shape[-2:])[:, :, slots].clone()
+
+
+def same_trees(a, b):
+    assert a.keys() == b.keys()
+    for i in a:
+        np.testing.assert_array_equal(a[i].tokens, b[i].tokens)
+        np.testing.assert_array_equal(a[i].parents, b[i].parents)
+        np.testing.assert_array_equal(a[i].depths, b[i].depths)
+        np.testing.assert_allclose(a[i].log_probs, b[i].log_probs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "static", "chain"])
+def test_device_proposal_gives_the_level_by_level_trees(dirs, tree):
+    drafter, width, vocab = drafter_for(dirs, tree)
+    gen = torch.Generator().manual_seed(0)
+    starts = {1: 0, 2: 0, 3: 0}
+    for rows in ([9, 4, 13], [2, 3, 1], [5, 1, 4]):  # three proposals: prompts, then accepted tokens
+        feeds = []
+        for (seq, start), n in zip(starts.items(), rows):
+            feeds.append(DraftFeed(seq, start, torch.randn(n, width, generator=gen),
+                                   torch.randint(0, vocab, (n,), generator=gen).numpy()))
+            starts[seq] = start + n
+        drafter.step(feeds, [])
+        requests = [ProposeRequest(s, drafter.spec.settings.depth) for s in starts]
+        by_levels = drafter._propose_by_levels(requests, drafter.spec.settings)
+        before = {s: committed_kv(drafter, s) for s in starts}
+        on_device = drafter._propose_on_device(requests, drafter.spec.settings)
+        same_trees(by_levels, on_device)
+        assert all(t.num_nodes > 1 for t in on_device.values())
+        assert all(torch.equal(committed_kv(drafter, s), kv) for s, kv in before.items())  # only draft rows written
+        bs = drafter.kv.block_size  # the levels' extra blocks are given back
+        assert all(len(drafter.blocks.block_table(s)) == -(-drafter.rows[s] // bs) for s in starts)
+    proposal = drafter._proposals[(drafter.spec.settings, padded_batch(3))]
+    assert proposal.batch == 4 and proposal.graph is None  # three sequences in a padded batch of four, eager
+
+
+def test_padded_batch():
+    assert [padded_batch(n) for n in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
