@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -80,17 +81,20 @@ def timed_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict
         engine.step()
     before = sum(len(s.output_ids) for s in seqs)
     spec_before = engine.speculation_totals()
-    steps = 0
+    steps, step_ms = 0, []
     sync(engine)
     start = time.perf_counter()
     while engine.has_work:
+        t = time.perf_counter()
         engine.step()  # ends in the step's device-to-host copy
+        step_ms.append((time.perf_counter() - t) * 1e3)
         steps += 1
     seconds = time.perf_counter() - start
     tokens = sum(len(s.output_ids) for s in seqs) - before
     spec = engine.speculation_totals()
     trees, accepted = spec.steps - spec_before.steps, spec.accepted_tokens - spec_before.accepted_tokens
-    out = {"tokens": tokens, "steps": steps, "seconds": round(seconds, 4), "tok_s": round(tokens / seconds, 2)}
+    out = {"tokens": tokens, "steps": steps, "seconds": round(seconds, 4), "tok_s": round(tokens / seconds, 2),
+           "step_ms_median": round(float(np.median(step_ms)), 3), "step_ms_max": round(max(step_ms), 3)}
     if trees:
         out["tau"] = round(1 + accepted / trees, 3)
     return out
@@ -110,7 +114,8 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
     prompts = [torch.randint(0, raw["vocab_size"] - 1, (context,), generator=g).tolist() for _ in range(batch)]
     base = timed_run(Engine(target), prompts, args.steps)
     rows = [{"context": context, "batch": batch, "config": "target-only", **base}]
-    print(f"ctx {context:>6} batch {batch:>3} target-only      {base['tok_s']:9.1f} tok/s", flush=True)
+    print(f"ctx {context:>6} batch {batch:>3} target-only      {base['tok_s']:9.1f} tok/s  step median "
+          f"{base['step_ms_median']} ms, max {base['step_ms_max']} ms", flush=True)
     for name, spec in specs.items():
         drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                                batch, target.max_model_len, args.kernels)
@@ -133,7 +138,8 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
                 row["gate"] = {**gate, "met": row["speedup"] >= gate["speedup"] and r.get("tau", 0) >= gate["tau"]}
             rows.append(row)
             print(f"ctx {context:>6} batch {batch:>3} {row['config']:<28} {r['tok_s']:9.1f} tok/s  x{row['speedup']:<6} "
-                  f"tau {r.get('tau', '-')}  efficiency {row.get('efficiency', '-')}", flush=True)
+                  f"tau {r.get('tau', '-')}  efficiency {row.get('efficiency', '-')}  step median {r['step_ms_median']} ms, "
+                  f"max {r['step_ms_max']} ms", flush=True)
         del drafter
     del target
     if args.device.startswith("cuda"):

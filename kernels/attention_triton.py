@@ -82,6 +82,9 @@ def prepare_attention_triton(meta: AttentionMetadata) -> AttentionMetadata:
     return dataclasses.replace(meta, custom_mask=pack_mask(meta.custom_mask))
 
 
+MAX_SPLITS = 64  # key splits of one launch at most
+
+
 def _num_splits(meta: AttentionMetadata, kv_heads: int, q_tiles: int, block_n: int) -> int:
     """Enough programs to fill the GPU when few (sequence, tile, head) triples exist.
 
@@ -91,7 +94,7 @@ def _num_splits(meta: AttentionMetadata, kv_heads: int, q_tiles: int, block_n: i
     sms = torch.cuda.get_device_properties(meta.seq_lens.device).multi_processor_count \
         if meta.seq_lens.is_cuda else 8
     by_length = triton.cdiv(meta.max_seq_len, 4 * block_n)  # at least 4 key tiles a split
-    return max(1, min(triton.cdiv(2 * sms, programs), by_length, 64))
+    return max(1, min(triton.cdiv(2 * sms, programs), by_length, MAX_SPLITS))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -162,7 +165,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if splits > 1:
         _combine_kernel[(T, H)](part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2),
                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), D,
-                                BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(D))
+                                BLOCK_S=16, BLOCK_D=triton.next_power_of_2(D))
     return out
 
 
@@ -305,16 +308,27 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, qsl_ptr
 @triton.jit(do_not_specialize=["splits", "stride_ps", "stride_ls"])
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, splits, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                     stride_ot, stride_oh, head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge one (token, head)'s split results, ``BLOCK_S`` splits at a time: one compiled variant
+    for any number of splits."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_ok = s < splits
-    lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
-    w = tl.where(s_ok & (lse != float("-inf")), tl.exp2(lse - top), 0.0)  # (S,)
-    part = tl.load(part_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
-                   mask=s_ok[:, None] & (d[None, :] < head_dim), other=0.0)
-    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    top = float("-inf")
+    for s0 in range(0, splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + h, mask=s < splits, other=float("-inf"))
+        top = tl.maximum(top, tl.max(lse, 0))
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = 0.0
+    for s0 in range(0, splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = s < splits
+        lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
+        w = tl.where(s_ok & (lse != float("-inf")), tl.exp2(lse - top), 0.0)  # (S,)
+        part = tl.load(part_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+                       mask=s_ok[:, None] & (d[None, :] < head_dim), other=0.0)
+        acc += tl.sum(part * w[:, None], 0)
+        total += tl.sum(w, 0)
+    o = acc / total
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 

@@ -54,14 +54,16 @@ ALIGN = 8  # int64 elements: where each of a step's arrays starts in the staging
 class Staging:
     """Host buffers a step's arrays are packed into, then copied to ``device`` at once.
 
-    Two pinned buffers on CUDA, used in turn, so a step never overwrites the buffer of a copy
-    that may still be in flight; they grow (rarely) to the largest step seen.
+    Two pinned buffers on CUDA, used in turn; a buffer is written again only once its last copy
+    has run (an event), so a step never overwrites a copy still in flight; they grow (rarely)
+    to the largest step seen.
     """
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
         self._buffers: list[tuple[torch.Tensor, np.ndarray] | None] = [None, None]  # tensor + its numpy view
+        self._copies: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy to the device
         self._turn = 0
 
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
@@ -75,11 +77,20 @@ class Staging:
         buf, host = self._buffer(total)
         for a, at in zip(arrays, starts):
             host[at:at + a.size] = a.reshape(-1)
-        moved = buf[:total].to(self.device, non_blocking=True) if self._pin else buf[:total].clone()
+        if self._pin:
+            moved = buf[:total].to(self.device, non_blocking=True)
+            self._copies[self._turn] = torch.cuda.Event()
+            self._copies[self._turn].record()
+        else:
+            moved = buf[:total].clone()
         return [moved[at:at + a.size].view(a.shape) for a, at in zip(arrays, starts)]
 
     def _buffer(self, n: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The next buffer, once the copy that last read it has run: steps that end in no sync (prefill
+        chunks that draw no token) may run ahead of the device by more than one copy."""
         self._turn ^= 1
+        if self._copies[self._turn] is not None:
+            self._copies[self._turn].synchronize()
         entry = self._buffers[self._turn]
         if entry is None or entry[0].shape[0] < n:
             buf = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=self._pin)

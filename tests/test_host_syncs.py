@@ -119,9 +119,11 @@ def test_a_draft_proposal_reads_the_device_only_for_its_trees(tmp_path, tree):
         return DraftFeed(seq, start, torch.randn(n, hidden, generator=g).to(TRITON_DEVICE),
                          torch.randint(0, target.model_config.vocab_size, (n,), generator=g).numpy())
 
-    for start in (0, 9):  # buffers settle (the step layout's two staging buffers, used in turn)
-        drafter.step([feed(1, start, 9), feed(2, start // 9 * 4, 4)], [ProposeRequest(1, 4), ProposeRequest(2, 4)])
-    feeds = [feed(1, 18, 2), feed(2, 8, 3)]
+    # Buffers settle: prompts (an eager extend through the step layout's two staging buffers), then
+    # steps of the measured shape (on CUDA, the extend graph for two sequences and its ring buffers).
+    for f1, f2 in ((feed(1, 0, 9), feed(2, 0, 4)), (feed(1, 9, 9), feed(2, 4, 4)), (feed(1, 18, 2), feed(2, 8, 3))):
+        drafter.step([f1, f2], [ProposeRequest(1, 4), ProposeRequest(2, 4)])
+    feeds = [feed(1, 20, 2), feed(2, 11, 3)]
     with host_reads() as (reads, on):
         on["counting"] = True
         trees = drafter.step(feeds, [ProposeRequest(1, 4), ProposeRequest(2, 4)])
