@@ -1,6 +1,6 @@
 """CUDA graphs of the draft forward: the draft head's layers, LM head and log-softmax replayed as
-one graph, captured on first use per (sequences, level width) for tree levels and per sequences
-for the draft extend over each step's accepted tokens.
+one graph, captured on first use per (sequences, level width) for tree levels and per padded
+batch (a power of two) for the draft extend over each step's accepted tokens.
 
 A tree level is the same computation at every step: B sequences of F new nodes each, their
 ids and ancestor mask already on the device, the hidden input gathered from the parents'
@@ -31,6 +31,7 @@ from draft_service.eagle_net import EagleNet
 from kernels import KernelSet
 from kernels.metadata import AttentionMetadata
 from runtime.kv_cache import PagedKVCache
+from draft_service.proposal_graph import padded_batch
 from runtime.step_layout import SeqChunk, layout_arrays
 
 log = logging.getLogger(__name__)
@@ -94,15 +95,18 @@ class DraftGraphs:
         return g.out, g.logp
 
     def run_extend(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(out [T, H], log-probs [B, Vd] at each sequence's last row) of a draft extend (host token
-        ids, causal); None when a sequence brings more than ``extend_tokens`` rows."""
-        B, Q = len(chunks), self.extend_tokens
+        """(out [T, H], log-probs [B', Vd] at each sequence's last row, B' >= B: the padded batch the
+        graph was captured for) of a draft extend (host token ids, causal); None when a sequence
+        brings more than ``extend_tokens`` rows."""
+        Q = self.extend_tokens
         n = [len(c.token_ids) for c in chunks]
         if max(n) > Q:
             return None
+        B = padded_batch(len(chunks))  # padding sequences bring no tokens (their query range is empty)
         g = self._graph("extend", B, Q, hidden.shape[1])
         if g is None:
             return None
+        chunks = chunks + [SeqChunk(np.zeros(0, dtype=np.int64), 0, [])] * (B - len(chunks))
         arrays = layout_arrays(chunks, self.kv.block_size, self.table_width)
         T, pad = sum(n), B * Q - sum(n)
         for name, fill in (("slots", -1), ("positions", 0), ("token_seq", 0), ("q_idx", 0)):
@@ -115,6 +119,10 @@ class DraftGraphs:
         g.graph.replay()
         self.replays += 1
         return g.out[:T], g.logp
+
+    def capture_extend(self, batch: int, hidden_size: int) -> None:
+        """Capture the extend graph of a padded ``batch`` now (start-up) rather than on first use."""
+        self._graph("extend", padded_batch(batch), self.extend_tokens, hidden_size)
 
     def _send(self, g: _LevelGraph, arrays: dict[str, np.ndarray]) -> None:
         """``arrays`` to the graph's metadata buffer: a pinned ring buffer, one copy."""

@@ -17,6 +17,7 @@ target's own features of what was accepted ("draft extend"), so no rejected node
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -83,6 +84,28 @@ class EagleDrafter:
                          target_embedding.device, max_model_len + spec.settings.draft_positions)
         return cls(net, spec, net.config.capture_layers(target), select_kernels(target_embedding.device, kernels),
                    max_num_seqs, max_model_len, cuda_graphs=cuda_graphs)
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Capture the CUDA graphs of the default tree shape before the first proposal: the whole
+        proposal and the draft extend, for every padded batch up to ``max_num_seqs`` (a capture
+        in the middle of serving stalls its step by tens of milliseconds, and batches change as
+        sequences finish). Returns the seconds it took (0 without graphs)."""
+        if self.graphs is None:
+            return 0.0
+        t0 = time.perf_counter()
+        batch = 1
+        while True:
+            b = min(batch, self.max_num_seqs)
+            self._proposal(self.spec.settings, b)
+            self.graphs.capture_extend(b, len(self.capture_layers) * self.net.config.target_hidden_size)
+            if b >= self.max_num_seqs:
+                break
+            batch *= 2
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        log.info("draft graphs for %s captured in %.1f s", self.spec.settings.describe(), seconds)
+        return seconds
 
     # --- DraftProvider -------------------------------------------------------------------
 
@@ -180,23 +203,27 @@ class EagleDrafter:
     def _propose_on_device(self, requests: list[ProposeRequest], settings: TreeSettings) -> dict[int, CandidateTree]:
         """Every level at once (``proposal_graph.py``): one CUDA graph where the drafter has them."""
         ids = [r.seq_id for r in requests]
-        batch = min(padded_batch(len(ids)), max(self.max_num_seqs, len(ids)))
-        key = (settings, batch)
-        if key not in self._proposals:
-            self._proposals[key] = DeviceProposal(
-                self.net, self.kv, self.kernels, lambda: self._builder(settings), settings.depth,
-                settings.draft_tree_rows, batch, self._table_width, self._capacity, graph=self.graphs is not None,
-                pool=self.graphs.pool if self.graphs is not None else None)
         rows = np.array([self.rows[i] for i in ids], dtype=np.int64)
         for i, m in zip(ids, rows):
             self.blocks.ensure_capacity(i, int(m) + settings.draft_tree_rows)
-        tokens, parents, depths, scores = self._proposals[key].run(
+        tokens, parents, depths, scores = self._proposal(settings, len(ids)).run(
             torch.stack([self.last_logp[i] for i in ids]), torch.stack([self.last_out[i] for i in ids]), rows,
             [self.blocks.block_table(i) for i in ids])
         for i in ids:  # drop the speculative rows; the next feed overwrites them
             self.blocks.truncate(i, self.rows[i])
         return {r.seq_id: CandidateTree(tokens[j], parents[j], depths[j], scores[j]).prune_depth(r.max_depth)
                 for j, r in enumerate(requests)}
+
+    def _proposal(self, settings: TreeSettings, n: int) -> DeviceProposal:
+        """The device proposal of ``settings`` for ``n`` sequences (a padded batch), made on first use."""
+        batch = min(padded_batch(n), max(self.max_num_seqs, n))
+        key = (settings, batch)
+        if key not in self._proposals:
+            self._proposals[key] = DeviceProposal(
+                self.net, self.kv, self.kernels, lambda: self._builder(settings), settings.depth,
+                settings.draft_tree_rows, batch, self._table_width, self._capacity, graph=self.graphs is not None,
+                pool=self.graphs.pool if self.graphs is not None else None)
+        return self._proposals[key]
 
     def _feed_level(self, ids, builder, frontier: Frontier, parent_out, fed):
         """Run the draft on one frontier level; returns outputs [B, F, H], log-probs [B, F, Vd].

@@ -181,6 +181,9 @@ class DraftWorker:
                 bufs = {name: importer.open(d, read_only=name == "embedding") for name, d in descs.items()}
                 drafter = self.make_drafter(self.cfg.spec, target, bufs["embedding"], hello.max_trees,
                                             hello.max_model_len, cuda_graphs=not self.cfg.enforce_eager)
+                warm_up = getattr(drafter, "warm_up", None)  # before the session opens: the verify side
+                if warm_up is not None:                      # decodes plainly meanwhile
+                    warm_up()
                 self._stream(stub, hello, bufs, drafter)
 
     def _stream(self, stub, hello, bufs, drafter) -> None:

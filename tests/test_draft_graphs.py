@@ -47,3 +47,20 @@ def test_graphed_levels_give_the_eager_output(dirs, tree):
     assert proposals and all(p.graph is not None for p in proposals) and sum(p.replays for p in proposals) > 0
     assert [r.speculation.accepted_tokens for r in got_eager] == [r.speculation.accepted_tokens for r in got_graphed]
 
+
+
+def test_warm_up_captures_what_generation_replays(dirs):
+    """After the drafter's warm-up (every padded batch of the default tree) and the target's (its
+    verification buckets), generating for a shrinking batch captures no graph."""
+    eng = engine(dirs, True)
+    assert eng.drafter.warm_up() > 0
+    assert eng.target.runner.warm_up(64, eng.limits.node_budget + 1) > 0
+    proposals, draft_graphs = len(eng.drafter._proposals), set(eng.drafter.graphs._graphs)
+    target_graphs = set(eng.target.runner._graphs)
+    prompts = PROMPTS + [list(range(40, 52))]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 16, 9, 30)]  # finishing one by one
+    want = [r.token_ids for r in Engine(target_for(dirs[0], device="cuda", dtype="float32")).generate(prompts, params)]
+    assert [r.token_ids for r in eng.generate(prompts, params)] == want
+    assert len(eng.drafter._proposals) == proposals
+    assert {k for k in eng.drafter.graphs._graphs if k[0] == "extend"} <= draft_graphs
+    assert set(eng.target.runner._graphs) == target_graphs

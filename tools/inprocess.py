@@ -25,4 +25,7 @@ def build_engine(cfg: EngineConfig, spec: SpecConfig | None = None, adaptive: bo
     drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                            cfg.max_num_seqs, target.max_model_len, cfg.kernels)
     policy = policy_for(target, spec.settings, cost_table) if adaptive else None
-    return Engine(target, drafter, spec.settings, policy)
+    engine = Engine(target, drafter, spec.settings, policy)
+    drafter.warm_up()  # as the services do at start-up: no graph capture in the middle of generation
+    target.runner.warm_up(cfg.max_batch_tokens, spec.settings.node_budget + 1)
+    return engine

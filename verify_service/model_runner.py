@@ -121,9 +121,11 @@ class ModelRunner:
                      time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def warm_up(self, max_batch_tokens: int) -> float:
+    def warm_up(self, max_batch_tokens: int, tree_tokens: int = 0) -> float:
         """Compile every kernel variant a prefill or mixed step can need, and capture the decode
-        graphs, before the first request (server start-up; the cache must hold no sequence yet).
+        graphs, and with ``tree_tokens`` (the default tree's nodes + 1) the verification graphs of
+        that tree for every batch bucket, before the first request (server start-up; the cache
+        must hold no sequence yet).
 
         Triton compiles a kernel on its first launch per specialisation (integer arguments
         divisible by 16 or not, the attention tiles of short and long keys): a long prompt
@@ -147,11 +149,14 @@ class ModelRunner:
                 self.step([prefill])
                 self.step([prefill, decode])
         torch.cuda.synchronize()
-        self.capture([b for b in self._buckets() if not b.tree])
+        buckets = self._buckets()
+        tree_q = min((b.tokens for b in buckets if b.tree and b.tokens >= tree_tokens), default=0) if tree_tokens else 0
+        self.capture([b for b in buckets if not b.tree or b.tokens == tree_q])
         return time.perf_counter() - t0
 
     def _bucket(self, chunks: list[SeqChunk]) -> Bucket | None:
-        """The smallest bucket that holds this step, if it is a decode or verification step."""
+        """The smallest captured bucket that holds this step (else the smallest), if it is a decode or
+        verification step."""
         tree, most = False, 1
         for c in chunks:
             n = len(c.token_ids)
@@ -164,7 +169,10 @@ class ModelRunner:
                     return None
                 tree, most = True, max(most, n)
         fitting = [b for b in self._buckets() if b.tree == tree and b.seqs >= len(chunks) and b.tokens >= most]
-        return min(fitting, key=lambda b: (b.num_tokens, b.tokens)) if fitting else None
+        # A bucket already captured, if one fits: a slightly larger forward costs less than a capture
+        # in the middle of serving (trees shrink near a request's end; adaptive sizes vary).
+        captured = [b for b in fitting if self._graphs.get(b) is not None]
+        return min(captured or fitting, key=lambda b: (b.num_tokens, b.tokens)) if fitting else None
 
     def _buckets(self) -> list[Bucket]:
         return graph_buckets(self.max_num_seqs, min(MAX_GRAPH_TOKENS, self.max_model_len))

@@ -146,9 +146,10 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
         add_health_servicer(status, internal)
     # Before SERVING, and after the engine set its capture layers (which drops captured graphs):
     # no request ever waits for a kernel compilation.
-    warm_s = target.runner.warm_up(cfg.engine.max_batch_tokens)
+    tree_tokens = cfg.limits.node_budget + 1 if internal is not None and cfg.limits is not None else 0
+    warm_s = target.runner.warm_up(cfg.engine.max_batch_tokens, tree_tokens)
     if warm_s:
-        log.info("kernels compiled and decode graphs captured in %.1f s", warm_s)
+        log.info("kernels compiled and decode and verification graphs captured in %.1f s", warm_s)
     for name in ("", GENERATION):
         status.set(name, health_pb2.HealthCheckResponse.SERVING)
     status.set(SPECULATION_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
