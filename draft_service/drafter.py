@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 class EagleDrafter:
     def __init__(self, net: EagleNet, spec: SpecConfig, capture_layers: tuple[int, ...], kernels: KernelSet,
                  max_num_seqs: int, max_model_len: int, block_size: int = 16, cuda_graphs: bool = False):
-        """``cuda_graphs``: replay tree levels as CUDA graphs (``draft_graphs.py``; CUDA with the
-        Triton kernels only, else ignored)."""
+        """``cuda_graphs``: replay the whole proposal (``proposal_graph.py``) and the draft extend
+        (``draft_graphs.py``) as CUDA graphs (CUDA with the Triton kernels only, else ignored)."""
         self.net, self.spec, self.kernels = net, spec, kernels
         self.capture_layers = capture_layers
         cfg = net.config
@@ -65,8 +65,7 @@ class EagleDrafter:
         self.last_logp: dict[int, torch.Tensor] = {}  # [Vd] its log-probs over the draft vocabulary
         rows = spec.settings.draft_tree_rows
         self._table_width, self._capacity = blocks_for(max_model_len + rows, block_size), max_model_len + rows
-        self.graphs = DraftGraphs(net, self.kv, kernels, self._table_width, self._capacity, rows,
-                                  spec.settings.depth + 1) \
+        self.graphs = DraftGraphs(net, self.kv, kernels, self._table_width, self._capacity, spec.settings.depth + 1) \
             if cuda_graphs and self.device.type == "cuda" and kernels.name == "triton" else None
         self.max_num_seqs = max_num_seqs
         self._proposals: dict[tuple[TreeSettings, int], DeviceProposal] = {}  # (shape, padded batch)
@@ -76,7 +75,7 @@ class EagleDrafter:
                         max_num_seqs: int, max_model_len: int, kernels: str = "auto",
                         cuda_graphs: bool = True) -> "EagleDrafter":
         """Load ``spec.draft_path`` against the target; runs on the embedding's device and dtype with
-        ``kernels`` (``select_kernels``' choice), tree levels as CUDA graphs where they can be."""
+        ``kernels`` (``select_kernels``' choice), proposals and extends as CUDA graphs where they can be."""
         positions = max_model_len + spec.settings.draft_positions
         check_fits(f"draft RoPE tables for {positions} positions",
                    rope_table_bytes(DraftConfig.from_dir(spec.draft_path).head_dim, positions), target_embedding.device)
@@ -146,13 +145,8 @@ class EagleDrafter:
 
     def _run(self, chunks: list[SeqChunk], hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
              custom_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft forward; returns every row's output [T, H] and log-probs at the logits rows.
-        ``input_ids``/``custom_mask``: already on the device (see ``layout_step``): a tree level, which
-        replays a CUDA graph when the drafter has them."""
-        if self.graphs is not None and input_ids is not None:
-            graphed = self.graphs.run(chunks, hidden, input_ids, custom_mask)
-            if graphed is not None:
-                return graphed
+        """Draft forward, eager; returns every row's output [T, H] and log-probs at the logits rows.
+        ``input_ids``/``custom_mask``: already on the device (see ``layout_step``): a tree level."""
         lay = layout_step(chunks, self.kv.block_size, self.device, self.kernels, self.staging, input_ids, custom_mask)
         out = self.net(lay.input_ids, hidden, lay.meta, self.kv, self.kernels)
         logits = self.net.compute_logits(out[lay.logits_rows])
@@ -179,12 +173,11 @@ class EagleDrafter:
         return trees
 
     def _propose_group(self, requests: list[ProposeRequest], settings: TreeSettings) -> dict[int, CandidateTree]:
-        if max(r.max_depth for r in requests) >= settings.depth:  # full depth: the whole proposal at once
-            return self._propose_on_device(requests, settings)
-        return self._propose_by_levels(requests, settings)  # near the end of the context or max_tokens
+        return self._propose_on_device(requests, settings)
 
     def _propose_by_levels(self, requests: list[ProposeRequest], settings: TreeSettings) -> dict[int, CandidateTree]:
-        """Level by level, laid out on the host, stopping at the deepest level asked for."""
+        """The reference the device proposal is tested against (tests/test_device_proposal.py): level
+        by level, laid out on the host, stopping at the deepest level asked for."""
         ids = [r.seq_id for r in requests]
         builder = self._builder(settings)
         frontier = builder.start(torch.stack([self.last_logp[i] for i in ids]))
@@ -201,7 +194,9 @@ class EagleDrafter:
         return {r.seq_id: t.prune_depth(r.max_depth) for r, t in zip(requests, builder.finish())}
 
     def _propose_on_device(self, requests: list[ProposeRequest], settings: TreeSettings) -> dict[int, CandidateTree]:
-        """Every level at once (``proposal_graph.py``): one CUDA graph where the drafter has them."""
+        """Every level at once (``proposal_graph.py``): one CUDA graph where the drafter has them. Trees
+        grow to the shape's full depth, and a request near its end (``max_depth`` below it) gets its
+        tree cut there: one graph per shape, none captured in the middle of serving."""
         ids = [r.seq_id for r in requests]
         rows = np.array([self.rows[i] for i in ids], dtype=np.int64)
         for i, m in zip(ids, rows):

@@ -127,11 +127,13 @@ class DeviceProposal:
         kv_idx = self.rows[:, None] + fed + j  # (B, F)
         blocks = self.tables.gather(1, kv_idx // bs)
         slots = torch.where(self.live[:, None] > 0, blocks * bs + kv_idx % bs, -1)
-        positions = (self.rows + frontier.depth - 1)[:, None].expand(B, F)
+        # Materialised, not expanded views: kernels index these [T] arrays as contiguous memory (at
+        # B = 1 an expanded view flattens to a stride-0 view of one element).
+        positions = (self.rows + frontier.depth - 1)[:, None].expand(B, F).contiguous()
         meta = AttentionMetadata(
             query_start_loc=torch.arange(B + 1, device=dev) * F, seq_lens=self.rows + fed + F, block_tables=self.tables,
             slot_mapping=slots.reshape(-1), positions=positions.reshape(-1),
-            token_seq=torch.arange(B, device=dev)[:, None].expand(B, F).reshape(-1), token_q_idx=j.repeat(B), max_query_len=F,
+            token_seq=torch.arange(B, device=dev)[:, None].expand(B, F).contiguous().reshape(-1), token_q_idx=j.repeat(B), max_query_len=F,
             max_seq_len=min(self._longest, self.max_seq_len), custom_mask=masks.reshape(B * F, -1), mask_start=self.rows)
         out = self.net(frontier.tokens.reshape(-1), hidden.reshape(B * F, -1), self.kernels.prepare_attention(meta),
                        self.kv, self.kernels)

@@ -44,6 +44,7 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
     T = k.shape[0]
     if T == 0:
         return
+    assert slot_mapping.is_contiguous(), "slots: contiguous [T]"
     width = k.shape[1] * k.shape[2]
     k, v = k.reshape(T, width), v.reshape(T, width)
     _write_kv_kernel[(T,)](k_cache, v_cache, k, v, slot_mapping, k.stride(0), v.stride(0), width,
@@ -135,6 +136,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     T, H, D = q.shape
     _, block_size, kvh, _ = k_cache.shape
     g = H // kvh
+    assert all(t is None or t.is_contiguous() for t in (meta.query_start_loc, meta.seq_lens, meta.mask_start)), \
+        "step metadata: contiguous arrays"
     cfg = config or attention_config(meta.max_query_len, g, D, meta.max_seq_len, k_cache.element_size())
     block_q = cfg.block_m // g  # tokens per tile: g rows each
     assert block_q >= 1, f"{g} query heads per KV head exceed a tile of {cfg.block_m} rows"

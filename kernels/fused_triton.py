@@ -99,6 +99,7 @@ def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
     """
     T, H, D = q.shape
     kvh = k.shape[1]
+    assert positions.is_contiguous() and slot_mapping.is_contiguous(), "positions and slots: contiguous [T]"
     q_rot = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return q_rot

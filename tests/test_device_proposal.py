@@ -18,7 +18,7 @@ from draft_service.proposal_graph import padded_batch
 from draft_service.spec_config import SpecConfig
 from link.protocol import DraftFeed, ProposeRequest
 from tiny_eagle import make_eagle_dir
-from tiny_models import make_model_dir, target_for, tiny_config
+from tiny_models import TRITON_DEVICE, make_model_dir, target_for, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +30,13 @@ def dirs(tmp_path_factory):
             make_eagle_dir(root / "draft", tiny_config("llama3"), draft_vocab=64, seed=1), static)
 
 
-def drafter_for(dirs, tree: str) -> tuple[EagleDrafter, int, int]:
+def drafter_for(dirs, tree: str, kernels: str = "reference") -> tuple[EagleDrafter, int, int]:
     """The drafter, the width of the features it is fed and the target's vocabulary."""
     spec = SpecConfig(str(dirs[1]), tree=tree, depth=4, top_k=3, max_nodes=10,
                       static_tree_file=str(dirs[2]) if tree == "static" else None)
-    target = target_for(dirs[0])
+    target = target_for(dirs[0], kernels=kernels, device=TRITON_DEVICE if kernels == "triton" else "cpu")
     drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
-                                           8, target.max_model_len)
+                                           8, target.max_model_len, kernels)
     return drafter, target.model_config.hidden_size * len(drafter.capture_layers), target.model_config.vocab_size
 
 
@@ -57,15 +57,22 @@ def same_trees(a, b):
         np.testing.assert_allclose(a[i].log_probs, b[i].log_probs, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tree", ["dynamic", "static", "chain"])
-def test_device_proposal_gives_the_level_by_level_trees(dirs, tree):
-    drafter, width, vocab = drafter_for(dirs, tree)
+@pytest.mark.parametrize("tree, kernels, seqs", [("dynamic", "reference", 3), ("static", "reference", 3),
+                                                 ("chain", "reference", 3), ("dynamic", "triton", 1),
+                                                 ("dynamic", "triton", 3)])
+def test_device_proposal_gives_the_level_by_level_trees(dirs, tree, kernels, seqs):
+    """Also on the Triton kernels (the interpreter on a CPU), one sequence alone included: a batch
+    of one is where expanded metadata views flatten to stride 0."""
+    if kernels == "triton":
+        pytest.importorskip("triton")
+    drafter, width, vocab = drafter_for(dirs, tree, kernels)
+    dev = drafter.device
     gen = torch.Generator().manual_seed(0)
-    starts = {1: 0, 2: 0, 3: 0}
+    starts = {s: 0 for s in range(1, seqs + 1)}
     for rows in ([9, 4, 13], [2, 3, 1], [5, 1, 4]):  # three proposals: prompts, then accepted tokens
         feeds = []
         for (seq, start), n in zip(starts.items(), rows):
-            feeds.append(DraftFeed(seq, start, torch.randn(n, width, generator=gen),
+            feeds.append(DraftFeed(seq, start, torch.randn(n, width, generator=gen).to(dev),
                                    torch.randint(0, vocab, (n,), generator=gen).numpy()))
             starts[seq] = start + n
         drafter.step(feeds, [])
@@ -78,8 +85,8 @@ def test_device_proposal_gives_the_level_by_level_trees(dirs, tree):
         assert all(torch.equal(committed_kv(drafter, s), kv) for s, kv in before.items())  # only draft rows written
         bs = drafter.kv.block_size  # the levels' extra blocks are given back
         assert all(len(drafter.blocks.block_table(s)) == -(-drafter.rows[s] // bs) for s in starts)
-    proposal = drafter._proposals[(drafter.spec.settings, padded_batch(3))]
-    assert proposal.batch == 4 and proposal.graph is None  # three sequences in a padded batch of four, eager
+    proposal = drafter._proposals[(drafter.spec.settings, padded_batch(seqs))]
+    assert proposal.batch == padded_batch(seqs) and proposal.graph is None  # a padded batch (of 4 for 3), eager
 
 
 def test_padded_batch():
