@@ -18,7 +18,7 @@ class FeedBuffer:
     def __init__(self, max_rows: int):
         """``max_rows``: the most rows one draft call may carry (the link's features buffer)."""
         self.max_rows = max_rows
-        self._feeds: dict[int, DraftFeed] = {}
+        self._feeds: dict[int, list[DraftFeed]] = {}  # per sequence, in row order: merged when taken
         self.rows = 0
 
     def add(self, feeds: list[DraftFeed]) -> list[DraftFeed]:
@@ -27,25 +27,30 @@ class FeedBuffer:
         new = sum(len(f.next_tokens) for f in feeds)
         flush = self.take() if self._feeds and self.rows + new > self.max_rows else []
         for f in feeds:
-            old = self._feeds.get(f.seq_id)
-            self._feeds[f.seq_id] = f if old is None else _merge(old, f)
+            parts = self._feeds.setdefault(f.seq_id, [])
+            if parts:
+                last = parts[-1]
+                assert f.start == last.start + len(last.next_tokens), f"sequence {f.seq_id}: rows must arrive in order"
+            parts.append(f)
         self.rows += new
         return flush
 
     def take(self) -> list[DraftFeed]:
-        """Everything buffered, emptied."""
-        feeds, self._feeds, self.rows = list(self._feeds.values()), {}, 0
+        """Everything buffered, one feed per sequence, emptied."""
+        feeds = [_merge(parts) for parts in self._feeds.values()]
+        self._feeds, self.rows = {}, 0
         return feeds
 
     def drop(self, seq_id: int) -> None:
         """A finished or cancelled sequence: its rows are never sent."""
-        f = self._feeds.pop(seq_id, None)
-        if f is not None:
+        for f in self._feeds.pop(seq_id, ()):
             self.rows -= len(f.next_tokens)
 
 
-def _merge(a: DraftFeed, b: DraftFeed) -> DraftFeed:
-    """Rows of ``a`` then ``b``, which starts where ``a`` ends."""
-    assert b.start == a.start + len(a.next_tokens), f"sequence {a.seq_id}: rows must arrive in order"
-    return DraftFeed(a.seq_id, a.start, torch.cat([a.features, b.features]),
-                     np.concatenate([a.next_tokens, b.next_tokens]))
+def _merge(parts: list[DraftFeed]) -> DraftFeed:
+    """One sequence's buffered feeds as one (consecutive rows): one copy, however many steps waited."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    return DraftFeed(first.seq_id, first.start, torch.cat([f.features for f in parts]),
+                     np.concatenate([f.next_tokens for f in parts]))
