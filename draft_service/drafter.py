@@ -85,25 +85,27 @@ class EagleDrafter:
                    max_num_seqs, max_model_len, cuda_graphs=cuda_graphs)
 
     @torch.inference_mode()
-    def warm_up(self) -> float:
-        """Capture the CUDA graphs of the default tree shape before the first proposal: the whole
-        proposal and the draft extend, for every padded batch up to ``max_num_seqs`` (a capture
-        in the middle of serving stalls its step by tens of milliseconds, and batches change as
-        sequences finish). Returns the seconds it took (0 without graphs)."""
+    def warm_up(self, shapes: list[TreeSettings] | None = None) -> float:
+        """Capture the CUDA graphs of the tree ``shapes`` (default: the default tree) before the first
+        proposal: the whole proposal and the draft extend, for every padded batch up to
+        ``max_num_seqs`` (a capture in the middle of serving stalls its step by tens of
+        milliseconds, and batches change as sequences finish). Returns the seconds it took (0
+        without graphs)."""
         if self.graphs is None:
             return 0.0
         t0 = time.perf_counter()
         batch = 1
         while True:
             b = min(batch, self.max_num_seqs)
-            self._proposal(self.spec.settings, b)
+            for settings in shapes or [self.spec.settings]:
+                self._proposal(settings, b)
             self.graphs.capture_extend(b, len(self.capture_layers) * self.net.config.target_hidden_size)
             if b >= self.max_num_seqs:
                 break
             batch *= 2
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        log.info("draft graphs for %s captured in %.1f s", self.spec.settings.describe(), seconds)
+        log.info("draft graphs for %d tree shapes captured in %.1f s", len(shapes or [0]), seconds)
         return seconds
 
     # --- DraftProvider -------------------------------------------------------------------

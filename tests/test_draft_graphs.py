@@ -55,7 +55,7 @@ def test_warm_up_captures_what_generation_replays(dirs):
     verification buckets), generating for a shrinking batch captures no graph."""
     eng = engine(dirs, True)
     assert eng.drafter.warm_up() > 0
-    assert eng.target.runner.warm_up(64, eng.limits.node_budget + 1) > 0
+    assert eng.target.runner.warm_up(64, (eng.limits.node_budget + 1,)) > 0
     proposals, draft_graphs = len(eng.drafter._proposals), set(eng.drafter.graphs._graphs)
     target_graphs = set(eng.target.runner._graphs)
     prompts = PROMPTS + [list(range(40, 52))]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from draft_service.drafter import EagleDrafter
 from draft_service.spec_config import SpecConfig
-from verify_service.adaptive import policy_for
+from verify_service.adaptive import policy_for, tree_sizes
 from verify_service.config import EngineConfig
 from verify_service.engine import Engine
 from verify_service.target import Target
@@ -26,6 +26,9 @@ def build_engine(cfg: EngineConfig, spec: SpecConfig | None = None, adaptive: bo
                                            cfg.max_num_seqs, target.max_model_len, cfg.kernels)
     policy = policy_for(target, spec.settings, cost_table) if adaptive else None
     engine = Engine(target, drafter, spec.settings, policy)
-    drafter.warm_up()  # as the services do at start-up: no graph capture in the middle of generation
-    target.runner.warm_up(cfg.max_batch_tokens, spec.settings.node_budget + 1)
+    # As the services do at start-up: no graph capture in the middle of generation, for the default
+    # tree and, with the policy, every size it may pick.
+    sizes = tree_sizes(spec.settings) if adaptive else (spec.settings.node_budget,)
+    drafter.warm_up([spec.settings.capped(n) for n in sizes] if adaptive else None)
+    target.runner.warm_up(cfg.max_batch_tokens, tuple(n + 1 for n in sizes))
     return engine

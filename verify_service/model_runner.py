@@ -121,11 +121,11 @@ class ModelRunner:
                      time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def warm_up(self, max_batch_tokens: int, tree_tokens: int = 0) -> float:
+    def warm_up(self, max_batch_tokens: int, tree_tokens: tuple[int, ...] = ()) -> float:
         """Compile every kernel variant a prefill or mixed step can need, and capture the decode
-        graphs, and with ``tree_tokens`` (the default tree's nodes + 1) the verification graphs of
-        that tree for every batch bucket, before the first request (server start-up; the cache
-        must hold no sequence yet).
+        graphs, and for each of ``tree_tokens`` (a tree's nodes + 1: the default tree's, and every
+        size adaptive speculation may pick) the verification graphs for every batch bucket,
+        before the first request (server start-up; the cache must hold no sequence yet).
 
         Triton compiles a kernel on its first launch per specialisation (integer arguments
         divisible by 16 or not, the attention tiles of short and long keys): a long prompt
@@ -150,8 +150,8 @@ class ModelRunner:
                 self.step([prefill, decode])
         torch.cuda.synchronize()
         buckets = self._buckets()
-        tree_q = min((b.tokens for b in buckets if b.tree and b.tokens >= tree_tokens), default=0) if tree_tokens else 0
-        self.capture([b for b in buckets if not b.tree or b.tokens == tree_q])
+        tree_q = {min((b.tokens for b in buckets if b.tree and b.tokens >= n), default=0) for n in tree_tokens}
+        self.capture([b for b in buckets if not b.tree or b.tokens in tree_q])
         return time.perf_counter() - t0
 
     def _bucket(self, chunks: list[SeqChunk]) -> Bucket | None:

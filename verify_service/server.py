@@ -28,7 +28,7 @@ from common.reflection import enable_reflection
 from common.metrics_http import metrics_host
 from link import step_socket
 from link.shared_buffers import BufferExporter
-from verify_service.adaptive import policy_for
+from verify_service.adaptive import policy_for, tree_sizes
 from protos.eagle3.v1 import draft_link_pb2, generation_pb2
 from verify_service.draft_link import RemoteDraft
 from verify_service.engine import Engine
@@ -146,7 +146,8 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
         add_health_servicer(status, internal)
     # Before SERVING, and after the engine set its capture layers (which drops captured graphs):
     # no request ever waits for a kernel compilation.
-    tree_tokens = cfg.limits.node_budget + 1 if internal is not None and cfg.limits is not None else 0
+    tree_tokens = () if internal is None or cfg.limits is None else \
+        tuple(n + 1 for n in tree_sizes(cfg.limits)) if cfg.adaptive_speculation else (cfg.limits.node_budget + 1,)
     warm_s = target.runner.warm_up(cfg.engine.max_batch_tokens, tree_tokens)
     if warm_s:
         log.info("kernels compiled and decode and verification graphs captured in %.1f s", warm_s)
