@@ -216,10 +216,17 @@ class EagleDrafter:
         batch = min(padded_batch(n), max(self.max_num_seqs, n))
         key = (settings, batch)
         if key not in self._proposals:
-            self._proposals[key] = DeviceProposal(
-                self.net, self.kv, self.kernels, lambda: self._builder(settings), settings.depth,
-                settings.draft_tree_rows, batch, self._table_width, self._capacity, graph=self.graphs is not None,
-                pool=self.graphs.pool if self.graphs is not None else None)
+            def make(graph: bool) -> DeviceProposal:
+                return DeviceProposal(self.net, self.kv, self.kernels, lambda: self._builder(settings), settings.depth,
+                                      settings.draft_tree_rows, batch, self._table_width, self._capacity, graph=graph,
+                                      pool=self.graphs.pool if graph else None)
+            try:
+                self._proposals[key] = make(self.graphs is not None)
+            except torch.OutOfMemoryError:  # the same trees, eagerly
+                log.warning("no GPU memory to capture the proposal graph of %s for %d sequences: it runs eagerly",
+                            settings.describe(), batch)
+                torch.cuda.empty_cache()
+                self._proposals[key] = make(False)
         return self._proposals[key]
 
     def _feed_level(self, ids, builder, frontier: Frontier, parent_out, fed):

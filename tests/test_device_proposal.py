@@ -91,3 +91,25 @@ def test_device_proposal_gives_the_level_by_level_trees(dirs, tree, kernels, seq
 
 def test_padded_batch():
     assert [padded_batch(n) for n in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+
+
+def test_a_proposal_graph_that_does_not_fit_runs_eagerly(dirs, monkeypatch):
+    """Out of GPU memory at capture: the proposal runs the same computation eagerly (a warning), and
+    the trees are the reference's."""
+    from types import SimpleNamespace
+
+    from draft_service import proposal_graph
+
+    def no_memory(self, pool):
+        raise torch.OutOfMemoryError("no room for the graph")
+
+    monkeypatch.setattr(proposal_graph.DeviceProposal, "_capture", no_memory)
+    drafter, width, vocab = drafter_for(dirs, "dynamic")
+    drafter.graphs = SimpleNamespace(pool=None, run_extend=lambda chunks, hidden: None)  # as on CUDA: graphs tried first
+    gen = torch.Generator().manual_seed(1)
+    drafter.step([DraftFeed(1, 0, torch.randn(6, width, generator=gen),
+                            torch.randint(0, vocab, (6,), generator=gen).numpy())], [])
+    requests = [ProposeRequest(1, drafter.spec.settings.depth)]
+    want = drafter._propose_by_levels(requests, drafter.spec.settings)
+    same_trees(want, drafter._propose_on_device(requests, drafter.spec.settings))
+    assert drafter._proposals[(drafter.spec.settings, 1)].graph is None
