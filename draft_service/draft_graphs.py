@@ -169,7 +169,7 @@ class DraftGraphs:
 
         def forward():
             out = self.net(field["ids"], hidden, self.kernels.prepare_attention(meta), self.kv, self.kernels)
-            return out, torch.log_softmax(self.net.compute_logits(out[field["rows"]]), dim=-1)
+            return out, torch.log_softmax(self.net.compute_logits(out[field["rows"]], self.kernels), dim=-1)
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))

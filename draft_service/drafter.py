@@ -81,6 +81,7 @@ class EagleDrafter:
                    rope_table_bytes(DraftConfig.from_dir(spec.draft_path).head_dim, positions), target_embedding.device)
         net = load_eagle(spec.draft_path, target, target_embedding, target_embedding.dtype,
                          target_embedding.device, max_model_len + spec.settings.draft_positions)
+        net.fuse_projections()
         return cls(net, spec, net.config.capture_layers(target), select_kernels(target_embedding.device, kernels),
                    max_num_seqs, max_model_len, cuda_graphs=cuda_graphs)
 
@@ -151,7 +152,7 @@ class EagleDrafter:
         ``input_ids``/``custom_mask``: already on the device (see ``layout_step``): a tree level."""
         lay = layout_step(chunks, self.kv.block_size, self.device, self.kernels, self.staging, input_ids, custom_mask)
         out = self.net(lay.input_ids, hidden, lay.meta, self.kv, self.kernels)
-        logits = self.net.compute_logits(out[lay.logits_rows])
+        logits = self.net.compute_logits(out[lay.logits_rows], self.kernels)
         return out, torch.log_softmax(logits, dim=-1)
 
     # --- tree growth -------------------------------------------------------------------------

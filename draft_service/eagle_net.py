@@ -42,9 +42,14 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, emb: torch.Tensor, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(h)), dim=-1)  # (T, 2H), embedding first
-        h = h + self.self_attn(x, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """The norms through the kernel set (one launch each on the GPU sets; the reference is this
+        module's RMSNorm, bit for bit), the residual add folded into the post-attention norm."""
+        k = ctx.kernels
+        x = torch.cat((k.rms_norm(emb, self.input_layernorm.weight, self.input_layernorm.eps)[0],
+                       k.rms_norm(h, self.hidden_norm.weight, self.hidden_norm.eps)[0]), dim=-1)  # (T, 2H)
+        normed, h = k.rms_norm(self.self_attn(x, ctx), self.post_attention_layernorm.weight,
+                               self.post_attention_layernorm.eps, residual=h)  # h + attention, normed
+        return h + self.mlp(normed, k)
 
 
 class EagleNet(nn.Module):
@@ -91,6 +96,14 @@ class EagleNet(nn.Module):
         emb = F.embedding(input_ids, self.embed_weight).to(h.dtype)  # (T, H)
         return self.midlayer(emb, h, ctx)
 
-    def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [N, draft_vocab] in float32 for pre-norm outputs [N, H]."""
-        return self.lm_head(self.norm(out)).float()
+    def compute_logits(self, out: torch.Tensor, kernels: KernelSet | None = None) -> torch.Tensor:
+        """Draft-vocabulary logits [N, draft_vocab] in float32 for pre-norm outputs [N, H] (the norm and
+        the LM head through ``kernels`` when given)."""
+        if kernels is None:
+            return self.lm_head(self.norm(out)).float()
+        return kernels.linear(kernels.rms_norm(out, self.norm.weight, self.norm.eps)[0], self.lm_head.weight).float()
+
+    def fuse_projections(self) -> None:
+        """Inference only: one q/k/v and one gate/up matmul (``runtime/layers.py``)."""
+        self.midlayer.self_attn.fuse_projections()
+        self.midlayer.mlp.fuse_projections()

@@ -137,7 +137,7 @@ class DeviceProposal:
             max_seq_len=min(self._longest, self.max_seq_len), custom_mask=masks.reshape(B * F, -1), mask_start=self.rows)
         out = self.net(frontier.tokens.reshape(-1), hidden.reshape(B * F, -1), self.kernels.prepare_attention(meta),
                        self.kv, self.kernels)
-        logp = torch.log_softmax(self.net.compute_logits(out), dim=-1)
+        logp = torch.log_softmax(self.net.compute_logits(out, self.kernels), dim=-1)
         return out.view(B, F, -1), logp.view(B, F, -1)
 
     def _capture(self, pool) -> None:
