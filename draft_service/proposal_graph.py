@@ -65,6 +65,7 @@ class DeviceProposal:
         self.root_out = torch.zeros(B, net.config.hidden_size, dtype=weight.dtype, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._packed: torch.Tensor | None = None  # the graph's output
+        self._constants: dict[int, tuple[torch.Tensor, ...]] = {}
         self.replays = 0
         # Attention's ``max_seq_len``: the cache's capacity in a graph (its grid never depends on a
         # step's lengths); an eager run's own longest sequence (a CPU's dense reference mask).
@@ -123,7 +124,7 @@ class DeviceProposal:
         masks = self.builder.feed_mask(frontier)  # (B, F, fed + F)
         slot = frontier.parent_slot.clamp(min=0)
         hidden = torch.gather(parent_out, 1, slot[..., None].expand(-1, -1, parent_out.shape[2]))
-        j = torch.arange(F, device=dev)
+        j, qsl, token_seq, q_idx = self._level_constants(F)
         kv_idx = self.rows[:, None] + fed + j  # (B, F)
         blocks = self.tables.gather(1, kv_idx // bs)
         slots = torch.where(self.live[:, None] > 0, blocks * bs + kv_idx % bs, -1)
@@ -131,14 +132,24 @@ class DeviceProposal:
         # B = 1 an expanded view flattens to a stride-0 view of one element).
         positions = (self.rows + frontier.depth - 1)[:, None].expand(B, F).contiguous()
         meta = AttentionMetadata(
-            query_start_loc=torch.arange(B + 1, device=dev) * F, seq_lens=self.rows + fed + F, block_tables=self.tables,
+            query_start_loc=qsl, seq_lens=self.rows + fed + F, block_tables=self.tables,
             slot_mapping=slots.reshape(-1), positions=positions.reshape(-1),
-            token_seq=torch.arange(B, device=dev)[:, None].expand(B, F).contiguous().reshape(-1), token_q_idx=j.repeat(B), max_query_len=F,
+            token_seq=token_seq, token_q_idx=q_idx, max_query_len=F,
             max_seq_len=min(self._longest, self.max_seq_len), custom_mask=masks.reshape(B * F, -1), mask_start=self.rows)
         out = self.net(frontier.tokens.reshape(-1), hidden.reshape(B * F, -1), self.kernels.prepare_attention(meta),
                        self.kv, self.kernels)
         logp = torch.log_softmax(self.net.compute_logits(out, self.kernels), dim=-1)
         return out.view(B, F, -1), logp.view(B, F, -1)
+
+    def _level_constants(self, F: int) -> tuple[torch.Tensor, ...]:
+        """A level of width F's fixed arrays (node index, query starts, each token's sequence and index),
+        made on the first (eager) run: the graph reads them instead of launching kernels for them."""
+        if F not in self._constants:
+            B, dev = self.batch, self.device
+            j = torch.arange(F, device=dev)
+            self._constants[F] = (j, torch.arange(B + 1, device=dev) * F,
+                                  torch.arange(B, device=dev).repeat_interleave(F), j.repeat(B))
+        return self._constants[F]
 
     def _capture(self, pool) -> None:
         """Warm up eagerly on a side stream (compiles kernels, builds a static shape's level tensors),
