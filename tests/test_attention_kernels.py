@@ -143,3 +143,24 @@ def test_select_kernels():
     assert select_kernels("cpu", "triton").name == "triton"
     with pytest.raises(ValueError, match="kernels must be one of"):
         select_kernels("cpu", "fast")
+
+
+@pytest.mark.parametrize("splits", [1, 5, 16, 17, 40, 64])
+def test_combine_merges_any_number_of_splits(splits):
+    """The combine kernel walks the splits in blocks of 16: every count up to MAX_SPLITS merges to
+    the softmax-weighted mean of the partials (splits that saw no key, lse -inf, weigh nothing)."""
+    from kernels.attention_triton import MAX_SPLITS, _combine_kernel
+    assert splits <= MAX_SPLITS
+    gen = torch.Generator().manual_seed(splits)
+    T, H, D = 3, 2, 32
+    part = torch.randn(splits, T, H, D, generator=gen)
+    lse = torch.randn(splits, T, H, generator=gen) * 3
+    if splits > 1:
+        lse[splits // 2] = float("-inf")
+    out = torch.empty(T, H, D)
+    part, lse, out = part.to(DEVICE), lse.to(DEVICE), out.to(DEVICE)
+    _combine_kernel[(T, H)](part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2),
+                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), D, BLOCK_S=16, BLOCK_D=D)
+    w = torch.softmax(lse * np.log(2), dim=0)  # lse is in base 2
+    want = (w[..., None] * part).sum(0)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
