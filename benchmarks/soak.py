@@ -6,7 +6,8 @@ end-of-sequence is ignored), requests they cancel mid-stream and requests with a
 deadline. Meanwhile the draft service is killed (SIGKILL) at random moments and restarted,
 and the verify service is restarted once (SIGTERM; clients reconnect). At the end the
 system must be idle with no KV block in use; the resident memory of every process is sampled
-and its slope reported (MB per hour, by least squares over each process's life).
+and its slope reported (MB per hour, by least squares over each process's life); on CUDA each
+process's GPU memory too (``nvidia-smi``), with its slope.
 
     python benchmarks/soak.py --clients 64 --minutes 30 --device cuda --out soak.json
     python benchmarks/soak.py --model DIR --draft DIR --clients 6 --seconds 40 --device cpu
@@ -48,13 +49,18 @@ class Service:
         self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=ROOT, stdout=self.log,
                                      stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.rss: list[tuple[float, float]] = []  # (seconds since start, MB)
+        self.gpu: list[tuple[float, float]] = []  # (seconds since start, MB of GPU memory), on CUDA
         self.started = time.monotonic()
 
-    def sample(self) -> None:
+    def sample(self, gpu_mb: dict[int, float] | None = None) -> None:
+        """Resident memory now, and GPU memory from one ``gpu_memory_by_pid`` reading when given."""
+        now = time.monotonic() - self.started
+        if gpu_mb is not None and self.proc.pid in gpu_mb:
+            self.gpu.append((now, gpu_mb[self.proc.pid]))
         try:
             with open(f"/proc/{self.proc.pid}/status") as f:
                 kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-            self.rss.append((time.monotonic() - self.started, kb / 1024))
+            self.rss.append((now, kb / 1024))
         except (OSError, StopIteration):
             pass
 
@@ -68,15 +74,45 @@ class Service:
                 self.proc.wait(10)
         self.log.close()
 
-    def slope_mb_per_hour(self) -> float | None:
-        """Least-squares slope of the samples after the first quarter of the process's life (warm-up)."""
-        pts = self.rss[len(self.rss) // 4:]
-        if len(pts) < 4 or pts[-1][0] - pts[0][0] < 10:
-            return None
-        n = len(pts)
-        mt, mm = sum(t for t, _ in pts) / n, sum(m for _, m in pts) / n
-        var = sum((t - mt) ** 2 for t, _ in pts)
-        return sum((t - mt) * (m - mm) for t, m in pts) / var * 3600 if var else None
+    def slope_mb_per_hour(self, samples: list[tuple[float, float]] | None = None) -> float | None:
+        """Least-squares slope of ``samples`` (default: resident memory) after the first quarter of the
+        process's life (warm-up)."""
+        return slope_mb_per_hour(self.rss if samples is None else samples)
+
+
+def slope_mb_per_hour(samples: list[tuple[float, float]]) -> float | None:
+    """MB per hour, by least squares over (seconds, MB) samples past the first quarter; None when
+    there are too few or they span under 10 s."""
+    pts = samples[len(samples) // 4:]
+    if len(pts) < 4 or pts[-1][0] - pts[0][0] < 10:
+        return None
+    n = len(pts)
+    mt, mm = sum(t for t, _ in pts) / n, sum(m for _, m in pts) / n
+    var = sum((t - mt) ** 2 for t, _ in pts)
+    return sum((t - mt) * (m - mm) for t, m in pts) / var * 3600 if var else None
+
+
+def gpu_memory_by_pid(text: str) -> dict[int, float]:
+    """``nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits`` -> {pid: MB}."""
+    out = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit():
+            try:
+                out[int(parts[0])] = out.get(int(parts[0]), 0.0) + float(parts[1])
+            except ValueError:  # "[N/A]" where the driver does not report it
+                continue
+    return out
+
+
+def read_gpu_memory() -> dict[int, float] | None:
+    """GPU memory per process now, or None where nvidia-smi is missing or fails."""
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return gpu_memory_by_pid(text)
 
 
 class Soak:
@@ -135,9 +171,10 @@ class Soak:
 
     def sampler(self) -> None:
         while time.monotonic() < self.stop_at:
+            gpu = read_gpu_memory() if self.args.device.startswith("cuda") else None
             for s in list(self.services):
                 if s.proc.poll() is None:
-                    s.sample()
+                    s.sample(gpu)
             time.sleep(self.args.sample_every_s)
 
     # --- clients -----------------------------------------------------------------------------
@@ -224,6 +261,9 @@ class Soak:
                 "kv_blocks_used_idle": kv_used, "rss_slope_mb_per_hour": slopes,
                 "max_rss_slope_mb_per_hour": max(long_lived) if long_lived else None,
                 "rss_mb_last": {f"{s.name}_{i}": s.rss[-1][1] if s.rss else None for i, s in enumerate(self.services)},
+                "gpu_slope_mb_per_hour": {f"{s.name}_{i}": s.slope_mb_per_hour(s.gpu)
+                                          for i, s in enumerate(self.services) if s.gpu},
+                "gpu_mb_last": {f"{s.name}_{i}": s.gpu[-1][1] for i, s in enumerate(self.services) if s.gpu},
                 "error_samples": self.error_samples}
 
     def close(self) -> None:

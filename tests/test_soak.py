@@ -21,3 +21,15 @@ def test_short_soak_with_faults(tmp_path):
     assert r["greedy_completed"] > 10 and r["sampled_completed"] > 0
     assert r["draft_kills"] >= 1 and r["verify_restarts"] == 1
     assert r["kv_blocks_used_idle"] == 0
+
+
+def test_gpu_memory_readings_and_slopes():
+    """The soak's GPU memory per process (nvidia-smi's compute-apps CSV, two contexts of one pid
+    summed, unreadable values skipped) and the least-squares slope it reports."""
+    text = "1234, 2048\n1234, 512\n99, [N/A]\nNo running processes found\n77, 100\n"
+    assert soak.gpu_memory_by_pid(text) == {1234: 2560.0, 77: 100.0}
+    flat = [(t, 500.0) for t in range(0, 60, 5)]
+    growing = [(t, 500.0 + t / 36) for t in range(0, 60, 5)]  # 100 MB an hour
+    assert soak.slope_mb_per_hour(flat) == 0.0
+    assert abs(soak.slope_mb_per_hour(growing) - 100.0) < 1e-6
+    assert soak.slope_mb_per_hour(flat[:3]) is None  # too few samples
