@@ -98,6 +98,51 @@ class CandidateTree:
         return CandidateTree(self.tokens[keep], parents, self.depths[keep], self.log_probs[keep])
 
 
+def invalid_trees(trees: list[CandidateTree], vocab_size: int, max_nodes: list[int],
+                  max_depths: list[int]) -> list[int]:
+    """Indices of the trees that break an invariant ``CandidateTree.validate`` checks (with that
+    tree's ``max_nodes`` and ``max_depth``), checked together in a few array passes: a batch of
+    well-formed trees costs no per-tree Python. Call ``validate`` on a reported tree for its error."""
+    bad = set()
+    shaped = []
+    for i, t in enumerate(trees):
+        n = t.tokens.shape[0] if t.tokens.ndim == 1 else -1
+        if n < 0 or any(a.ndim != 1 or a.shape[0] != n for a in (t.parents, t.depths, t.log_probs)) \
+                or n > max_nodes[i]:
+            bad.add(i)
+        elif n:
+            shaped.append(i)
+    if shaped:
+        width = max(trees[i].num_nodes for i in shaped)
+        b = len(shaped)
+        tokens = np.zeros((b, width), dtype=np.int64)
+        parents = np.full((b, width), -1, dtype=np.int64)
+        depths = np.ones((b, width), dtype=np.int64)
+        real = np.zeros((b, width), dtype=bool)
+        for r, i in enumerate(shaped):
+            t, n = trees[i], trees[i].num_nodes
+            tokens[r, :n], parents[r, :n], depths[r, :n], real[r, :n] = t.tokens, t.parents, t.depths, True
+        idx = np.arange(width)[None, :]
+        wrong = ((tokens < 0) | (tokens >= vocab_size) | (parents < -1) | (parents >= idx)) & real
+        ok_parents = ~wrong.any(axis=1)
+        # Depths, for rows whose parents precede their children: a node's depth is its parent's + 1.
+        safe = np.where(real & (parents >= 0) & (parents < idx), parents, -1)
+        walked = np.ones((b, width), dtype=np.int64)
+        rows = np.arange(b)
+        for j in range(width):  # parents first: one pass in node order
+            p = safe[:, j]
+            walked[:, j] = np.where(p >= 0, walked[rows, np.maximum(p, 0)] + 1, 1)
+        wrong_depth = ((walked != depths) & real).any(axis=1)
+        too_deep = (np.where(real, depths, 0).max(axis=1) > np.array([max_depths[i] for i in shaped]))
+        # Siblings distinct: sort each row's (parent, token) keys; equal neighbours among real nodes.
+        keys = np.where(real, (parents + 1) * (vocab_size + 1) + tokens, -1 - idx)  # padding: unique negatives
+        keys.sort(axis=1)
+        dup = (keys[:, 1:] == keys[:, :-1]) & (keys[:, 1:] >= 0)
+        failed = ~ok_parents | wrong_depth | too_deep | dup.any(axis=1)
+        bad.update(shaped[r] for r in np.nonzero(failed)[0])
+    return sorted(bad)
+
+
 def _depths_from_parents(parents: np.ndarray) -> np.ndarray:
     """Depth of every node by walking all ancestor chains at once (one pass per level).
 

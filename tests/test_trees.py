@@ -388,3 +388,47 @@ def test_host_ancestor_masks_equal_the_device_kernel():
             parents[i, num[i]:] = gen.integers(-1, n, size=n - num[i])  # padding: any value
         want = tree_mask_ref(torch.from_numpy(parents), torch.from_numpy(num)).numpy()
         assert np.array_equal(ancestor_masks(parents, num), want)
+
+
+def test_batched_validation_agrees_with_each_trees_own():
+    """``invalid_trees`` flags exactly the trees ``validate`` refuses: random trees, valid ones and
+    ones broken in every way (tokens, parents, depths, duplicate siblings, size, depth, shapes)."""
+    from runtime.tree import CandidateTree, InvalidTreeError, invalid_trees
+
+    rng = np.random.default_rng(0)
+    vocab = 7
+
+    def random_tree():
+        n = int(rng.integers(0, 9))
+        parents = np.array([int(rng.integers(-1, i)) for i in range(n)], dtype=np.int64)
+        depths = np.ones(n, dtype=np.int64)
+        for i in range(n):
+            depths[i] = 1 if parents[i] < 0 else depths[parents[i]] + 1
+        tokens = rng.permutation(vocab * 3)[:n] % vocab  # often distinct siblings, not always
+        t = CandidateTree(tokens.astype(np.int64), parents, depths, np.zeros(n, dtype=np.float32))
+        kind = int(rng.integers(0, 9)) if n else 0
+        if kind == 1:
+            t.tokens[int(rng.integers(0, n))] = int(rng.choice([-1, vocab]))
+        elif kind == 2:
+            j = int(rng.integers(0, n))
+            t.parents[j] = int(rng.choice([j, j + 1, -2]))
+        elif kind == 3:
+            t.depths[int(rng.integers(0, n))] += 1
+        elif kind == 4:
+            return CandidateTree(t.tokens, t.parents[:-1], t.depths, t.log_probs)
+        return t
+
+    trees = [random_tree() for _ in range(400)]
+    max_nodes = [int(rng.integers(3, 10)) for _ in trees]
+    max_depths = [int(rng.integers(2, 8)) for _ in trees]
+
+    def refused(i):
+        try:
+            trees[i].validate(vocab, max_nodes[i], max_depths[i])
+            return False
+        except InvalidTreeError:
+            return True
+
+    want = [i for i in range(len(trees)) if refused(i)]
+    assert 50 < len(want) < 350  # both kinds, plenty of each
+    assert invalid_trees(trees, vocab, max_nodes, max_depths) == want

@@ -29,7 +29,7 @@ from common.sampling_params import SamplingParams
 from common.tree_settings import TreeSettings
 from link.protocol import DraftFeed, DraftProvider, ProposeRequest
 from runtime.step_layout import SeqChunk
-from runtime.tree import InvalidTreeError
+from runtime.tree import InvalidTreeError, invalid_trees
 from verify_service.adaptive import AdaptivePolicy
 from verify_service.detokenizer import StopStringDetokenizer
 from verify_service.feed_buffer import FeedBuffer
@@ -263,12 +263,16 @@ class Engine:
         seconds = time.perf_counter() - start  # the trees are on the host: the draft's work is done
         if self.policy is not None and requests and not backlog:  # a backlog's extend is no tree's cost
             self.policy.observe_draft(len(requests), max(r.settings.depth for r in requests), seconds * 1e3)
-        for req in requests:
-            tree = trees.get(req.seq_id)
-            if tree is None or not tree.num_nodes:
-                continue
+        proposed = [(req, trees[req.seq_id]) for req in requests if trees.get(req.seq_id) is not None
+                    and trees[req.seq_id].num_nodes]
+        vocab = self.target.model_config.vocab_size
+        # Checked all at once; a flagged tree gets its own check, which names the broken invariant.
+        flagged = set(invalid_trees([t for _, t in proposed], vocab, [r.settings.node_budget for r, _ in proposed],
+                                    [r.max_depth for r, _ in proposed]))
+        for j, (req, tree) in enumerate(proposed):
             try:
-                tree.validate(self.target.model_config.vocab_size, req.settings.node_budget, req.max_depth)
+                if j in flagged:
+                    tree.validate(vocab, req.settings.node_budget, req.max_depth)
             except InvalidTreeError as exc:  # this step decodes plainly; the output stays exact
                 log.warning("sequence %d: draft proposed an invalid tree (%s); decoding one token", req.seq_id, exc)
                 self.draft_errors += 1
