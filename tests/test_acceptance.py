@@ -1,5 +1,6 @@
 """Tree verification (greedy and lossless sampling) and KV compaction of the accepted path."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -323,3 +324,17 @@ def test_compaction_moves_the_path_in_every_layer():
     untouched[dst[real]] = False
     flat = lambda t: t.view(2, 2, -1, 2, 3)
     assert torch.equal(flat(kv)[:, :, untouched], flat(before)[:, :, untouched])
+
+
+@settings(max_examples=60, deadline=None)
+@given(greedy_cases())
+def test_greedy_kernel_equals_the_reference(case):
+    """The Triton greedy walk (one program a sequence; the interpreter on a CPU) against the reference,
+    padding that looks like a match and a depth past the trees included."""
+    pytest.importorskip("triton")
+    from kernels.acceptance_triton import greedy_accept_triton
+    _, argmax, tokens, parents, num_nodes, max_depth = case
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    want = greedy_accept_ref(argmax, tokens, parents, num_nodes, max_depth)
+    got = greedy_accept_triton(*(t.to(dev) for t in (argmax, tokens, parents, num_nodes)), max_depth)
+    assert_result(got, want.path.tolist(), want.num_accepted.tolist(), want.bonus.tolist())

@@ -1,0 +1,60 @@
+"""Greedy tree verification as one Triton kernel (the reference: ``acceptance.greedy_accept_ref``).
+
+The reference walks the tree one batched level at a time: about eight small kernels a level,
+so a depth-7 tree costs some sixty launches a step. Here one program walks one sequence's tree,
+its columns in registers::
+
+    cur = root (column 0)
+    per level:  want  = argmax[cur]                      the token the target emits after cur
+                first = the first column c with parents[c] == cur, tokens[c] == want (a real node)
+                path[level] = first, cur = first          (-1 and no move where none matches)
+    bonus = argmax[cur], accepted = levels that matched
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.acceptance import AcceptResult
+
+
+def greedy_accept_triton(target_argmax: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor,
+                         num_nodes: torch.Tensor, max_depth: int) -> AcceptResult:
+    """``greedy_accept_ref``'s signature and results, in one launch."""
+    batch, width = parents.shape
+    path = torch.empty(batch, max_depth + 1, dtype=torch.int64, device=parents.device)
+    num_accepted = torch.empty(batch, dtype=torch.int64, device=parents.device)
+    bonus = torch.empty(batch, dtype=torch.int64, device=parents.device)
+    if batch:
+        argmax, tokens, par = (t.contiguous() for t in (target_argmax, node_tokens, parents))
+        _greedy_accept_kernel[(batch,)](argmax, tokens, par, num_nodes.contiguous(), path, num_accepted, bonus,
+                                        width, max_depth, BLOCK=max(16, triton.next_power_of_2(width)))
+    return AcceptResult(path, num_accepted, bonus)
+
+
+@triton.jit(do_not_specialize=["width", "max_depth"])
+def _greedy_accept_kernel(argmax_ptr, tokens_ptr, parents_ptr, num_nodes_ptr, path_ptr, accepted_ptr, bonus_ptr,
+                          width, max_depth, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    n = tl.load(num_nodes_ptr + b)
+    real = (cols >= 1) & (cols < n) & (cols < width)
+    row = b * width
+    argmax = tl.load(argmax_ptr + row + cols, mask=cols < width, other=-1)
+    tokens = tl.load(tokens_ptr + row + cols, mask=cols < width, other=-1)
+    parents = tl.load(parents_ptr + row + cols, mask=cols < width, other=-2)
+    cur = tl.zeros([], tl.int64)
+    accepted = tl.zeros([], tl.int64)
+    tl.store(path_ptr + b * (max_depth + 1), cur)
+    for level in range(1, max_depth + 1):
+        want = tl.sum(tl.where(cols == cur, argmax, 0), 0)
+        match = real & (parents == cur) & (tokens == want)
+        first = tl.min(tl.where(match, cols, BLOCK), 0)
+        found = first < BLOCK
+        tl.store(path_ptr + b * (max_depth + 1) + level, tl.where(found, first, -1).to(tl.int64))
+        cur = tl.where(found, first, cur).to(tl.int64)
+        accepted += found.to(tl.int64)
+    tl.store(accepted_ptr + b, accepted)
+    tl.store(bonus_ptr + b, tl.sum(tl.where(cols == cur, argmax, 0), 0))
