@@ -1,4 +1,5 @@
-"""Greedy tree verification as one Triton kernel (the reference: ``acceptance.greedy_accept_ref``).
+"""Greedy tree verification and the KV compaction moves as one Triton kernel each (the references:
+``acceptance.greedy_accept_ref``, ``kv_compaction.compaction_slots_ref``).
 
 The reference walks the tree one batched level at a time: about eight small kernels a level,
 so a depth-7 tree costs some sixty launches a step. Here one program walks one sequence's tree,
@@ -58,3 +59,39 @@ def _greedy_accept_kernel(argmax_ptr, tokens_ptr, parents_ptr, num_nodes_ptr, pa
         accepted += found.to(tl.int64)
     tl.store(accepted_ptr + b, accepted)
     tl.store(bonus_ptr + b, tl.sum(tl.where(cols == cur, argmax, 0), 0))
+
+
+def compaction_slots_triton(path: torch.Tensor, num_accepted: torch.Tensor, prefix_lens: torch.Tensor,
+                            block_tables: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_compaction.compaction_slots_ref``'s moves in one launch (one program a sequence)."""
+    batch, width = path.shape
+    src = torch.empty(batch * width, dtype=torch.int64, device=path.device)
+    dst = torch.empty_like(src)
+    if batch:
+        tables = block_tables.contiguous()
+        _compaction_slots_kernel[(batch,)](path.contiguous(), num_accepted.contiguous(), prefix_lens.contiguous(),
+                                           tables, src, dst, width, tables.shape[1], block_size,
+                                           BLOCK=max(16, triton.next_power_of_2(width)))
+    return src, dst
+
+
+@triton.jit(do_not_specialize=["width", "table_width"])
+def _compaction_slots_kernel(path_ptr, accepted_ptr, prefix_ptr, tables_ptr, src_ptr, dst_ptr, width, table_width,
+                             block_size, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    ok = j < width
+    path = tl.load(path_ptr + b * width + j, mask=ok, other=0)
+    accepted = tl.load(accepted_ptr + b)
+    prefix = tl.load(prefix_ptr + b)
+    last = table_width * block_size - 1  # clamp keeps masked-out padding in range
+    move = (j <= accepted) & (path != j)
+    src_idx = tl.minimum(prefix + tl.maximum(path, 0), last)
+    dst_idx = tl.minimum(prefix + j, last)
+    root_idx = tl.minimum(prefix, last)
+    row = tables_ptr + b * table_width
+    src = tl.load(row + src_idx // block_size, mask=ok, other=0) * block_size + src_idx % block_size
+    dst = tl.load(row + dst_idx // block_size, mask=ok, other=0) * block_size + dst_idx % block_size
+    root = tl.load(row + root_idx // block_size) * block_size + root_idx % block_size
+    tl.store(src_ptr + b * width + j, tl.where(move, src, root), mask=ok)
+    tl.store(dst_ptr + b * width + j, tl.where(move, dst, root), mask=ok)

@@ -7,7 +7,7 @@ import dataclasses
 from kernels import REFERENCE
 from kernels.attention_triton import paged_attention_triton, prepare_attention_triton, write_kv_triton
 from kernels.fused_triton import rms_norm_triton, rope_write_kv_triton, silu_mul_triton
-from kernels.acceptance_triton import greedy_accept_triton
+from kernels.acceptance_triton import compaction_slots_triton, greedy_accept_triton
 from kernels.tree import draft_topk_chunked
 
 TRITON = dataclasses.replace(
@@ -20,5 +20,6 @@ TRITON = dataclasses.replace(
     rope_write_kv=rope_write_kv_triton,
     draft_topk=draft_topk_chunked,
     greedy_accept=greedy_accept_triton,
+    compaction_slots=compaction_slots_triton,
     name="triton",
 )

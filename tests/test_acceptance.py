@@ -338,3 +338,24 @@ def test_greedy_kernel_equals_the_reference(case):
     want = greedy_accept_ref(argmax, tokens, parents, num_nodes, max_depth)
     got = greedy_accept_triton(*(t.to(dev) for t in (argmax, tokens, parents, num_nodes)), max_depth)
     assert_result(got, want.path.tolist(), want.num_accepted.tolist(), want.bonus.tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(greedy_cases(), st.integers(0, 40), st.sampled_from([4, 16]))
+def test_compaction_slots_kernel_equals_the_reference(case, prefix, block_size):
+    """The Triton compaction moves (one program a sequence) against the reference, on the paths the
+    greedy walk accepts, shuffled block tables and a prefix near the table's end (clamped padding)."""
+    pytest.importorskip("triton")
+    from kernels.acceptance_triton import compaction_slots_triton
+    _, argmax, tokens, parents, num_nodes, max_depth = case
+    res = greedy_accept_ref(argmax, tokens, parents, num_nodes, max_depth)
+    batch = parents.shape[0]
+    blocks = -(-(prefix + max_depth + 1) // block_size)
+    gen = torch.Generator().manual_seed(prefix + batch)
+    tables = torch.randperm(batch * blocks + 3, generator=gen)[:batch * blocks].view(batch, blocks)
+    prefixes = torch.full((batch,), prefix, dtype=torch.int64)
+    want = compaction_slots_ref(res.path, res.num_accepted, prefixes, tables, block_size)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = compaction_slots_triton(res.path.to(dev), res.num_accepted.to(dev), prefixes.to(dev), tables.to(dev),
+                                  block_size)
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
