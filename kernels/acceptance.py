@@ -11,8 +11,9 @@ sequence's newest committed token), column i+1 is tree node i::
 Children of a node are tried in column order (the draft's rank order). A walk never goes
 deeper than ``max_depth``: nodes below it are never accepted, and ``path`` is [B, max_depth+1].
 
-The references here are batched torch code without host syncs; the CUDA kernel will do the
-same walk on-device, one sequence per thread block.
+The references here are batched torch code without host syncs; on the GPU sets the greedy walk is
+one Triton kernel, one program per sequence (``acceptance_triton.py``); the sampling walks run
+as these references.
 
 Why sampled verification is lossless (deterministic draft, target p at the current node)
 ---------------------------------------------------------------------------------------
