@@ -37,7 +37,6 @@ from common.config import ModelConfig  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from draft_service.drafter import EagleDrafter  # noqa: E402
 from draft_service.eagle_init import write_random_head  # noqa: E402
-from draft_service.spec_config import SpecConfig  # noqa: E402
 from runtime.block_manager import blocks_for  # noqa: E402
 from tools.evaluate import parse_config  # noqa: E402
 from verify_service.adaptive import AdaptivePolicy, tree_sizes  # noqa: E402

@@ -120,7 +120,7 @@ class DeviceProposal:
         """One level: its ``F`` nodes a sequence go to draft KV rows ``rows + fed ..`` at RoPE position
         ``rows + depth - 1`` and see the committed rows plus their fed ancestors and themselves."""
         B, F = frontier.tokens.shape
-        dev, bs = self.device, self.kv.block_size
+        bs = self.kv.block_size
         masks = self.builder.feed_mask(frontier)  # (B, F, fed + F)
         slot = frontier.parent_slot.clamp(min=0)
         hidden = torch.gather(parent_out, 1, slot[..., None].expand(-1, -1, parent_out.shape[2]))
