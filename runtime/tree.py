@@ -125,14 +125,11 @@ def invalid_trees(trees: list[CandidateTree], vocab_size: int, max_nodes: list[i
         idx = np.arange(width)[None, :]
         wrong = ((tokens < 0) | (tokens >= vocab_size) | (parents < -1) | (parents >= idx)) & real
         ok_parents = ~wrong.any(axis=1)
-        # Depths, for rows whose parents precede their children: a node's depth is its parent's + 1.
+        # Depths: each node's is its parent's claimed depth + 1 (1 below the root). With parents before
+        # children, that local check makes every claimed depth the true one, by induction from the root.
         safe = np.where(real & (parents >= 0) & (parents < idx), parents, -1)
-        walked = np.ones((b, width), dtype=np.int64)
-        rows = np.arange(b)
-        for j in range(width):  # parents first: one pass in node order
-            p = safe[:, j]
-            walked[:, j] = np.where(p >= 0, walked[rows, np.maximum(p, 0)] + 1, 1)
-        wrong_depth = ((walked != depths) & real).any(axis=1)
+        parent_depth = np.take_along_axis(depths, np.maximum(safe, 0), axis=1)
+        wrong_depth = ((np.where(safe >= 0, parent_depth + 1, 1) != depths) & real).any(axis=1)
         too_deep = (np.where(real, depths, 0).max(axis=1) > np.array([max_depths[i] for i in shaped]))
         # Siblings distinct: sort each row's (parent, token) keys; equal neighbours among real nodes.
         keys = np.where(real, (parents + 1) * (vocab_size + 1) + tokens, -1 - idx)  # padding: unique negatives
