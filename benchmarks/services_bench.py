@@ -1,10 +1,11 @@
 """Both services as processes on one device: output agreement with the in-process target-only
 engine, end-to-end tokens/s with speculation and without it (the same server, per-request
-``speculate=False``, side by side in one run), and the per-step control-plane overhead of the
-draft link.
+``speculate=False``), the in-process speculative engine's tokens/s with the same tree (the link's
+whole cost: services / in process), all side by side in one run at each ``--concurrency``, and the
+per-step control-plane overhead of the draft link.
 
-    python benchmarks/services_bench.py --prompts mt_bench.jsonl --limit 20 --max-tokens 64 \\
-        --device cuda --dtype bfloat16 --head random --out services.json
+    python benchmarks/services_bench.py --prompts mt_bench.jsonl --limit 16 --max-tokens 128 \\
+        --head default --tree dynamic:7 --concurrency 1 --concurrency 16 --out services.json
 
 The control-plane overhead is, per draft round trip, the time not spent computing: gRPC
 messages, thread hand-offs, shared-buffer synchronisation (reported by the verify service).
@@ -17,15 +18,21 @@ import json
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cli.up import spawn, wait_healthy  # noqa: E402
 from client.eagle3_client import Eagle3Client  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
+from common.tree_settings import TreeSettings, default_tree  # noqa: E402
+from draft_service.spec_config import SpecConfig  # noqa: E402
 from draft_service.eagle_init import write_random_head  # noqa: E402
 from hub.default_model import ensure_default_model  # noqa: E402
+from tools.evaluate import run  # noqa: E402
 from tools.inprocess import build_engine  # noqa: E402
 from tools.train.data import load_prompts  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
@@ -39,67 +46,80 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--head", default="random")
-    ap.add_argument("--tree", default="chain:3", help="TREE:DEPTH (server default tree)")
+    ap.add_argument("--tree", default="chain:3", help="TREE:DEPTH[:TOP_K[:NODES]] (the services' tree; unset parts: "
+                                                      "the device's defaults)")
+    ap.add_argument("--concurrency", type=int, action="append",
+                    help="requests in flight at once (default 1); each value is a run, the in-process engine "
+                         "decoding as many sequences together")
     ap.add_argument("--adaptive-speculation", default="off", choices=["on", "off"],
-                    help="the verify service's --adaptive-speculation (off: always the --tree)")
+                    help="the verify service picks each step's tree size (or plain decoding)")
     ap.add_argument("--exact", action="store_true",
-                    help="batch-invariant target kernels in the verify service and the in-process reference")
+                    help="batch-invariant numerics on the verify service and the in-process reference")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    levels = sorted(set(args.concurrency or [1]))
     model = str(ensure_default_model(progress=False))
     tmp = Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
     head = args.head
     if head == "random":
         head = str(tmp / "head")
         write_random_head(head, json.loads((Path(model) / "config.json").read_text()), 8192)
-    tree, depth = args.tree.split(":")
+    tree = tree_settings(args.tree, args.device)
     texts = load_prompts(args.prompts, args.limit)
-
-    # Reference: the in-process target-only engine, same device and dtype.
-    ref_gen = build_engine(EngineConfig(model, device=args.device, dtype=args.dtype, max_model_len=4096,
-                                        max_num_seqs=1, exact=args.exact))
-    prompts = [ref_gen.target.encode(messages=[{"role": "user", "content": t}]) for t in texts]
+    cfg = EngineConfig(model, device=args.device, dtype=args.dtype, max_model_len=4096, max_num_seqs=max(levels),
+                       exact=args.exact)
     params = SamplingParams(max_tokens=args.max_tokens)
-    reference = [ref_gen.generate([p], params)[0].token_ids for p in prompts]
-    del ref_gen
+
+    # In process, same device and dtype: target-only (the outputs to agree with), then speculative.
+    engine = build_engine(cfg)
+    prompts = [engine.target.encode(messages=[{"role": "user", "content": t}]) for t in texts]
+    reference = run(engine, prompts, params, 1)[0]  # one at a time, as the services' outputs are compared at 1
+    del engine
+    spec = SpecConfig(head, tree.tree, tree.depth, tree.top_k, tree.max_nodes)
+    engine = build_engine(cfg, spec, adaptive=args.adaptive_speculation == "on")
+    run(engine, prompts[:2], SamplingParams(max_tokens=8), 1)  # warm-up
+    inprocess = {c: run(engine, prompts, params, c) for c in levels}
+    del engine
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
     public, internal = f"unix:{tmp}/public.sock", f"unix:{tmp}/draft.sock"
-    common = ["--device", args.device]
+    flags = ["--tree", tree.tree, "--tree-depth", str(tree.depth), "--tree-top-k", str(tree.top_k),
+             "--tree-nodes", str(tree.max_nodes), "--device", args.device]
     verify = spawn(["serve-verify", "--model", model, "--listen", public, "--internal", internal, "--dtype",
-                    args.dtype, "--max-model-len", "4096", "--max-num-seqs", "8", "--tree", tree,
-                    "--tree-depth", depth, "--adaptive-speculation", args.adaptive_speculation, *common,
-                    *(["--exact"] if args.exact else [])],
-                   tmp / "verify.log")
+                    args.dtype, "--max-model-len", "4096", "--max-num-seqs", str(max(8, max(levels))),
+                    "--adaptive-speculation", args.adaptive_speculation, *flags,
+                    *(["--exact"] if args.exact else [])], tmp / "verify.log")
     draft = None
     try:
         client = Eagle3Client(public, timeout_s=600)
         wait_healthy(client, "", verify, "verify service")
         draft = spawn(["serve-draft", "--draft", head, "--verify", internal, "--listen", f"unix:{tmp}/dh.sock",
-                       "--tree", tree, "--tree-depth", depth, *common], tmp / "draft.log")
+                       *flags], tmp / "draft.log")
         wait_healthy(client, "eagle3.speculation", draft, "draft service")
         client.complete(prompts[0], max_tokens=8)  # warm-up
-        rows, start_t = [], time.perf_counter()
-        for p in prompts:
-            c = client.complete(p, max_tokens=args.max_tokens)
-            rows.append((c.token_ids, c.speculation))
-        secs = time.perf_counter() - start_t
-        plain_start = time.perf_counter()
-        plain = [client.complete(p, max_tokens=args.max_tokens, speculate=False).token_ids for p in prompts]
-        plain_secs = time.perf_counter() - plain_start
+        report = {"device": args.device, "dtype": args.dtype, "tree": tree.describe(), "exact": args.exact,
+                  "adaptive_speculation": args.adaptive_speculation, "prompts": len(prompts),
+                  "max_tokens": args.max_tokens, "runs": []}
+        for c in levels:
+            rows, secs = through_services(client, prompts, args.max_tokens, c, True)
+            plain, plain_secs = through_services(client, prompts, args.max_tokens, c, False)
+            outputs, in_secs, _ = inprocess[c]
+            tokens = sum(len(t) for t, _ in rows)
+            row = {"concurrency": c, "identical_outputs": sum(t == r for (t, _), r in zip(rows, reference)),
+                   "tokens": tokens, "tokens_per_s": round(tokens / secs, 1),
+                   "plain_tokens_per_s": round(sum(len(t) for t, _ in plain) / plain_secs, 1),
+                   "inprocess_tokens_per_s": round(sum(len(o) for o in outputs) / in_secs, 1),
+                   "plain_identical_outputs": sum(t == r for (t, _), r in zip(plain, reference)),
+                   "speculated_requests": sum(bool(s and s.get("speculated")) for _, s in rows)}
+            row["speedup_vs_plain"] = round(row["tokens_per_s"] / row["plain_tokens_per_s"], 3)
+            row["services_vs_inprocess"] = round(row["tokens_per_s"] / row["inprocess_tokens_per_s"], 3)
+            report["runs"].append(row)
+            print(json.dumps(row), flush=True)
         metrics = client.metrics()
-        tokens = sum(len(t) for t, _ in rows)
-        report = {"device": args.device, "dtype": args.dtype, "tree": args.tree, "exact": args.exact,
-                  "prompts": len(prompts),
-                  "max_tokens": args.max_tokens, "identical_outputs": sum(t == r for (t, _), r in zip(rows, reference)),
-                  "tokens": tokens, "tokens_per_s": round(tokens / secs, 1),
-                  "plain_tokens_per_s": round(sum(len(t) for t in plain) / plain_secs, 1),
-                  "speedup_vs_plain": round(tokens / secs / (sum(len(t) for t in plain) / plain_secs), 3),
-                  "plain_identical_outputs": sum(t == r for t, r in zip(plain, reference)),
-                  "speculated_requests": sum(bool(s and s.get("speculated")) for _, s in rows),
-                  "control_plane_p50_us": metrics["control_plane_p50_us"],
-                  "control_plane_p99_us": metrics["control_plane_p99_us"],
-                  "speculative_steps": metrics["speculative_steps"], "draft_errors": metrics["draft_errors"]}
-        print(json.dumps(report), flush=True)
+        report.update({k: metrics[k] for k in ("control_plane_p50_us", "control_plane_p99_us", "speculative_steps",
+                                               "draft_errors")})
+        print(json.dumps({k: v for k, v in report.items() if k != "runs"}), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=2))
     finally:
@@ -107,6 +127,27 @@ def main() -> None:
             if p is not None:
                 p.terminate()
                 p.wait(30)
+
+
+def tree_settings(text: str, device: str) -> TreeSettings:
+    """``TREE:DEPTH[:TOP_K[:NODES]]``, the parts left out from the device's default tree."""
+    parts = text.split(":")
+    base = default_tree(device.partition(":")[0])
+    top_k = int(parts[2]) if len(parts) > 2 else base.top_k
+    nodes = int(parts[3]) if len(parts) > 3 else base.max_nodes
+    return TreeSettings(parts[0], int(parts[1]), top_k, nodes)
+
+
+def through_services(client: Eagle3Client, prompts, max_tokens: int, concurrency: int, speculate: bool):
+    """Every prompt through the public API, ``concurrency`` requests in flight: [(tokens, speculation)], seconds."""
+    def one(p):
+        c = client.complete(p, max_tokens=max_tokens, speculate=speculate)
+        return c.token_ids, c.speculation
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        rows = list(pool.map(one, prompts))
+    return rows, time.perf_counter() - start
 
 
 if __name__ == "__main__":

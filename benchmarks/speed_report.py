@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -53,11 +54,16 @@ def engine_rows(name: str, engine, prompts, batches, min_prompts: int, params, r
     rows = []
     for b in batches:
         ps = prompts[:max(b, min_prompts)]
+        policy = getattr(engine, "policy", None)
+        before = Counter(policy.decisions) if policy else None
         outputs, secs, metrics = run(engine, ps, params, b)
         ref_out, ref_secs = reference.setdefault(b, (outputs, secs))
         row = summarize(name, outputs, secs, metrics if metrics and metrics[0] else None, ref_out, ref_secs)
         if row.get("tau") == 0.0:  # no tree verified (adaptive speculation decoded plainly throughout)
             del row["tau"], row["acceptance_per_depth"]
+        if policy:  # this batch's decisions, and the policy's model against the steps it measured
+            row["adaptive"] = {**policy.diagnostics(),
+                               "decisions": {str(k): v for k, v in sorted((policy.decisions - before).items())}}
         rows.append({"batch": b, **row})
         print(json.dumps(rows[-1]), flush=True)
     return rows

@@ -120,11 +120,26 @@ def test_measured_draft_and_step_costs_change_the_choice():
 
 
 def test_probes_try_the_next_size_up_now_and_then():
-    policy = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4), PolicyConfig(probe_every=4))
+    policy = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4),
+                            PolicyConfig(probe_every=4, probe_share=1.0))
     seen(policy, accepted=0)
     choices = [policy.choose(1, 1024, [0], [4]) for _ in range(8)]
     assert choices == [0, 0, 0, 1, 0, 0, 0, 1]
-    assert policy.decisions == {0: 6, 1: 2} and policy.choice == 1
+    assert policy.decisions == {0: 6, 1: 2} and policy.choice == 1 and policy.probes == 2
+
+
+def test_probes_stay_within_their_share_of_the_time():
+    """A probe costs a 20 ms step against 10 ms plain ones: with a 10% share, the first probe waits
+    until the plain steps' time covers it (decision 8, not 3), and each later one as long again."""
+    policy = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4),
+                            PolicyConfig(probe_every=4, probe_share=0.1, draft_prior_fraction=0.0))
+    seen(policy, accepted=0)
+    choices = [policy.choose(1, 1024, [0], [4]) for _ in range(40)]
+    probes = [i for i, c in enumerate(choices) if c]
+    assert probes == [8, 17, 26, 35], probes
+    diag = policy.diagnostics()
+    assert policy.probes == len(probes) and diag["probes"] == len(probes)
+    assert 0 < diag["probe_share_modelled"] <= 0.1
 
 
 # --- the cost table -------------------------------------------------------------------------------

@@ -19,7 +19,10 @@ accepted path ranking among the best m (under sampling, an estimate). Each seque
 means per size (``Acceptance``), seeded from the global ones. Sizes above the largest seen are
 guessed optimistically (the last gain per node carried on), so a larger tree is tried when it might
 pay; and every ``probe_every`` decisions the next size up is tried once (from plain decoding: the
-smallest tree), so acceptance that rises is found even where the guess says no.
+smallest tree), so acceptance that rises is found even where the guess says no. A probe waits while
+the probes' extra cost (modelled: the probe's step against the best one) would exceed
+``probe_share`` of all steps' modelled time: at a batch where trees cost far more than they bring,
+probing stays a few percent of the time instead of a fixed fraction of the steps.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class PolicyConfig:
     cost_weight: float = 0.05  # EWMA weight of one measured step in the learned costs (0: the table alone)
     margin: float = 0.02  # a tree must beat plain decoding by this fraction (noise in the estimates)
     probe_every: int = 32  # decisions between probes of the next size up (0: never)
+    probe_share: float = 0.03  # probes may cost at most this share of the steps' (modelled) time
     draft_prior_fraction: float = 0.15  # draft cost per level before one is measured, x a decode forward
 
 
@@ -134,6 +138,11 @@ class AdaptivePolicy:
         self._forward_cache: dict[tuple[int, int, int], float] = {}
         self.decisions: Counter[int] = Counter()  # steps per choice (0: plain decoding)
         self.choice = 0
+        self.probes = 0
+        self._since_probe = 0  # decisions since the last probe
+        self._spent_ms = 0.0  # modelled cost of every chosen step ...
+        self._probe_ms = 0.0  # ... and what the probes added to it
+        self.observed: dict[str, list[float]] = {}  # per batch bucket and kind: steps, measured ms, modelled ms
 
     # --- the decision ---------------------------------------------------------------------------
 
@@ -141,7 +150,7 @@ class AdaptivePolicy:
         """Nodes per tree for the next step (0: plain decoding). ``batch``: the sequences that decode
         next step; ``seq_ids``/``budgets``: those that may speculate, and the most nodes each may have."""
         best = self.best(batch, context, seq_ids, budgets)
-        self.choice = self._probe(best)
+        self.choice = self._probe(best, batch, context, len(seq_ids))
         self.decisions[self.choice] += 1
         return self.choice
 
@@ -175,10 +184,14 @@ class AdaptivePolicy:
     def step_ms(self, batch: int, context: float, nodes: int, speculating: int) -> float:
         """cost(n) for ``batch`` decoding sequences, ``speculating`` of them with a tree of ``nodes``."""
         j = self.sizes.index(nodes) if nodes else -1
-        forward = self._forward(batch, 1 + (self._nodes[j] if nodes else 0), context)
-        # The learned residual may be negative (the table measured slower than steps run); a step is never free.
-        step = max(forward + self._residual.get((_bucket(batch), nodes > 0), 0.0), 0.05 * forward)
+        step = self._verify_ms(batch, 1 + (self._nodes[j] if nodes else 0), context)
         return step + self.draft_ms(speculating, self._levels[j], context) if nodes else step
+
+    def _verify_ms(self, batch: int, tokens: float, context: float) -> float:
+        """A step without its draft: the forward plus the learned residual. The residual may be negative
+        (the table measured slower than steps run); a step is never free."""
+        forward = self._forward(batch, tokens, context)
+        return max(forward + self._residual.get((_bucket(batch), tokens > 1), 0.0), 0.05 * forward)
 
     def draft_ms(self, speculating: int, levels: float, context: float) -> float:
         unit = self._draft_level_ms.get(_bucket(speculating))
@@ -196,11 +209,24 @@ class AdaptivePolicy:
             ms = self._forward_cache[key] = self.table.forward_ms(batch, round(tokens), (key[2] << 7) + 64)
         return ms
 
-    def _probe(self, best: int) -> int:
+    def _probe(self, best: int, batch: int, context: float, speculating: int) -> int:
+        """``best``, or the next size up when a probe is due and the probes' budget allows it."""
         every = self.cfg.probe_every
-        if not every or sum(self.decisions.values()) % every != every - 1 or best == self.sizes[-1]:
+        best_ms = self.step_ms(batch, context, best, speculating) if speculating else 0.0
+        self._since_probe += 1
+        if not every or self._since_probe < every or best == self.sizes[-1] or not speculating:
+            self._spent_ms += best_ms
             return best
-        return self.sizes[0] if best == 0 else self.sizes[self.sizes.index(best) + 1]
+        probe = self.sizes[0] if best == 0 else self.sizes[self.sizes.index(best) + 1]
+        probe_ms = self.step_ms(batch, context, probe, speculating)
+        extra = max(probe_ms - best_ms, 0.0)
+        if self._probe_ms + extra > self.cfg.probe_share * (self._spent_ms + probe_ms):
+            self._spent_ms += best_ms
+            return best  # still due: tried again next decision
+        self._since_probe, self.probes = 0, self.probes + 1
+        self._spent_ms += probe_ms
+        self._probe_ms += extra
+        return probe
 
     def settings(self, seq_settings: TreeSettings, nodes: int) -> TreeSettings:
         """A sequence's tree for a choice of ``nodes`` (> 0)."""
@@ -229,6 +255,11 @@ class AdaptivePolicy:
         if not self.cfg.cost_weight:
             return
         key = (_bucket(batch), nodes > 0)
+        modelled = self._verify_ms(batch, 1 + nodes, context)
+        seen = self.observed.setdefault(f"{'tree' if nodes else 'plain'} b{key[0]}", [0, 0.0, 0.0])
+        seen[0] += 1
+        seen[1] += ms
+        seen[2] += modelled
         residual = ms - self.table.forward_ms(batch, 1 + nodes, context)
         old = self._residual.get(key)
         self._residual[key] = residual if old is None else old + self.cfg.cost_weight * (residual - old)
@@ -243,6 +274,15 @@ class AdaptivePolicy:
 
     def release(self, seq_id: int) -> None:
         self._seq.pop(seq_id, None)
+
+    def diagnostics(self) -> dict:
+        """What the policy learned and how its model compares with the steps measured (for benchmarks)."""
+        return {"decisions": {str(k): v for k, v in sorted(self.decisions.items())}, "probes": self.probes,
+                "probe_share_modelled": round(float(self._probe_ms / self._spent_ms), 4) if self._spent_ms else 0.0,
+                "residual_ms": {f"{'tree' if t else 'plain'} b{b}": round(float(v), 4) for (b, t), v in self._residual.items()},
+                "draft_ms_per_level": {f"b{b}": round(float(v), 4) for b, v in self._draft_level_ms.items()},
+                "steps": {k: {"steps": int(n), "measured_ms": round(float(m / n), 4), "modelled_ms": round(float(e / n), 4)}
+                          for k, (n, m, e) in self.observed.items()}}
 
 
 def policy_for(target, limits: TreeSettings, table_path: str | None = None,

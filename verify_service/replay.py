@@ -26,20 +26,30 @@ from kernels.acceptance import AcceptResult
 
 class AcceptanceReplay:
     def __init__(self, traces: list[list[int]]):
-        """``traces``: accepted-node counts per verification step, one list per recorded sequence;
-        sequence j of a run replays trace j (mod their number) from its start, wrapping around."""
+        """``traces``: accepted-node counts per verification step, one list per recorded sequence.
+
+        The steps are pooled round-robin (step 0 of every trace, then step 1, ...), so a short run or a
+        single sequence replays steps of every recorded prompt, not one prompt's: its mean acceptance
+        is the trace's, not the first prompt's. Sequence j of a run starts at its own offset in the pool
+        (spread evenly, one per trace) and walks it, wrapping around."""
         assert traces and all(traces), "a replay needs non-empty traces"
         self.traces = traces
-        self._next_trace = itertools.count()
-        self._cursor: dict[int, list[int]] = {}  # seq_id -> [trace, position]
+        self.pool = [t[i] for i in range(max(map(len, traces))) for t in traces if i < len(t)]
+        self._next_seq = itertools.count()
+        self._cursor: dict[int, int] = {}  # seq_id -> position in the pool
         self.replayed_steps = 0
 
+    def start_of(self, j: int) -> int:
+        """Where the j-th sequence of a run starts in the pool."""
+        n = len(self.traces)
+        return (j % n) * len(self.pool) // n + j // n
+
     def next_accepted(self, seq_id: int) -> int:
-        cur = self._cursor.setdefault(seq_id, [next(self._next_trace) % len(self.traces), 0])
-        trace = self.traces[cur[0]]
-        k = trace[cur[1] % len(trace)]
-        cur[1] += 1
-        return k
+        if seq_id not in self._cursor:
+            self._cursor[seq_id] = self.start_of(next(self._next_seq))
+        pos = self._cursor[seq_id]
+        self._cursor[seq_id] = pos + 1
+        return self.pool[pos % len(self.pool)]
 
     def accept(self, seq_ids: list[int], parents: np.ndarray, num_nodes: np.ndarray,
                logits: torch.Tensor) -> AcceptResult:
