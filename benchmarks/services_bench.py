@@ -102,7 +102,9 @@ def main() -> None:
                   "adaptive_speculation": args.adaptive_speculation, "prompts": len(prompts),
                   "max_tokens": args.max_tokens, "runs": []}
         for c in levels:
+            before = client.metrics()
             rows, secs = through_services(client, prompts, args.max_tokens, c, True)
+            steps = {k: client.metrics()[k] - before[k] for k in ("speculative_steps", "plain_steps")}
             plain, plain_secs = through_services(client, prompts, args.max_tokens, c, False)
             outputs, in_secs, _ = inprocess[c]
             tokens = sum(len(t) for t, _ in rows)
@@ -111,7 +113,8 @@ def main() -> None:
                    "plain_tokens_per_s": round(sum(len(t) for t, _ in plain) / plain_secs, 1),
                    "inprocess_tokens_per_s": round(sum(len(o) for o in outputs) / in_secs, 1),
                    "plain_identical_outputs": sum(t == r for (t, _), r in zip(plain, reference)),
-                   "speculated_requests": sum(bool(s and s.get("speculated")) for _, s in rows)}
+                   "speculated_requests": sum(bool(s and s.get("speculated")) for _, s in rows),
+                   "steps": steps, "step_ms": round(secs * 1e3 / max(1, sum(steps.values())), 3)}
             row["speedup_vs_plain"] = round(row["tokens_per_s"] / row["plain_tokens_per_s"], 3)
             row["services_vs_inprocess"] = round(row["tokens_per_s"] / row["inprocess_tokens_per_s"], 3)
             report["runs"].append(row)
@@ -127,6 +130,11 @@ def main() -> None:
             if p is not None:
                 p.terminate()
                 p.wait(30)
+        if args.out:  # the services' logs beside the report
+            for name in ("verify", "draft"):
+                log = tmp / f"{name}.log"
+                if log.exists():
+                    Path(args.out).with_suffix(f".{name}.log").write_text(log.read_text()[-200_000:])
 
 
 def tree_settings(text: str, device: str) -> TreeSettings:

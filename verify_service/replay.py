@@ -28,13 +28,15 @@ class AcceptanceReplay:
     def __init__(self, traces: list[list[int]]):
         """``traces``: accepted-node counts per verification step, one list per recorded sequence.
 
-        The steps are pooled round-robin (step 0 of every trace, then step 1, ...), so a short run or a
-        single sequence replays steps of every recorded prompt, not one prompt's: its mean acceptance
-        is the trace's, not the first prompt's. Sequence j of a run starts at its own offset in the pool
-        (spread evenly, one per trace) and walks it, wrapping around."""
+        Every recorded step goes into one pool, in a fixed pseudo-random order (seed 0), so that a short
+        run or a single sequence replays a sample of all the steps of all the prompts: its mean
+        acceptance is the trace's, not that of the first prompt or of the first steps of each answer
+        (both run low). Sequence j of a run starts at its own offset in the pool (spread evenly, one per
+        trace) and walks it, wrapping around."""
         assert traces and all(traces), "a replay needs non-empty traces"
         self.traces = traces
-        self.pool = [t[i] for i in range(max(map(len, traces))) for t in traces if i < len(t)]
+        steps = np.concatenate([np.asarray(t, dtype=np.int64) for t in traces])
+        self.pool = steps[np.random.default_rng(0).permutation(len(steps))].tolist()
         self._next_seq = itertools.count()
         self._cursor: dict[int, int] = {}  # seq_id -> position in the pool
         self.replayed_steps = 0
