@@ -142,6 +142,26 @@ def test_probes_stay_within_their_share_of_the_time():
     assert 0 < diag["probe_share_modelled"] <= 0.1
 
 
+def test_a_decision_is_held_while_nothing_it_rests_on_changes():
+    policy = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4),
+                            PolicyConfig(probe_every=0, hold_steps=8))
+    seen(policy, accepted=0)
+    calls = []
+    best = policy.best
+    policy.best = lambda *a: calls.append(a) or best(*a)
+    for _ in range(10):
+        policy.choose(1, 1024, [0], [4])
+    assert len(calls) == 2  # computed, held 8 steps, computed again
+    policy.observe_step(1, 0, 1024, 10.0)  # a step's time alone does not end the hold
+    policy.choose(1, 1024, [0], [4])
+    assert len(calls) == 2
+    policy.observe_tree(0, chain(4), [0, 1, 2, 3], 4)  # what a tree accepted does
+    policy.choose(1, 1024, [0], [4])
+    assert len(calls) == 3
+    policy.choose(2, 1024, [0, 1], [4, 4])  # and so does another batch
+    assert len(calls) == 4
+
+
 # --- the cost table -------------------------------------------------------------------------------
 
 def test_cost_table_interpolates_extrapolates_and_round_trips(tmp_path):

@@ -19,7 +19,9 @@ accepted path ranking among the best m (under sampling, an estimate). Each seque
 means per size (``Acceptance``), seeded from the global ones. Sizes above the largest seen are
 guessed optimistically (the last gain per node carried on), so a larger tree is tried when it might
 pay; and every ``probe_every`` decisions the next size up is tried once (from plain decoding: the
-smallest tree), so acceptance that rises is found even where the guess says no. A probe waits while
+smallest tree), so acceptance that rises is found even where the guess says no. A decision is reused
+for up to ``hold_steps`` steps while the batch, its context (to 256 tokens) and what was learned
+(acceptance, draft costs; not the per-step residuals) stay the same. A probe waits while
 the probes' extra cost (modelled: the probe's step against the best one) would exceed
 ``probe_share`` of all steps' modelled time: at a batch where trees cost far more than they bring,
 probing stays a few percent of the time instead of a fixed fraction of the steps.
@@ -50,6 +52,7 @@ class PolicyConfig:
     margin: float = 0.02  # a tree must beat plain decoding by this fraction (noise in the estimates)
     probe_every: int = 32  # decisions between probes of the next size up (0: never)
     probe_share: float = 0.03  # probes may cost at most this share of the steps' (modelled) time
+    hold_steps: int = 8  # a decision is reused this many steps while nothing but step times was learned
     draft_prior_fraction: float = 0.15  # draft cost per level before one is measured, x a decode forward
 
 
@@ -143,14 +146,19 @@ class AdaptivePolicy:
         self._spent_ms = 0.0  # modelled cost of every chosen step ...
         self._probe_ms = 0.0  # ... and what the probes added to it
         self.observed: dict[str, list[float]] = {}  # per batch bucket and kind: steps, measured ms, modelled ms
+        self._version = 0  # bumped by what moves the decision much: a tree's acceptance, a draft's cost
+        self._held: list = [None, 0, 0]  # (batch, context / 256, speculating, budget, version), best, uses
 
     # --- the decision ---------------------------------------------------------------------------
 
     def choose(self, batch: int, context: float, seq_ids: list[int], budgets: list[int]) -> int:
         """Nodes per tree for the next step (0: plain decoding). ``batch``: the sequences that decode
         next step; ``seq_ids``/``budgets``: those that may speculate, and the most nodes each may have."""
-        best = self.best(batch, context, seq_ids, budgets)
-        self.choice = self._probe(best, batch, context, len(seq_ids))
+        key = (batch, int(context) >> 8, len(seq_ids), min(budgets, default=0), self._version)
+        if key != self._held[0] or self._held[2] >= self.cfg.hold_steps:
+            self._held = [key, self.best(batch, context, seq_ids, budgets), 0]
+        self._held[2] += 1
+        self.choice = self._probe(self._held[1], batch, context, len(seq_ids))
         self.decisions[self.choice] += 1
         return self.choice
 
@@ -247,6 +255,7 @@ class AdaptivePolicy:
             own = self._seq[seq_id] = Acceptance(self._global.curve(self.sizes, self._levels), self.cfg.seq_weight)
         own.update(acc)
         self._global.update(acc)
+        self._version += 1
         j = seen[-1]
         self._nodes[j] += self.cfg.cost_weight * (min(tree.num_nodes, self.sizes[j]) - self._nodes[j])
 
@@ -260,20 +269,29 @@ class AdaptivePolicy:
         seen[0] += 1
         seen[1] += ms
         seen[2] += modelled
-        residual = ms - self.table.forward_ms(batch, 1 + nodes, context)
+        residual = ms - self._forward(batch, 1 + nodes, context)
         old = self._residual.get(key)
         self._residual[key] = residual if old is None else old + self.cfg.cost_weight * (residual - old)
 
-    def observe_draft(self, speculating: int, levels: int, ms: float) -> None:
-        """The draft's part of a step that asked ``speculating`` trees of ``levels`` levels took ``ms``."""
-        if not self.cfg.cost_weight:
+    def observe_draft(self, speculating: int, levels: int, ms: float, backlog: int = 0) -> None:
+        """The draft's part of a step that asked ``speculating`` trees of ``levels`` levels took ``ms``;
+        ``backlog``: rows of earlier plain steps it extended first (such a call is no tree's cost: only
+        counted in the diagnostics)."""
+        seen = self.observed.setdefault(f"draft{' after plain steps' if backlog else ''} b{_bucket(speculating)}",
+                                        [0, 0.0, 0.0])
+        seen[0] += 1
+        seen[1] += ms
+        seen[2] += backlog
+        if not self.cfg.cost_weight or backlog:
             return
+        self._version += 1
         key, unit = _bucket(speculating), ms / (1 + levels)
         old = self._draft_level_ms.get(key)
         self._draft_level_ms[key] = unit if old is None else old + self.cfg.cost_weight * (unit - old)
 
     def release(self, seq_id: int) -> None:
         self._seq.pop(seq_id, None)
+        self._version += 1
 
     def diagnostics(self) -> dict:
         """What the policy learned and how its model compares with the steps measured (for benchmarks)."""
@@ -282,7 +300,9 @@ class AdaptivePolicy:
                 "residual_ms": {f"{'tree' if t else 'plain'} b{b}": round(float(v), 4) for (b, t), v in self._residual.items()},
                 "draft_ms_per_level": {f"b{b}": round(float(v), 4) for b, v in self._draft_level_ms.items()},
                 "steps": {k: {"steps": int(n), "measured_ms": round(float(m / n), 4), "modelled_ms": round(float(e / n), 4)}
-                          for k, (n, m, e) in self.observed.items()}}
+                          for k, (n, m, e) in self.observed.items() if not k.startswith("draft")},
+                "draft_calls": {k: {"calls": int(n), "ms": round(float(m / n), 4), "backlog_rows": round(float(e / n), 1)}
+                                for k, (n, m, e) in self.observed.items() if k.startswith("draft")}}
 
 
 def policy_for(target, limits: TreeSettings, table_path: str | None = None,

@@ -254,15 +254,16 @@ class Engine:
         overflow = self.feed_buffer.add(live)
         if overflow:
             self.drafter.step(overflow, [])
-        backlog = self.feed_buffer.rows > sum(len(f.next_tokens) for f in live)  # rows of earlier steps wait
+        backlog = self.feed_buffer.rows - sum(len(f.next_tokens) for f in live)  # rows of earlier steps wait
         requests = self._requests(feeds) if getattr(self.drafter, "connected", True) else []
         if not requests and (self.policy is not None or not self.feed_buffer.rows):
             return 0.0
         start = time.perf_counter()
         trees = self.drafter.step(self.feed_buffer.take(), requests)
         seconds = time.perf_counter() - start  # the trees are on the host: the draft's work is done
-        if self.policy is not None and requests and not backlog:  # a backlog's extend is no tree's cost
-            self.policy.observe_draft(len(requests), max(r.settings.depth for r in requests), seconds * 1e3)
+        if self.policy is not None and requests:  # a backlog's extend is no tree's cost: counted apart
+            levels = max(r.settings.depth for r in requests)
+            self.policy.observe_draft(len(requests), levels, seconds * 1e3, backlog)
         proposed = [(req, trees[req.seq_id]) for req in requests if trees.get(req.seq_id) is not None
                     and trees[req.seq_id].num_nodes]
         vocab = self.target.model_config.vocab_size
