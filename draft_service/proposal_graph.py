@@ -10,7 +10,8 @@ computed from them on the device::
     host:    rows [B], tables [B, W], live [B]            -> one copy (pinned)
     device:  root log-probs, root outputs                 -> the graph's buffers
     graph:   builder.start (top-k through d2t)
-             per level: slots/positions/lengths from rows and tables, the feed mask,
+             every level's slots/positions/lengths from rows and tables, at once (_kv_layout)
+             per level: the packed feed mask (its parents' rows | its own bits),
                         parents' outputs -> draft forward -> log-softmax -> builder.expand
              builder.finish (re-rank the final nodes, parents first)
              -> tokens | parents | depths | score bits, packed [4, B, n]
@@ -24,6 +25,7 @@ computation runs eagerly, so the CPU tests check it against the level-by-level d
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -43,6 +45,60 @@ def padded_batch(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+@dataclass(frozen=True, eq=False)
+class _Level:
+    """A level's fixed arrays: the graph reads them instead of launching kernels for them."""
+
+    width: int  # F: nodes a sequence
+    tokens: slice  # the level's tokens among all levels' (``_Layout``'s flat order)
+    qsl: torch.Tensor  # int64 [B + 1]: query starts
+    token_seq: torch.Tensor  # int64 [B * F]: each token's sequence
+    q_idx: torch.Tensor  # int64 [B * F]: each token's node index
+    own: torch.Tensor  # int32 [F, words]: node j's own feed column, fed + j, as a packed mask bit
+    first_mask: torch.Tensor  # int32 [B, F, words]: ``own`` for every sequence (depth 1: no ancestors)
+
+
+@dataclass(frozen=True, eq=False)
+class _Layout:
+    """Every level's tokens in one flat order, level by level, then sequence, then node::
+
+        token:  level 0: b0 j0 .. b0 jF-1, b1 j0 ..  | level 1: ..
+        seq:    b                                     (its sequence)
+        row:    fed + j                               (its KV row past the committed ones)
+        step:   depth - 1                             (its RoPE position past them)
+    """
+
+    seq: torch.Tensor  # int64 [T]
+    row: torch.Tensor  # int64 [T]
+    step: torch.Tensor  # int64 [T]
+    lens: torch.Tensor  # int64 [levels]: fed + F, the draft rows past the committed ones once a level is fed
+    levels: list[_Level]
+
+
+def _level_layout(widths: list[int], batch: int, device: torch.device) -> _Layout:
+    """The layout of levels of ``widths`` nodes a sequence for ``batch`` sequences. The packed masks
+    have one 32-column word per 32 nodes fed in all; a level's columns past its own are zero."""
+    B, words = batch, max(1, -(-sum(widths) // 32))
+    seq, row, step, lens, levels = [], [], [], [], []
+    fed = 0
+    for i, F in enumerate(widths):
+        j = np.arange(F)
+        seq.append(np.repeat(np.arange(B), F))
+        row.append(np.tile(fed + j, B))
+        step.append(np.full(B * F, i))
+        lens.append(fed + F)
+        own = np.zeros((F, words), dtype=np.uint32)
+        own[j, (fed + j) // 32] = np.left_shift(np.uint32(1), ((fed + j) % 32).astype(np.uint32))
+        own = torch.from_numpy(own.view(np.int32)).to(device)
+        levels.append(_Level(F, slice(B * fed, B * (fed + F)), torch.arange(B + 1, device=device) * F,
+                             torch.from_numpy(seq[-1]).to(device), torch.from_numpy(j).repeat(B).to(device),
+                             own, own.expand(B, F, words).contiguous()))
+        fed += F
+    cat = [torch.from_numpy(np.concatenate(x) if x else np.zeros(0, dtype=np.int64)).to(device)
+           for x in (seq, row, step)]
+    return _Layout(*cat, torch.tensor(lens, dtype=torch.int64, device=device), levels)
+
+
 class DeviceProposal:
     """Trees of one shape for up to ``batch`` sequences, grown to the shape's full ``depth``; the
     levels occupy at most ``tree_rows`` draft KV rows past each sequence's committed ones."""
@@ -50,7 +106,7 @@ class DeviceProposal:
     def __init__(self, net: EagleNet, kv: PagedKVCache, kernels: KernelSet, make_builder: Callable[[], object],
                  depth: int, tree_rows: int, batch: int, table_width: int, max_seq_len: int, graph: bool, pool=None):
         self.net, self.kv, self.kernels = net, kv, kernels
-        self.builder = make_builder()  # one builder for every run: a static shape keeps its level tensors
+        self.builder = make_builder()  # one builder for every run: a static shape keeps its level tensors and pool
         self.depth, self.tree_rows, self.batch, self.max_seq_len = depth, tree_rows, batch, max_seq_len
         weight = net.norm.weight
         dev = self.device = weight.device
@@ -65,7 +121,9 @@ class DeviceProposal:
         self.root_out = torch.zeros(B, net.config.hidden_size, dtype=weight.dtype, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._packed: torch.Tensor | None = None  # the graph's output
-        self._constants: dict[int, tuple[torch.Tensor, ...]] = {}
+        widths = self.builder.frontier_widths()[:depth - 1]  # the levels fed: frontiers above ``depth``
+        assert sum(widths) <= tree_rows, (widths, tree_rows)
+        self._layout = _level_layout(widths, B, dev)
         self.replays = 0
         # Attention's ``max_seq_len``: the cache's capacity in a graph (its grid never depends on a
         # step's lengths); an eager run's own longest sequence (a CPU's dense reference mask).
@@ -106,50 +164,51 @@ class DeviceProposal:
     def _grow(self) -> torch.Tensor:
         builder = self.builder
         frontier = builder.start(self.root_logp)
-        parent_out = self.root_out[:, None]  # (B, 1, H): the root's output
-        fed = 0
+        kv = self._kv_layout()
+        parent_out, mask = self.root_out[:, None], None  # (B, 1, H): the root's output; its mask: none
         while frontier is not None and frontier.depth < self.depth:
-            out, logp = self._level(frontier, parent_out, fed)
-            fed += frontier.tokens.shape[1]
-            parent_out = out
+            parent_out, logp, mask = self._level(frontier, parent_out, mask, kv)
             frontier = builder.expand(logp)
         tokens, parents, depths, scores = builder.finish_tensors()
         return torch.stack([tokens, parents, depths, scores.view(torch.int32).to(torch.int64)])
 
-    def _level(self, frontier: Frontier, parent_out: torch.Tensor, fed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every level's KV slots and RoPE positions [all levels' tokens] and lengths [levels, B], from
+        this proposal's rows and tables, in one go: a level reads its slices (no launches of its own).
+        Token t of level i, sequence b, node j goes to KV row rows[b] + fed_i + j at position
+        rows[b] + depth_i - 1; a padding sequence (not ``live``) writes nowhere (slot -1)."""
+        c = self._layout
+        first = self.rows[c.seq]  # (T,): each token's sequence's committed rows
+        kv_idx = first + c.row
+        blocks = self.tables[c.seq, kv_idx // self.kv.block_size]
+        slots = torch.where(self.live[c.seq] > 0, blocks * self.kv.block_size + kv_idx % self.kv.block_size, -1)
+        return slots, first + c.step, self.rows + c.lens[:, None]
+
+    def _level(self, frontier: Frontier, parent_out: torch.Tensor, mask: torch.Tensor | None,
+               kv: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One level: its ``F`` nodes a sequence go to draft KV rows ``rows + fed ..`` at RoPE position
-        ``rows + depth - 1`` and see the committed rows plus their fed ancestors and themselves."""
+        ``rows + depth - 1`` and see the committed rows plus their fed ancestors and themselves: their
+        parents' mask rows (``mask``, the previous level's) plus their own columns. Returns the level's
+        outputs [B, F, H], log-probs [B, F, Vd] and packed mask rows [B, F, words]."""
         B, F = frontier.tokens.shape
-        bs = self.kv.block_size
-        masks = self.builder.feed_mask(frontier)  # (B, F, fed + F)
-        slot = frontier.parent_slot.clamp(min=0)
-        hidden = torch.gather(parent_out, 1, slot[..., None].expand(-1, -1, parent_out.shape[2]))
-        j, qsl, token_seq, q_idx = self._level_constants(F)
-        kv_idx = self.rows[:, None] + fed + j  # (B, F)
-        blocks = self.tables.gather(1, kv_idx // bs)
-        slots = torch.where(self.live[:, None] > 0, blocks * bs + kv_idx % bs, -1)
-        # Materialised, not expanded views: kernels index these [T] arrays as contiguous memory (at
-        # B = 1 an expanded view flattens to a stride-0 view of one element).
-        positions = (self.rows + frontier.depth - 1)[:, None].expand(B, F).contiguous()
+        level = self._layout.levels[frontier.depth - 1]
+        assert F == level.width, (F, level.width)
+        if mask is None:  # depth 1: every parent is the root
+            hidden, mask = parent_out.expand(B, F, -1), level.first_mask
+        else:
+            slot = frontier.parent_slot[..., None]  # (B, F, 1)
+            hidden = torch.gather(parent_out, 1, slot.expand(-1, -1, parent_out.shape[2]))
+            mask = torch.gather(mask, 1, slot.expand(-1, -1, mask.shape[2])).bitwise_or_(level.own)
+        slots, positions, lens = kv
         meta = AttentionMetadata(
-            query_start_loc=qsl, seq_lens=self.rows + fed + F, block_tables=self.tables,
-            slot_mapping=slots.reshape(-1), positions=positions.reshape(-1),
-            token_seq=token_seq, token_q_idx=q_idx, max_query_len=F,
-            max_seq_len=min(self._longest, self.max_seq_len), custom_mask=masks.reshape(B * F, -1), mask_start=self.rows)
+            query_start_loc=level.qsl, seq_lens=lens[frontier.depth - 1], block_tables=self.tables,
+            slot_mapping=slots[level.tokens], positions=positions[level.tokens],
+            token_seq=level.token_seq, token_q_idx=level.q_idx, max_query_len=F,
+            max_seq_len=min(self._longest, self.max_seq_len), custom_mask=mask.view(B * F, -1), mask_start=self.rows)
         out = self.net(frontier.tokens.reshape(-1), hidden.reshape(B * F, -1), self.kernels.prepare_attention(meta),
                        self.kv, self.kernels)
         logp = torch.log_softmax(self.net.compute_logits(out, self.kernels), dim=-1)
-        return out.view(B, F, -1), logp.view(B, F, -1)
-
-    def _level_constants(self, F: int) -> tuple[torch.Tensor, ...]:
-        """A level of width F's fixed arrays (node index, query starts, each token's sequence and index),
-        made on the first (eager) run: the graph reads them instead of launching kernels for them."""
-        if F not in self._constants:
-            B, dev = self.batch, self.device
-            j = torch.arange(F, device=dev)
-            self._constants[F] = (j, torch.arange(B + 1, device=dev) * F,
-                                  torch.arange(B, device=dev).repeat_interleave(F), j.repeat(B))
-        return self._constants[F]
+        return out.view(B, F, -1), logp.view(B, F, -1), mask
 
     def _capture(self, pool) -> None:
         """Warm up eagerly on a side stream (compiles kernels, builds a static shape's level tensors),

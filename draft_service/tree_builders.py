@@ -64,6 +64,7 @@ class _NodePool:
         self._parents = torch.full((batch, capacity), -1, dtype=torch.int64, device=device)
         self._depths = torch.zeros(batch, capacity, dtype=torch.int64, device=device)
         self._scores = torch.full((batch, capacity), float("-inf"), dtype=torch.float32, device=device)
+        self._constants: dict[tuple[int, int], tuple] = {}  # (depth, int parent) in the buffers, by index range
         self.size = 0
 
     tokens = property(lambda self: self._tokens[:, :self.size])
@@ -71,18 +72,42 @@ class _NodePool:
     depths = property(lambda self: self._depths[:, :self.size])
     scores = property(lambda self: self._scores[:, :self.size])
 
-    def append(self, tokens: torch.Tensor, parents: torch.Tensor, depth: int,
-               scores: torch.Tensor) -> torch.Tensor:
-        """Add one level's nodes ([B, n] each); returns their pool indices int64 [B, n]."""
-        b, n = tokens.shape
-        lo, hi = self.size, self.size + n
+    def fits(self, batch: int, capacity: int, device: torch.device) -> bool:
+        return self._tokens.shape == (batch, capacity) and self._tokens.device == device
+
+    def reset(self) -> None:
+        """Empty again, keeping the buffers (a static shape's next tree: what a graph replays)."""
+        self.size = 0
+
+    def next_scores(self, shape: torch.Size) -> torch.Tensor:
+        """The score slots of the next nodes to append, a view [B, ...] of ``shape`` to compute into."""
+        return self._scores[:, self.size:self.size + shape[1:].numel()].view(shape)
+
+    def append(self, tokens: torch.Tensor, parents: torch.Tensor | int, depth: int,
+               scores: torch.Tensor | None) -> int:
+        """Add one level's n nodes: tokens, parents and scores [B, n], or [B, F, k] with n = F * k
+        (broadcast views are written as they are); an int ``parents``: every node's; ``scores`` None:
+        already in place (``next_scores``). Returns the first new pool index.
+
+        Pool order is level order, so a range of pool indices has the same depth in every tree a
+        builder grows (and an int parent, the same parent): a reused pool writes those constants once,
+        and a graph captured after that never writes them."""
+        shape = tokens.shape
+        lo, hi = self.size, self.size + shape[1:].numel()
         assert hi <= self._tokens.shape[1], "pool capacity exceeded"
-        self._tokens[:, lo:hi] = tokens
-        self._parents[:, lo:hi] = parents
-        self._depths[:, lo:hi] = depth
-        self._scores[:, lo:hi] = scores
+        self._tokens[:, lo:hi].view(shape).copy_(tokens)
+        if isinstance(parents, torch.Tensor):
+            self._parents[:, lo:hi].view(shape).copy_(parents)
+        if scores is not None:
+            self._scores[:, lo:hi].view(shape).copy_(scores)
+        constant = (depth, parents if isinstance(parents, int) else None)
+        if self._constants.get((lo, hi)) != constant:
+            self._depths[:, lo:hi] = depth
+            if isinstance(parents, int):
+                self._parents[:, lo:hi] = parents
+            self._constants[lo, hi] = constant
         self.size = hi
-        return torch.arange(lo, hi, device=tokens.device).expand(b, n)
+        return lo
 
     def tree_tensors(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The pool nodes ``keep`` [B, n] as trees, in that order (parents first), on the device:
@@ -145,7 +170,12 @@ class _PoolBuilder:
         return self._pool
 
     def _new_pool(self, logprobs: torch.Tensor, capacity: int) -> None:
-        self._pool = _NodePool(logprobs.shape[0], capacity, logprobs.device)
+        """An empty pool: this builder's last one while the shape is the same (no allocations)."""
+        b, dev = logprobs.shape[0], logprobs.device
+        if self._pool is not None and self._pool.fits(b, capacity, dev):
+            self._pool.reset()
+        else:
+            self._pool = _NodePool(b, capacity, dev)
         self._d2t = self._d2t.to(logprobs.device)
         self._fed_mask, self._last_fed = None, 0
 
@@ -173,12 +203,19 @@ class DynamicTreeBuilder(_PoolBuilder):
         super().__init__(d2t, kernels)
         self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
         self._capacity = top_k + (depth - 1) * top_k * top_k
+        self._frontier_scores: torch.Tensor | None = None  # (B, k): the frontier's cumulative scores
+
+    def frontier_widths(self) -> list[int]:
+        """F of every frontier ``start`` and ``expand`` return, in order."""
+        return [self.top_k] * (self.depth - 1)
 
     def start(self, logprobs: torch.Tensor) -> Frontier | None:
         self._new_pool(logprobs, self._capacity)
         tokens, scores = self._level_topk(logprobs, self.top_k)  # (B, k)
-        idx = self._pool.append(tokens, torch.full_like(tokens, -1), 1, scores)
+        lo = self._pool.append(tokens, -1, 1, scores)
+        idx = torch.arange(lo, lo + self.top_k, device=tokens.device).expand_as(tokens)
         self._frontier = Frontier(idx, tokens, torch.full_like(tokens, -1), 1)
+        self._frontier_scores = scores
         return self._next()
 
     def expand(self, logprobs: torch.Tensor) -> Frontier | None:
@@ -186,14 +223,15 @@ class DynamicTreeBuilder(_PoolBuilder):
         assert f is not None and f.depth < self.depth, "no level left to expand"
         b, nf, k = logprobs.shape[0], logprobs.shape[1], self.top_k
         assert nf == f.pool_idx.shape[1], "log-probs must follow the frontier"
-        tokens, lp = self._level_topk(logprobs, k)  # (B, F, k)
-        tokens, lp = tokens.reshape(b, nf * k), lp.reshape(b, nf * k)  # candidate c = (c // k)-th parent
-        parents = f.pool_idx[:, :, None].expand(b, nf, k).reshape(b, nf * k)  # (B, F*k): each parent k times
-        scores = self._pool.scores.gather(1, parents) + lp
-        idx = self._pool.append(tokens, parents, f.depth + 1, scores)
+        tokens, lp = self._level_topk(logprobs, k)  # (B, F, k): candidate c = (c // k)-th parent
+        # score = parent's score + log p, computed straight into the pool's next slots
+        scores = torch.add(self._frontier_scores[:, :, None], lp, out=self._pool.next_scores(lp.shape))
+        lo = self._pool.append(tokens, f.pool_idx[:, :, None].expand(b, nf, k), f.depth + 1, None)
         # Global top-k; the stable sort sends equal scores to the earlier candidate.
-        best = scores.sort(dim=1, descending=True, stable=True).indices[:, :k]  # (B, k)
-        self._frontier = Frontier(idx.gather(1, best), tokens.gather(1, best), best // k, f.depth + 1)
+        order = scores.view(b, nf * k).sort(dim=1, descending=True, stable=True)
+        best = order.indices[:, :k]  # (B, k)
+        self._frontier = Frontier(best + lo, tokens.view(b, nf * k).gather(1, best), best // k, f.depth + 1)
+        self._frontier_scores = order.values[:, :k]
         return self._next()
 
     def finish(self) -> list[CandidateTree]:
@@ -236,6 +274,10 @@ class StaticTreeBuilder(_PoolBuilder):
                                          torch.tensor(level.frontier, device=device, dtype=torch.int64),
                                          torch.tensor(level.frontier_parent_slot, device=device, dtype=torch.int64))
         return self._levels[level.depth]
+
+    def frontier_widths(self) -> list[int]:
+        """F of every frontier ``start`` and ``expand`` return, in order."""
+        return [len(level.frontier) for level in self.spec.levels if level.frontier]
 
     def start(self, logprobs: torch.Tensor) -> Frontier | None:
         self.spec.check_vocab(logprobs.shape[-1])

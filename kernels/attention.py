@@ -41,15 +41,22 @@ def attention_mask_ref(meta: AttentionMetadata) -> torch.Tensor:
         masked = (key - start) <= q_idx  # causal among the new tokens
     else:
         start = meta.mask_start[:, None, None]
-        cols = meta.custom_mask.shape[1]
+        custom = unpack_mask(meta.custom_mask) if meta.custom_mask.dtype == torch.int32 else meta.custom_mask
+        cols = custom.shape[1]
         dense = torch.zeros(meta.num_seqs, meta.max_query_len, cols, dtype=torch.bool, device=device)
-        dense[meta.token_seq, meta.token_q_idx] = meta.custom_mask
+        dense[meta.token_seq, meta.token_q_idx] = custom
         rel = (key - start).clamp(0, cols - 1).expand(-1, meta.max_query_len, -1)  # (B, Q, K)
         masked = torch.gather(dense, 2, rel) & (key - start < cols)
     visible = ((key < start) | masked) & (key < meta.seq_lens[:, None, None])
     # Padding query rows see key 0 so softmax stays finite; their outputs are dropped.
     visible[:, :, 0] |= q_idx[:, :, 0] >= q_lens[:, None]
     return visible
+
+
+def unpack_mask(words: torch.Tensor) -> torch.Tensor:
+    """A packed mask, int32 [T, words] (bit j of word w: column 32 w + j), as bool [T, 32 * words]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    return ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # (T, words, 32) -> (T, 32 words)
 
 
 def prepare_attention_ref(meta: AttentionMetadata) -> AttentionMetadata:

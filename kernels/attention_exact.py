@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import unpack_mask
 from kernels.attention_triton import _DOT_DTYPES, LOG2E, _query_tile
 from kernels.metadata import AttentionMetadata
 
@@ -63,10 +64,13 @@ def ancestor_table(mask: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_attention_exact(meta: AttentionMetadata) -> AttentionMetadata:
-    """Per-step work shared by every layer: the ancestor mask becomes the per-depth table."""
-    if meta.custom_mask is None:
+    """Per-step work shared by every layer: the ancestor mask (bool, or packed words) becomes the
+    per-depth table."""
+    mask = meta.custom_mask
+    if mask is None:
         return meta
-    return dataclasses.replace(meta, custom_mask=ancestor_table(meta.custom_mask))
+    mask = unpack_mask(mask) if mask.dtype == torch.int32 else mask
+    return dataclasses.replace(meta, custom_mask=ancestor_table(mask))
 
 
 def _mode(meta: AttentionMetadata, T: int, heads: int, kvh: int, head_dim: int, q_tiles: int,

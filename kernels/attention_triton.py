@@ -77,8 +77,9 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_attention_triton(meta: AttentionMetadata) -> AttentionMetadata:
-    """Per-step work shared by every layer: the custom mask packed into int32 words, once."""
-    if meta.custom_mask is None:
+    """Per-step work shared by every layer: the custom mask packed into int32 words, once (a mask
+    that comes packed is kept)."""
+    if meta.custom_mask is None or meta.custom_mask.dtype == torch.int32:
         return meta
     return dataclasses.replace(meta, custom_mask=pack_mask(meta.custom_mask))
 

@@ -37,8 +37,10 @@ class AttentionMetadata:
     token_q_idx: torch.Tensor  # int64 [T], index of each new token within its sequence's new tokens
     max_query_len: int  # host-side maxima: sizes known when the batch is built, no device sync
     max_seq_len: int
-    # bool [T, max_mask_len]: column j of row t is KV index mask_start[seq(t)] + j.
-    # None means causal (each new token sees the cached tokens and the new ones up to itself).
+    # bool [T, max_mask_len]: column j of row t is KV index mask_start[seq(t)] + j; or the same packed,
+    # int32 [T, words] with bit j of word w for column 32 w + j (``kernels.attention.unpack_mask``):
+    # every set's ``prepare_attention`` takes either. None means causal (each new token sees the cached
+    # tokens and the new ones up to itself).
     custom_mask: torch.Tensor | None = None
     mask_start: torch.Tensor | None = None  # int64 [B], with custom_mask
     # bool [B, max_query_len, max_seq_len]: the reference attention's dense visibility mask,

@@ -6,6 +6,8 @@ holds NaN, so a kernel that reads outside its sequence fails loudly. On a CPU th
 through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); on a GPU, natively.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kernels import REFERENCE, select_kernels  # noqa: E402
-from kernels.attention import paged_attention_ref, write_kv_ref  # noqa: E402
+from kernels.attention import paged_attention_ref, unpack_mask, write_kv_ref  # noqa: E402
 from kernels.attention_triton import pack_mask, paged_attention_triton, write_kv_triton  # noqa: E402
 from kernels.tree import tree_mask_ref  # noqa: E402
 from runtime.step_layout import SeqChunk, layout_step  # noqa: E402
@@ -135,6 +137,25 @@ def test_pack_mask_bits():
     assert packed.shape == (5, 3) and packed.dtype == torch.int32
     bits = (packed[:, :, None].long() >> torch.arange(32)) & 1  # (5, 3, 32)
     assert torch.equal(bits.view(5, 96)[:, :70].bool(), mask) and not bits.view(5, 96)[:, 70:].any()
+
+
+
+@pytest.mark.parametrize("kind", ["reference", "triton", "exact"])
+def test_every_prepare_attention_takes_a_packed_mask(kind):
+    """A custom mask that comes packed into int32 words, with a spare zero word past its columns (as the
+    draft's device proposal builds it), gives the bool mask's attention, bit for bit."""
+    kernels = select_kernels(DEVICE, "reference" if kind == "reference" else "triton", exact=kind == "exact")
+    level = np.array([[1, 0, 0, 1, 0, 0], [0, 1, 0, 0, 1, 0], [0, 0, 1, 0, 0, 1]], bool)
+    k_cache, v_cache, chunks = build([(20, 8, tree_mask(TREE), 20), (12 + 3, 3, level, 12)], 2, 16, torch.float32, 3)
+    if kind == "reference":  # the reference gathers whole blocks: no poison
+        k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    meta = dataclasses.replace(layout_step(chunks, BLOCK, torch.device(DEVICE), REFERENCE).meta, dense_mask=None)
+    words = torch.nn.functional.pad(pack_mask(meta.custom_mask), (0, 1))
+    assert torch.equal(unpack_mask(words)[:, :meta.custom_mask.shape[1]], meta.custom_mask)
+    q = torch.randn(meta.num_tokens, 4, 16, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    want, got = (kernels.paged_attention(q, k_cache, v_cache, kernels.prepare_attention(m), 0.25)
+                 for m in (meta, dataclasses.replace(meta, custom_mask=words)))
+    assert torch.equal(got, want)
 
 
 def test_select_kernels():
