@@ -36,6 +36,7 @@ from draft_service.metrics import DraftMetrics
 from draft_service.server_config import DraftServerConfig
 from draft_service.step_answer import StepAnswerer
 from draft_service.handshake_checks import checked_handshake
+from kernels.compile_watch import CompileWatch
 from link import step_socket
 from link.convert import step_call_from_proto, step_reply_to_proto
 from link.protocol import StepReply
@@ -69,6 +70,7 @@ class DraftWorker:
         self.make_drafter = make_drafter or EagleDrafter.from_checkpoint
         self.draft_cfg = DraftConfig.from_dir(cfg.spec.draft_path)  # fail fast on a bad head
         self._stop = threading.Event()
+        self._watching = False  # warning on kernel compilations after the first warm-up
         self._responses = None  # the live session's response stream, cancelled by stop()
         self._outgoing: queue.Queue | None = None  # the live session's request stream
         self._step_socket: StepSocket | None = None  # the live session's step socket (None: steps on the stream)
@@ -182,8 +184,8 @@ class DraftWorker:
                 drafter = self.make_drafter(self.cfg.spec, target, bufs["embedding"], hello.max_trees,
                                             hello.max_model_len, cuda_graphs=not self.cfg.enforce_eager)
                 warm_up = getattr(drafter, "warm_up", None)  # before the session opens: the verify side
-                if warm_up is not None:                      # decodes plainly meanwhile
-                    warm_up()
+                if warm_up is not None and warm_up() and not self._watching:  # decodes plainly meanwhile
+                    self._watching = CompileWatch(log, "the draft service's warm-up").start()
                 self._stream(stub, hello, bufs, drafter)
 
     def _stream(self, stub, hello, bufs, drafter) -> None:

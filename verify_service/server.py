@@ -26,6 +26,7 @@ from common.listen import NO_PORT_SHARING, bind, unix_socket_path
 from common.parsed_servicer import add_health_servicer, add_parsed_servicer
 from common.reflection import enable_reflection
 from common.metrics_http import metrics_host
+from kernels.compile_watch import CompileWatch
 from link import step_socket
 from link.shared_buffers import BufferExporter
 from verify_service.adaptive import policy_for, tree_sizes
@@ -151,6 +152,7 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
     warm_s = target.runner.warm_up(cfg.engine.max_batch_tokens, tree_tokens)
     if warm_s:
         log.info("kernels compiled and decode and verification graphs captured in %.1f s", warm_s)
+        CompileWatch(log, "the verify service's warm-up").start()
     for name in ("", GENERATION):
         status.set(name, health_pb2.HealthCheckResponse.SERVING)
     status.set(SPECULATION_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
