@@ -17,7 +17,7 @@ from link.protocol import DraftFeed
 from runtime.tree import CandidateTree
 from tiny_eagle import make_eagle_dir
 from tiny_models import make_model_dir, target_for, tiny_config
-from verify_service.adaptive import AdaptivePolicy, PolicyConfig, accepted_within, policy_for, tree_sizes
+from verify_service.adaptive import AdaptivePolicy, PolicyConfig, _learned, accepted_within, policy_for, tree_sizes
 from verify_service.cost_table import CostGrid, CostTable, calibrate, interp1
 from verify_service.engine import Engine
 from verify_service.feed_buffer import FeedBuffer
@@ -160,6 +160,17 @@ def test_a_decision_is_held_while_nothing_it_rests_on_changes():
     assert len(calls) == 3
     policy.choose(2, 1024, [0, 1], [4, 4])  # and so does another batch
     assert len(calls) == 4
+
+
+def test_an_unseen_batch_takes_the_nearest_learned_costs_scaled_with_the_batch():
+    assert _learned({}, 8) is None
+    assert _learned({64: 2.0, 4: 1.0}, 128) == 4.0  # larger: the nearest (64), x 128/64
+    assert _learned({64: 2.0, 4: 1.0}, 8) == 2.0  # between: the nearest in powers of two (4), x 8/4
+    assert _learned({64: 2.0}, 16) == 2.0  # smaller: as costly as the nearest, not less
+    assert _learned({64: -0.5}, 128) == -0.5  # a negative residual is not scaled
+    policy = AdaptivePolicy(table(per_token_ms=1.0), TreeSettings("chain", 3), PolicyConfig(probe_every=0))
+    policy.observe_draft(64, 3, 8.0)  # 2 ms a level at 64 sequences
+    assert policy.draft_ms(128, 3, 1024) == pytest.approx(16.0)  # 4 levels at 4 ms, not the prior
 
 
 # --- the cost table -------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ For B decoding sequences, S of them speculating, and trees of at most n nodes::
 forward: the calibrated ``CostTable``. residual: what a step costs beyond the forward (sampling,
 acceptance, compaction, commit), learned online per batch bucket for plain and tree steps apart.
 draft: the draft's part (extend + tree growth, the link's round trip included), learned online
-per batch bucket as milliseconds per level, levels = 1 + tree depth.
+per batch bucket as milliseconds per level, levels = 1 + tree depth. A bucket not measured yet
+takes the nearest measured one's residual and draft cost, scaled with the batch when larger.
 
 Acceptance: the best m nodes of a tree (by draft score) are themselves the tree of size m
 (``TreeSettings.capped``) and closed under ancestors, so a verified tree of n nodes shows what every
@@ -126,6 +127,20 @@ def _bucket(batch: int) -> int:
     return 1 << max(0, int(batch) - 1).bit_length()
 
 
+def _learned(by_bucket: dict[int, float], bucket: int) -> float | None:
+    """A cost learned per batch bucket, at ``bucket``; at a bucket not seen yet, the nearest seen one's,
+    scaled up with the batch when ``bucket`` is larger (a cost that grows with the sequences: taking
+    it flat would let a larger batch look as cheap as a smaller one and start a tree it cannot
+    afford); None when no bucket was seen."""
+    if bucket in by_bucket:
+        return by_bucket[bucket]
+    if not by_bucket:
+        return None
+    near = min(by_bucket, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
+    value = by_bucket[near]
+    return value * bucket / near if bucket > near and value > 0 else value
+
+
 class AdaptivePolicy:
     def __init__(self, table: CostTable, limits: TreeSettings, config: PolicyConfig = PolicyConfig()):
         self.table, self.limits, self.cfg = table, limits, config
@@ -136,7 +151,7 @@ class AdaptivePolicy:
         self._global = Acceptance(prior, config.global_weight)
         self._seq: dict[int, Acceptance] = {}
         self._nodes = np.array(self.sizes, dtype=np.float64)  # nodes the trees of each size really held
-        self._residual: dict[tuple[int, bool], float] = {}
+        self._residual: dict[bool, dict[int, float]] = {False: {}, True: {}}  # tree step? -> bucket -> ms
         self._draft_level_ms: dict[int, float] = {}
         self._forward_cache: dict[tuple[int, int, int], float] = {}
         self.decisions: Counter[int] = Counter()  # steps per choice (0: plain decoding)
@@ -199,10 +214,11 @@ class AdaptivePolicy:
         """A step without its draft: the forward plus the learned residual. The residual may be negative
         (the table measured slower than steps run); a step is never free."""
         forward = self._forward(batch, tokens, context)
-        return max(forward + self._residual.get((_bucket(batch), tokens > 1), 0.0), 0.05 * forward)
+        residual = _learned(self._residual[bool(tokens > 1)], _bucket(batch))
+        return max(forward + (residual or 0.0), 0.05 * forward)
 
     def draft_ms(self, speculating: int, levels: float, context: float) -> float:
-        unit = self._draft_level_ms.get(_bucket(speculating))
+        unit = _learned(self._draft_level_ms, _bucket(speculating))
         if unit is None:
             unit = self.cfg.draft_prior_fraction * self._forward(speculating, 1, context)
         return unit * (1 + levels)
@@ -270,8 +286,9 @@ class AdaptivePolicy:
         seen[1] += ms
         seen[2] += modelled
         residual = ms - self._forward(batch, 1 + nodes, context)
-        old = self._residual.get(key)
-        self._residual[key] = residual if old is None else old + self.cfg.cost_weight * (residual - old)
+        learned = self._residual[key[1]]
+        old = learned.get(key[0])
+        learned[key[0]] = residual if old is None else old + self.cfg.cost_weight * (residual - old)
 
     def observe_draft(self, speculating: int, levels: int, ms: float, backlog: int = 0) -> None:
         """The draft's part of a step that asked ``speculating`` trees of ``levels`` levels took ``ms``;
@@ -297,7 +314,8 @@ class AdaptivePolicy:
         """What the policy learned and how its model compares with the steps measured (for benchmarks)."""
         return {"decisions": {str(k): v for k, v in sorted(self.decisions.items())}, "probes": self.probes,
                 "probe_share_modelled": round(float(self._probe_ms / self._spent_ms), 4) if self._spent_ms else 0.0,
-                "residual_ms": {f"{'tree' if t else 'plain'} b{b}": round(float(v), 4) for (b, t), v in self._residual.items()},
+                "residual_ms": {f"{'tree' if t else 'plain'} b{b}": round(float(v), 4)
+                                for t, by_bucket in self._residual.items() for b, v in by_bucket.items()},
                 "draft_ms_per_level": {f"b{b}": round(float(v), 4) for b, v in self._draft_level_ms.items()},
                 "steps": {k: {"steps": int(n), "measured_ms": round(float(m / n), 4), "modelled_ms": round(float(e / n), 4)}
                           for k, (n, m, e) in self.observed.items() if not k.startswith("draft")},
