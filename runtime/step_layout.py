@@ -11,6 +11,8 @@ copy; the device tensors are views of that copy::
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,8 +74,8 @@ class Staging:
         Each array starts at a multiple of ``ALIGN`` elements (64 bytes): Triton specialises a
         pointer argument on its 16-byte alignment, so views at step-dependent offsets would
         otherwise compile new kernel variants in the middle of serving."""
-        starts = np.concatenate(([0], np.cumsum([-(-a.size // ALIGN) * ALIGN for a in arrays])))
-        total = int(starts[-1])
+        starts = [0, *itertools.accumulate(-(-a.size // ALIGN) * ALIGN for a in arrays)]
+        total = starts[-1]
         buf, host = self._buffer(total)
         for a, at in zip(arrays, starts):
             host[at:at + a.size] = a.reshape(-1)
@@ -83,7 +85,8 @@ class Staging:
             self._copies[self._turn].record()
         else:
             moved = buf[:total].clone()
-        return [moved[at:at + a.size].view(a.shape) for a, at in zip(arrays, starts)]
+        # One as_strided per array: the same views as slicing then reshaping, in one call instead of two.
+        return [moved.as_strided(a.shape, _contiguous_strides(a.shape), at) for a, at in zip(arrays, starts)]
 
     def _buffer(self, n: int) -> tuple[torch.Tensor, np.ndarray]:
         """The next buffer, once the copy that last read it has run: steps that end in no sync (prefill
@@ -98,6 +101,20 @@ class Staging:
         return entry
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of ``shape``, in elements."""
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+def pad_rows(rows: list[list[int]], width: int | None = None) -> np.ndarray:
+    """int64 [len(rows), width] (default the longest row): each row's values, then zeros (block
+    tables). A slice assignment per row: at served batch sizes cheaper than one scatter of them all."""
+    out = np.zeros((len(rows), width or max(map(len, rows), default=0)), dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
 def layout_arrays(chunks: list[SeqChunk], block_size: int, table_width: int | None = None) -> dict[str, np.ndarray]:
     """The host side of a step's layout, int64 arrays: qsl, seq_lens, tables ([B, table_width],
     default the longest table), slots, positions, token_seq, q_idx."""
@@ -107,9 +124,7 @@ def layout_arrays(chunks: list[SeqChunk], block_size: int, table_width: int | No
     token_seq = np.repeat(np.arange(len(chunks)), q_lens)
     token_q_idx = np.arange(qsl[-1]) - qsl[token_seq]
     kv_idx = starts[token_seq] + token_q_idx
-    tables = np.zeros((len(chunks), table_width or max(len(c.block_table) for c in chunks)), dtype=np.int64)
-    for i, c in enumerate(chunks):
-        tables[i, : len(c.block_table)] = c.block_table
+    tables = pad_rows([c.block_table for c in chunks], table_width)
     slots = tables[token_seq, kv_idx // block_size] * block_size + kv_idx % block_size
     positions = np.concatenate([np.asarray(c.positions) if c.positions is not None else
                                 np.arange(c.kv_start, c.kv_start + len(c.token_ids)) for c in chunks])
@@ -298,9 +313,11 @@ class StaticLayout:
                      for c in chunks]
             h["mask_start"][:n] = [c.kv_start if c.mask_start is None else c.mask_start for c in chunks]
             h["mask_start"][n:] = 0
+            dense = np.zeros((T, self.bucket.tokens), dtype=bool)  # the step's rows unpacked, packed at once
+            for m, at in zip(masks, qsl[:-1].tolist()):
+                dense[at:at + m.shape[0], :m.shape[1]] = m
             self._mask_bytes[:] = 0
-            for m, at in zip(masks, qsl[:-1]):
-                packed = np.packbits(m, axis=1, bitorder="little")  # bit j of byte b: column 8 b + j
-                self._mask_bytes[at:at + m.shape[0], :packed.shape[1]] = packed
+            packed = np.packbits(dense, axis=1, bitorder="little")  # bit j of byte b: column 8 b + j
+            self._mask_bytes[:T, :packed.shape[1]] = packed
         self.device_buffer.copy_(self.host_buffer, non_blocking=True)
         return qsl

@@ -106,22 +106,16 @@ def invalid_trees(trees: list[CandidateTree], vocab_size: int, max_nodes: list[i
     bad = set()
     shaped = []
     for i, t in enumerate(trees):
-        n = t.tokens.shape[0] if t.tokens.ndim == 1 else -1
-        if n < 0 or any(a.ndim != 1 or a.shape[0] != n for a in (t.parents, t.depths, t.log_probs)) \
-                or n > max_nodes[i]:
+        shape = t.tokens.shape  # every array 1-D of one length: its shape (n,)
+        if len(shape) != 1 or t.parents.shape != shape or t.depths.shape != shape or t.log_probs.shape != shape \
+                or shape[0] > max_nodes[i]:
             bad.add(i)
-        elif n:
+        elif shape[0]:
             shaped.append(i)
     if shaped:
-        width = max(trees[i].num_nodes for i in shaped)
-        b = len(shaped)
-        tokens = np.zeros((b, width), dtype=np.int64)
-        parents = np.full((b, width), -1, dtype=np.int64)
-        depths = np.ones((b, width), dtype=np.int64)
-        real = np.zeros((b, width), dtype=bool)
-        for r, i in enumerate(shaped):
-            t, n = trees[i], trees[i].num_nodes
-            tokens[r, :n], parents[r, :n], depths[r, :n], real[r, :n] = t.tokens, t.parents, t.depths, True
+        tokens, parents, depths, sizes = pad_trees([trees[i] for i in shaped])
+        width = tokens.shape[1]
+        real = np.arange(width)[None, :] < sizes[:, None]
         idx = np.arange(width)[None, :]
         wrong = ((tokens < 0) | (tokens >= vocab_size) | (parents < -1) | (parents >= idx)) & real
         ok_parents = ~wrong.any(axis=1)
@@ -158,21 +152,61 @@ def _depths_from_parents(parents: np.ndarray) -> np.ndarray:
     return depths
 
 
-def ancestor_masks(parents: np.ndarray, num_nodes: np.ndarray) -> np.ndarray:
+def pad_trees(trees: list[CandidateTree], root_column: bool = False
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The trees as int64 [B, W] arrays (tokens, parents, depths) and their node counts [B]: node i
+    of tree b at [b, i], padding 0, -1, 0. ``root_column``: the kernels' layout instead, node i at
+    column i + 1 and parents as columns (the root's column 0; the root and padding -1), column 0
+    left to the caller. Values cast as a per-row assignment casts them (element by element).
+
+    A slice per tree for a few trees; for more, one concatenate and one scatter per field through
+    the mask of real nodes (row-major order lists every tree's nodes in turn): cheaper past ~8."""
+    lead = int(root_column)
+    sizes = [t.tokens.shape[0] for t in trees]
+    shape = (len(trees), lead + max(sizes, default=0))
+    # Parents shifted by ``lead`` at the end: padding starts at -1 - lead.
+    tokens, parents, depths = (np.zeros(shape, dtype=np.int64), np.full(shape, -1 - lead, dtype=np.int64),
+                               np.zeros(shape, dtype=np.int64))
+    if len(trees) <= 8:
+        for r, (t, n) in enumerate(zip(trees, sizes)):
+            cols = slice(lead, lead + n)
+            tokens[r, cols], parents[r, cols], depths[r, cols] = t.tokens, t.parents, t.depths
+    else:
+        real = np.zeros(shape, dtype=bool)
+        real[:, lead:] = np.arange(shape[1] - lead)[None, :] < np.array(sizes)[:, None]
+        for a, field in ((tokens, "tokens"), (parents, "parents"), (depths, "depths")):
+            a[real] = np.concatenate([getattr(t, field) for t in trees], dtype=np.int64, casting="unsafe")
+    if lead:
+        parents += lead
+    return tokens, parents, depths, np.array(sizes, dtype=np.int64)
+
+
+def ancestor_masks(parents: np.ndarray, num_nodes: np.ndarray, max_depth: int | None = None) -> np.ndarray:
     """bool [B, N+1, N+1] on the host, as ``kernels.tree.tree_mask_ref`` computes it on a device:
     row i sees column j iff j == i, j is the root (slot 0), or j is an ancestor of i; padding
     nodes (index >= num_nodes) see only themselves and the root.
 
-    For validated trees (every parent before its child), one pass in node order: a node's row is
-    its parent's row plus its own column, vectorised over the batch.
+    For validated trees (every parent before its child): every slot of every tree walks up its
+    ancestor chain together, one step per level, marking each step's ancestors with one scatter
+    into the flat mask; the cost grows with the depth, not the node count. ``max_depth``, when the
+    caller knows the trees' deepest node, fixes the step count (else each step checks for the end).
     """
     b, n = parents.shape
-    mask = np.zeros((b, n + 1, n + 1), dtype=bool)
-    mask[:, np.arange(n + 1), np.arange(n + 1)] = True
-    mask[:, :, 0] = True
+    m = n + 1
     real = np.arange(n)[None, :] < np.asarray(num_nodes)[:, None]
-    parent_slot = np.where(real, parents + 1, 0)  # a child of the root, or padding: the root's row
-    rows = np.arange(b)
-    for i in range(n):
-        mask[:, i + 1] |= mask[rows, parent_slot[:, i]]
+    base = np.arange(b)[:, None] * m  # (B, 1): flat index of each tree's root slot
+    up = np.repeat(base, m, axis=1)  # (B, N+1): a slot's parent's flat slot; root and padding: the root
+    up[:, 1:] += np.where(real, parents + 1, 0)
+    up = up.reshape(-1)
+    here = np.arange(b * m)  # flat slot (b, i) -> b * m + i; walks up to its ancestors
+    rows = (here - np.repeat(base.reshape(-1), m)) + here * (m - 1)  # flat (b, i, 0) = (b m + i) m - b m
+    mask = np.zeros(b * m * m, dtype=bool)
+    for _ in range(m if max_depth is None else max_depth + 1):  # a chain of N nodes: N + 1 steps
+        mask[rows + here] = True  # (b, i, j) for j = the ancestor ``here`` holds (flat j + b m)
+        above = up[here]
+        if max_depth is None and np.array_equal(above, here):  # every walk sits at its root
+            break
+        here = above
+    mask = mask.reshape(b, m, m)
+    mask[:, :, 0] = True
     return mask

@@ -52,12 +52,49 @@ def test_static_layout_pads_and_packs():
     assert m.mask_start.tolist() == [20, 9, 0, 0] and m.max_query_len == 8 and m.max_seq_len == 64
 
 
+def test_static_layout_packs_every_chunks_mask_in_its_rows():
+    """Masks of several trees of mixed sizes (and a decode token) land packed in their own rows, each
+    as ``pack_mask`` packs it alone."""
+    gen = np.random.default_rng(1)
+    chunks, want = [], np.zeros((64, 16), bool)
+    at = 0
+    for n in (5, 1, 16, 9):
+        mask = np.tril(gen.random((n, n)) < 0.5) | np.eye(n, dtype=bool)
+        chunks.append(SeqChunk(np.zeros(n, np.int64), 3, [1], logits_rows=np.arange(n), custom_mask=mask)
+                      if n > 1 else SeqChunk([0], 3, [1], logits_rows=(0,)))
+        want[at:at + n, :n] = mask if n > 1 else True
+        at += n
+    lay = StaticLayout(Bucket(4, 16, True), table_width=2, max_seq_len=64, block_size=16, device=torch.device("cpu"))
+    lay.fill(chunks)
+    assert torch.equal(lay.meta.custom_mask, pack_mask(torch.from_numpy(want)))
+
+
 def test_graph_buckets():
     buckets = graph_buckets(max_num_seqs=20, max_tree_tokens=24)
     decode = [b.seqs for b in buckets if not b.tree]
     assert decode == [1, 2, 4, 8, 16, 20]
     assert {b.tokens for b in buckets if b.tree} == {2, 4, 8, 16, 24}
     assert all(b.num_tokens <= MAX_GRAPH_TOKENS for b in buckets)
+
+
+def test_bucket_choice_is_the_smallest_fitting_one_captured_first(tmp_path):
+    """``ModelRunner._bucket`` (cached bucket lists) picks what a fresh scan of ``graph_buckets``
+    picks: the smallest captured bucket that fits, else the smallest fitting one."""
+    runner = target_for(make_model_dir(tmp_path / "m", "llama3", seed=2, std=0.3), max_num_seqs=20).runner
+    buckets = runner._buckets()
+    gen = np.random.default_rng(0)
+    for _ in range(200):
+        sizes = [int(n) for n in gen.integers(1, 40, size=int(gen.integers(1, 22)))]
+        tree = bool(gen.integers(0, 2))
+        chunks = [SeqChunk(np.zeros(n if tree else 1, np.int64), 0, [0], logits_rows=np.arange(n if tree else 1),
+                           custom_mask=np.ones((n, n), bool) if tree else None) for n in sizes]
+        runner._graphs = {b: (object() if gen.random() < 0.3 else None) for b in buckets if gen.random() < 0.5}
+        most = max(sizes) if tree else 1
+        fitting = [b for b in buckets if b.tree == tree and b.seqs >= len(chunks) and b.tokens >= most]
+        captured = [b for b in fitting if runner._graphs.get(b) is not None]
+        want = min(captured or fitting, key=lambda b: (b.num_tokens, b.tokens)) if fitting else None
+        assert runner._bucket(chunks) == want
+    runner._graphs = {}
 
 
 @pytest.mark.parametrize("bucket", [Bucket(4, 8, True), Bucket(3, 16, True)])

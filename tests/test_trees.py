@@ -388,6 +388,73 @@ def test_host_ancestor_masks_equal_the_device_kernel():
             parents[i, num[i]:] = gen.integers(-1, n, size=n - num[i])  # padding: any value
         want = tree_mask_ref(torch.from_numpy(parents), torch.from_numpy(num)).numpy()
         assert np.array_equal(ancestor_masks(parents, num), want)
+        depth = _chain_depth(parents, num)
+        assert np.array_equal(ancestor_masks(parents, num, depth), want)  # the step count given
+
+
+def _chain_depth(parents, num):
+    """The deepest real node's depth (by walking its chain), 0 for no nodes."""
+    deepest = 0
+    for row, n in zip(parents, num):
+        for i in range(n):
+            d, j = 1, i
+            while row[j] >= 0:
+                d, j = d + 1, row[j]
+            deepest = max(deepest, d)
+    return deepest
+
+
+def _random_trees(gen, count, max_nodes=12):
+    """Valid trees of 0..max_nodes nodes (distinct sibling tokens: all tokens distinct)."""
+    from runtime.tree import CandidateTree
+    trees = []
+    for _ in range(count):
+        n = int(gen.integers(0, max_nodes + 1))
+        parents = [int(gen.integers(-1, i)) for i in range(n)]
+        trees.append(CandidateTree.from_lists(gen.permutation(100)[:n], parents))
+    return trees
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8, 9, 20])  # a slice per tree, and one scatter for many
+@pytest.mark.parametrize("root_column", [False, True])
+def test_pad_trees_equals_a_row_per_tree(batch, root_column):
+    from runtime.tree import pad_trees
+    gen = np.random.default_rng(batch)
+    for _ in range(10):
+        trees = _random_trees(gen, batch)
+        lead = int(root_column)
+        width = lead + max(t.num_nodes for t in trees)
+        want = (np.zeros((batch, width), np.int64), np.full((batch, width), -1, np.int64),
+                np.zeros((batch, width), np.int64))
+        for r, t in enumerate(trees):
+            n = t.num_nodes
+            want[0][r, lead:lead + n], want[1][r, lead:lead + n], want[2][r, lead:lead + n] = \
+                t.tokens, t.parents + lead, t.depths
+        got = pad_trees(trees, root_column)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+        assert got[3].tolist() == [t.num_nodes for t in trees]
+
+
+@pytest.mark.parametrize("batch", [1, 5, 12])
+def test_tree_chunks_equal_the_kernel_masks_and_positions(batch):
+    """verification.tree_chunks (host masks, positions, padded tokens) against the device references
+    ``tree_mask_ref`` and ``tree_positions_ref``, tree by tree, on batches of mixed sizes."""
+    from types import SimpleNamespace
+    from verify_service.verification import tree_chunks
+    gen = np.random.default_rng(batch)
+    for _ in range(10):
+        trees = _random_trees(gen, batch, 20)
+        seqs = [SimpleNamespace(tree=t, output_ids=[int(gen.integers(0, 100))], num_cached=int(gen.integers(0, 50)))
+                for t in trees]
+        tables = [[int(x) for x in gen.integers(0, 9, size=int(gen.integers(1, 5)))] for _ in seqs]
+        for s, table, c in zip(seqs, tables, tree_chunks(seqs, tables)):
+            t, n = s.tree, s.tree.num_nodes
+            parents, num = torch.from_numpy(t.parents)[None], torch.tensor([n])
+            assert c.token_ids.tolist() == [s.output_ids[-1], *t.tokens.tolist()] and c.block_table is table
+            assert c.kv_start == s.num_cached and c.logits_rows.tolist() == list(range(n + 1))
+            assert np.array_equal(c.custom_mask, tree_mask_ref(parents, num)[0].numpy())
+            want = tree_positions_ref(torch.from_numpy(t.depths)[None], num, torch.tensor([s.num_cached]))[0]
+            assert c.positions.tolist() == want.tolist()
 
 
 def test_batched_validation_agrees_with_each_trees_own():

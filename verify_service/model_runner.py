@@ -86,6 +86,7 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._graphs: dict[Bucket, _Graph | None] = {}  # None: capture failed, that bucket runs eagerly
         self._pool = None
+        self._fits: dict[tuple, list[Bucket]] = {}  # _fitting's answers
         self.graph_steps = 0  # steps that replayed a graph (a metric; tests read it)
         self.set_capture_layers(capture_layers)
 
@@ -168,11 +169,20 @@ class ModelRunner:
                         or not np.array_equal(c.logits_rows, np.arange(n)):
                     return None
                 tree, most = True, max(most, n)
-        fitting = [b for b in self._buckets() if b.tree == tree and b.seqs >= len(chunks) and b.tokens >= most]
+        fitting = self._fitting(tree, len(chunks), most)
         # A bucket already captured, if one fits: a slightly larger forward costs less than a capture
         # in the middle of serving (trees shrink near a request's end; adaptive sizes vary).
-        captured = [b for b in fitting if self._graphs.get(b) is not None]
-        return min(captured or fitting, key=lambda b: (b.num_tokens, b.tokens)) if fitting else None
+        return next((b for b in fitting if self._graphs.get(b) is not None), fitting[0] if fitting else None)
+
+    def _fitting(self, tree: bool, seqs: int, tokens: int) -> list[Bucket]:
+        """The buckets that hold ``seqs`` sequences of up to ``tokens`` tokens, smallest first (by
+        tokens, then tokens per sequence; ties in ``_buckets`` order). Cached: a step asks for the
+        same few shapes again and again, and the bucket list is fixed by the runner's sizes."""
+        key = (tree, seqs, tokens, self.max_num_seqs, self.max_model_len)
+        if key not in self._fits:
+            fitting = [b for b in self._buckets() if b.tree == tree and b.seqs >= seqs and b.tokens >= tokens]
+            self._fits[key] = sorted(fitting, key=lambda b: (b.num_tokens, b.tokens))
+        return self._fits[key]
 
     def _buckets(self) -> list[Bucket]:
         return graph_buckets(self.max_num_seqs, min(MAX_GRAPH_TOKENS, self.max_model_len))

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.tree import tree_positions_ref
 from link.protocol import DraftFeed
-from runtime.step_layout import SeqChunk, Staging
-from runtime.tree import CandidateTree, ancestor_masks
+from runtime.step_layout import SeqChunk, Staging, pad_rows
+from runtime.tree import CandidateTree, ancestor_masks, pad_trees
 from verify_service.model_runner import StepOutput
 from verify_service.replay import AcceptanceReplay
 from verify_service.sampler import Sampler
@@ -44,23 +43,27 @@ class Verified:
 def tree_chunks(seqs: list[Sequence], tables: list[list[int]]) -> list[SeqChunk]:
     """The verification inputs of ``seqs``: each newest token followed by its tree's nodes.
 
-    The step layout is built on the host, so are the masks and positions: one batched call each
-    for every tree of the step (trees arrive validated: parents before children).
+    The step layout is built on the host, so are the masks and positions: one batched pass each
+    for every tree of the step (trees arrive validated: parents before children); the chunks'
+    arrays are views of the batch's.
     """
-    trees = [s.tree for s in seqs]
-    width = max(t.num_nodes for t in trees)
-    parents = np.full((len(trees), width), -1, dtype=np.int64)
-    depths = np.zeros((len(trees), width), dtype=np.int64)
-    for i, t in enumerate(trees):
-        parents[i, :t.num_nodes], depths[i, :t.num_nodes] = t.parents, t.depths
-    num_nodes = torch.tensor([t.num_nodes for t in trees])
-    masks = ancestor_masks(parents, num_nodes.numpy())  # (B, N+1, N+1)
-    starts = torch.tensor([s.num_cached for s in seqs])
-    positions = tree_positions_ref(torch.from_numpy(depths), num_nodes, starts).numpy()  # (B, N+1)
-    return [SeqChunk(np.concatenate(([s.output_ids[-1]], t.tokens)), s.num_cached, table,
-                     logits_rows=np.arange(t.num_nodes + 1), positions=positions[i, :t.num_nodes + 1],
-                     custom_mask=masks[i, :t.num_nodes + 1, :t.num_nodes + 1])
-            for i, (s, t, table) in enumerate(zip(seqs, trees, tables))]
+    tokens, parents, depths, num_nodes = padded_trees(seqs)  # (B, N+1), root in column 0
+    masks = ancestor_masks(parents[:, 1:] - 1, num_nodes, int(depths.max()))  # (B, N+1, N+1)
+    # tree_positions_ref's: the root at its KV index, node i at that + depths[i], padding as the root.
+    positions = np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=len(seqs))[:, None] + depths
+    rows = np.arange(tokens.shape[1])
+    return [SeqChunk(tokens[i, :n + 1], s.num_cached, table, logits_rows=rows[:n + 1],
+                     positions=positions[i, :n + 1], custom_mask=masks[i, :n + 1, :n + 1])
+            for i, (s, n, table) in enumerate(zip(seqs, num_nodes.tolist(), tables))]
+
+
+def padded_trees(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The sequences' trees as [B, N+1] arrays with the root in column 0 (kernel convention):
+    tokens (the root's: the newest token), parents (columns; -1 for the root and padding) and
+    depths (root 0), and the node counts [B] (root excluded)."""
+    tokens, parents, depths, num_nodes = pad_trees([s.tree for s in seqs], root_column=True)
+    tokens[:, 0] = [s.output_ids[-1] for s in seqs]
+    return tokens, parents, depths, num_nodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,22 +95,18 @@ class TreeVerifier:
         device; nothing waits. ``logits_start[i]``/``row_start[i]``: where sequence i's rows begin
         in ``out.logits`` and in the flat batch (``out.captured``)."""
         eng = self.target
-        sizes = [s.tree.num_nodes + 1 for s in seqs]
-        width = max(sizes)
-        tokens, host_parents, num_nodes, depths = self._padded_trees(seqs, width)
-        cols = np.minimum(np.arange(width)[None, :], np.asarray(sizes)[:, None] - 1)
+        tokens, host_parents, depths, nodes = padded_trees(seqs)  # (B, N+1), root in column 0
+        num_nodes = nodes + 1  # with the root
+        cols = np.minimum(np.arange(tokens.shape[1])[None, :], nodes[:, None])
         idx = np.asarray(logits_start)[:, None] + cols  # (B, N+1); padding repeats a row
-        tables = [eng.blocks.block_table(s.seq_id) for s in seqs]
-        table = np.zeros((len(seqs), max(len(t) for t in tables)), dtype=np.int64)
-        for i, t in enumerate(tables):
-            table[i, :len(t)] = t
-        prefix = np.array([s.num_cached for s in seqs], dtype=np.int64)
+        table = pad_rows([eng.blocks.block_table(s.seq_id) for s in seqs])
+        prefix = np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=len(seqs))
         rows = np.asarray(row_start, dtype=np.int64)
+        max_depth = int(depths.max())
         idx, tokens, parents, num_nodes, table, prefix, rows, depths = self.staging.upload(
             [idx, tokens, host_parents, num_nodes, table, prefix, rows, depths])
-        max_depth = max(s.tree.max_depth for s in seqs)
         if self.replay is not None:  # REPLAY (benchmarks only): the trace says how many nodes are accepted
-            result = self.replay.accept([s.seq_id for s in seqs], host_parents, sizes, out.logits[idx])
+            result = self.replay.accept([s.seq_id for s in seqs], host_parents, nodes + 1, out.logits[idx])
         else:
             result = self._accept(seqs, out.logits[idx], tokens, parents, num_nodes, max_depth, depths)
         src, dst = self.kernels.compaction_slots(result.path, result.num_accepted, prefix, table,
@@ -124,22 +123,6 @@ class TreeVerifier:
             path, k, bonus = host[i * D1:(i + 1) * D1], host[B * D1 + i], host[B * D1 + B + i]
             out.append(self._finish_one(seq, path[:k + 1], bonus, pending.features, i))
         return out
-
-    @staticmethod
-    def _padded_trees(seqs: list[Sequence], width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Trees as [B, N+1] arrays with the root in column 0 (kernel convention): tokens, parents,
-        node counts (with the root) and depths (root 0)."""
-        B = len(seqs)
-        tokens = np.zeros((B, width), dtype=np.int64)
-        parents = np.full((B, width), -1, dtype=np.int64)
-        depths = np.zeros((B, width), dtype=np.int64)
-        for i, s in enumerate(seqs):
-            n = s.tree.num_nodes
-            tokens[i, 0] = s.output_ids[-1]
-            tokens[i, 1:n + 1] = s.tree.tokens
-            parents[i, 1:n + 1] = s.tree.parents + 1
-            depths[i, 1:n + 1] = s.tree.depths
-        return tokens, parents, np.array([s.tree.num_nodes + 1 for s in seqs], dtype=np.int64), depths
 
     def _accept(self, seqs, logits, tokens, parents, num_nodes, max_depth, depths):
         k = self.kernels
