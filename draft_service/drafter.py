@@ -86,15 +86,17 @@ class EagleDrafter:
                    max_num_seqs, max_model_len, cuda_graphs=cuda_graphs)
 
     @torch.inference_mode()
-    def warm_up(self, shapes: list[TreeSettings] | None = None) -> float:
+    def warm_up(self, shapes: list[TreeSettings] | None = None, prompt_rows: int = 2048) -> float:
         """Capture the CUDA graphs of the tree ``shapes`` (default: the default tree) before the first
         proposal: the whole proposal and the draft extend, for every padded batch up to
         ``max_num_seqs`` (a capture in the middle of serving stalls its step by tens of
-        milliseconds, and batches change as sequences finish). Returns the seconds it took (0
-        without graphs)."""
+        milliseconds, and batches change as sequences finish); and compile the eager extend of
+        prompt pieces up to ``prompt_rows`` rows (a kernel compilation stalls its step as long).
+        Returns the seconds it took (0 without graphs)."""
         if self.graphs is None:
             return 0.0
         t0 = time.perf_counter()
+        self._compile_extends(prompt_rows)
         batch = 1
         while True:
             b = min(batch, self.max_num_seqs)
@@ -108,6 +110,22 @@ class EagleDrafter:
         seconds = time.perf_counter() - t0
         log.info("draft graphs for %d tree shapes captured in %.1f s", len(shapes or [0]), seconds)
         return seconds
+
+    def _compile_extends(self, max_rows: int) -> None:
+        """Run the eager extend (more rows a sequence than an extend graph holds: prompts, rows that
+        waited out plain steps) at the shapes the target's warm-up runs: pieces on both sides of a
+        multiple of 16 and short ones, at a short and a long context. A placeholder sequence's KV
+        rows are written and given back."""
+        seq, width = -1, len(self.capture_layers) * self.net.config.target_hidden_size
+        longest = self._capacity - self.spec.settings.draft_tree_rows  # committed rows: the context at most
+        n = max(3, min(max_rows, longest - 1))
+        for seq_len in sorted({min(longest, length) for length in (n, 8192 + n, longest)}):
+            for tokens in sorted({n - 1, n - 2, *(t for t in (48, 12, 2) if t < n - 2)}):
+                start = max(0, seq_len - tokens)
+                table = self.blocks.ensure_capacity(seq, start + tokens)
+                chunk = SeqChunk(np.zeros(tokens, np.int64), start, table, logits_rows=(tokens - 1,))
+                self._run([chunk], torch.zeros(tokens, width, dtype=self.dtype, device=self.device))
+        self.blocks.free(seq)
 
     # --- DraftProvider -------------------------------------------------------------------
 

@@ -183,8 +183,9 @@ class DraftWorker:
                 bufs = {name: importer.open(d, read_only=name == "embedding") for name, d in descs.items()}
                 drafter = self.make_drafter(self.cfg.spec, target, bufs["embedding"], hello.max_trees,
                                             hello.max_model_len, cuda_graphs=not self.cfg.enforce_eager)
-                warm_up = getattr(drafter, "warm_up", None)  # before the session opens: the verify side
-                if warm_up is not None and warm_up() and not self._watching:  # decodes plainly meanwhile
+                # Before the session opens (the verify side decodes plainly meanwhile):
+                warm_up = getattr(drafter, "warm_up", None)
+                if warm_up is not None and warm_up(prompt_rows=hello.max_feature_rows) and not self._watching:
                     self._watching = CompileWatch(log, "the draft service's warm-up").start()
                 self._stream(stub, hello, bufs, drafter)
 

@@ -20,6 +20,18 @@ import triton.language as tl
 
 from kernels.acceptance import AcceptResult
 
+# One compiled variant serves every step: tree widths up to 64 columns share one tile, and neither
+# the integer sizes nor the arrays' alignment (rows sliced out of larger tensors) select another.
+MIN_BLOCK = 64
+
+
+def _jit(**options):
+    """``triton.jit`` without alignment specialisation where this Triton offers the option."""
+    try:
+        return triton.jit(do_not_specialize_on_alignment=options["do_not_specialize"], **options)
+    except TypeError:  # an older Triton: integer arguments only
+        return triton.jit(**options)
+
 
 def greedy_accept_triton(target_argmax: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor,
                          num_nodes: torch.Tensor, max_depth: int) -> AcceptResult:
@@ -31,11 +43,12 @@ def greedy_accept_triton(target_argmax: torch.Tensor, node_tokens: torch.Tensor,
     if batch:
         argmax, tokens, par = (t.contiguous() for t in (target_argmax, node_tokens, parents))
         _greedy_accept_kernel[(batch,)](argmax, tokens, par, num_nodes.contiguous(), path, num_accepted, bonus,
-                                        width, max_depth, BLOCK=max(16, triton.next_power_of_2(width)))
+                                        width, max_depth, BLOCK=max(MIN_BLOCK, triton.next_power_of_2(width)))
     return AcceptResult(path, num_accepted, bonus)
 
 
-@triton.jit(do_not_specialize=["width", "max_depth"])
+@_jit(do_not_specialize=["argmax_ptr", "tokens_ptr", "parents_ptr", "num_nodes_ptr", "path_ptr", "accepted_ptr",
+                         "bonus_ptr", "width", "max_depth"])
 def _greedy_accept_kernel(argmax_ptr, tokens_ptr, parents_ptr, num_nodes_ptr, path_ptr, accepted_ptr, bonus_ptr,
                           width, max_depth, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -71,11 +84,12 @@ def compaction_slots_triton(path: torch.Tensor, num_accepted: torch.Tensor, pref
         tables = block_tables.contiguous()
         _compaction_slots_kernel[(batch,)](path.contiguous(), num_accepted.contiguous(), prefix_lens.contiguous(),
                                            tables, src, dst, width, tables.shape[1], block_size,
-                                           BLOCK=max(16, triton.next_power_of_2(width)))
+                                           BLOCK=max(MIN_BLOCK, triton.next_power_of_2(width)))
     return src, dst
 
 
-@triton.jit(do_not_specialize=["width", "table_width"])
+@_jit(do_not_specialize=["path_ptr", "accepted_ptr", "prefix_ptr", "tables_ptr", "src_ptr", "dst_ptr", "width",
+                         "table_width", "block_size"])
 def _compaction_slots_kernel(path_ptr, accepted_ptr, prefix_ptr, tables_ptr, src_ptr, dst_ptr, width, table_width,
                              block_size, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)

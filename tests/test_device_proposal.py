@@ -114,3 +114,16 @@ def test_a_proposal_graph_that_does_not_fit_runs_eagerly(dirs, monkeypatch):
     want = drafter._propose_by_levels(requests, drafter.spec.settings)
     same_trees(want, drafter._propose_on_device(requests, drafter.spec.settings))
     assert drafter._proposals[(drafter.spec.settings, 1)].graph is None
+
+
+def test_compiling_the_eager_extends_leaves_no_trace(dirs):
+    """The warm-up's eager extends of prompt-sized pieces (``_compile_extends``) write only a
+    placeholder sequence's rows and give its blocks back; a real sequence's draft is untouched."""
+    drafter, width, vocab = drafter_for(dirs, "chain")
+    gen = torch.Generator().manual_seed(3)
+    drafter.step([DraftFeed(1, 0, torch.randn(6, width, generator=gen),
+                            torch.randint(0, vocab, (6,), generator=gen).numpy())], [])
+    before, used = committed_kv(drafter, 1), drafter.blocks.num_used_blocks
+    drafter._compile_extends(40)
+    assert drafter.blocks.num_used_blocks == used and torch.equal(committed_kv(drafter, 1), before)
+    assert set(drafter.rows) == {1}

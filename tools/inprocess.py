@@ -29,6 +29,7 @@ def build_engine(cfg: EngineConfig, spec: SpecConfig | None = None, adaptive: bo
     # As the services do at start-up: no graph capture in the middle of generation, for the default
     # tree and, with the policy, every size it may pick.
     sizes = tree_sizes(spec.settings) if adaptive else (spec.settings.node_budget,)
-    drafter.warm_up([spec.settings.capped(n) for n in sizes] if adaptive else None)
+    drafter.warm_up([spec.settings.capped(n) for n in sizes] if adaptive else None,
+                    engine.feed_buffer.max_rows or cfg.max_batch_tokens)
     target.runner.warm_up(cfg.max_batch_tokens, tuple(n + 1 for n in sizes))
     return engine
