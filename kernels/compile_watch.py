@@ -29,4 +29,4 @@ class CompileWatch:
         self.compilations += 1
         fn = kwargs.get("fn")
         self.log.warning("Triton compiled %s after %s (this step stalls; the warm-up missed this shape): %s",
-                         getattr(fn, "name", fn), self.after, str(kwargs.get("repr"))[:300])
+                         getattr(fn, "name", fn), self.after, str(kwargs.get("repr"))[:2000])

@@ -175,3 +175,18 @@ def test_graphs_captured_again_after_the_capture_layers_change(tmp_path):
     target.runner.set_capture_layers((0, 1))
     assert Engine(target).generate([[5, 6, 7]], params)[0].token_ids == first
     assert target.runner._graphs
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_the_warm_up_placeholders_run_on_every_kernel_set(tmp_path, kernels):
+    """What the CUDA warm-up runs besides its graphs: a prompt piece beside a placeholder tree (an
+    eager masked step) and the acceptance kernels on a placeholder chain."""
+    from verify_service.model_runner import _chain_chunk
+
+    target = target_for(make_model_dir(tmp_path / "m", "llama3"), kernels=kernels,
+                        device=TRITON_DEVICE if kernels == "triton" else "cpu")
+    runner, bs = target.runner, target.kv_cache.block_size
+    prefill = SeqChunk(np.zeros(12, np.int64), 3, [0] * 2, logits_rows=(11,))
+    out = runner.step([prefill, _chain_chunk(8, 15, bs)])
+    assert out.logits.shape[0] == 1 + 8 and torch.isfinite(out.logits).all()
+    runner._warm_acceptance(8, bs)

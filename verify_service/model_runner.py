@@ -149,11 +149,24 @@ class ModelRunner:
                 decode = SeqChunk(np.zeros(1, np.int64), start + tokens, table, logits_rows=(0,))
                 self.step([prefill])
                 self.step([prefill, decode])
+                if tree_tokens:  # a prompt arriving while trees are verified: an eager masked step
+                    self.step([prefill, _chain_chunk(max(tree_tokens), start + tokens, bs)])
+        if tree_tokens:
+            self._warm_acceptance(max(tree_tokens), bs)
         torch.cuda.synchronize()
         buckets = self._buckets()
         tree_q = {min((b.tokens for b in buckets if b.tree and b.tokens >= n), default=0) for n in tree_tokens}
         self.capture([b for b in buckets if not b.tree or b.tokens in tree_q])
         return time.perf_counter() - t0
+
+    def _warm_acceptance(self, width: int, block_size: int) -> None:
+        """Compile the tree-acceptance kernels (greedy acceptance, the KV compaction moves) on
+        placeholder trees: a chain of ``width`` columns, root included."""
+        dev, k = self.device, self.kernels
+        cols = torch.arange(width, device=dev)[None]
+        result = k.greedy_accept(cols, cols, cols - 1, torch.tensor([width], device=dev), width - 1)
+        k.compaction_slots(result.path, result.num_accepted, torch.zeros(1, dtype=torch.int64, device=dev),
+                           torch.zeros(1, -(-width // block_size), dtype=torch.int64, device=dev), block_size)
 
     def _bucket(self, chunks: list[SeqChunk]) -> Bucket | None:
         """The smallest captured bucket that holds this step (else the smallest), if it is a decode or
@@ -237,3 +250,10 @@ class ModelRunner:
         T = int(qsl[-1])
         captured = graph.captured[:T].clone() if graph.captured is not None else None  # outlives the step
         return StepOutput(graph.logits[:T], graph.hidden[:T], captured, qsl.tolist())
+
+
+def _chain_chunk(q: int, start: int, block_size: int) -> SeqChunk:
+    """A placeholder tree of ``q`` tokens (a chain: each node sees its predecessors) at KV ``start``,
+    its KV in block 0."""
+    return SeqChunk(np.zeros(q, np.int64), start, [0] * -(-(start + q) // block_size), logits_rows=tuple(range(q)),
+                    positions=start + np.arange(q), custom_mask=np.tril(np.ones((q, q), dtype=bool)))
