@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections import Counter
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.sampling_params import SamplingParams  # noqa: E402
 from common.tree_settings import default_tree  # noqa: E402
 from hub.default_model import ensure_default_model  # noqa: E402
+from kernels.compile_watch import CompileWatch  # noqa: E402
 from tools.evaluate import parse_config, run, summarize  # noqa: E402
 from tools.inprocess import build_engine  # noqa: E402
 from tools.train.data import load_prompts  # noqa: E402
@@ -39,6 +41,7 @@ from verify_service.config import EngineConfig  # noqa: E402
 from verify_service.cost_table import CostGrid, calibrate  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "mt_bench.jsonl"
+WATCH = CompileWatch(logging.getLogger("speed_report"), "the engine's warm-up")
 
 
 def prompt_ids(engine, texts: list[str]) -> list[list[int]]:
@@ -56,11 +59,13 @@ def engine_rows(name: str, engine, prompts, batches, min_prompts: int, params, r
         ps = prompts[:max(b, min_prompts)]
         policy = getattr(engine, "policy", None)
         before = Counter(policy.decisions) if policy else None
+        compiled = WATCH.compilations
         outputs, secs, metrics = run(engine, ps, params, b)
         ref_out, ref_secs = reference.setdefault(b, (outputs, secs))
         row = summarize(name, outputs, secs, metrics if metrics and metrics[0] else None, ref_out, ref_secs)
         if row.get("tau") == 0.0:  # no tree verified (adaptive speculation decoded plainly throughout)
             del row["tau"], row["acceptance_per_depth"]
+        row["compilations"] = WATCH.compilations - compiled  # Triton compilations inside the timed run
         if policy:  # this batch's decisions, and the policy's model against the steps it measured
             row["adaptive"] = {**policy.diagnostics(),
                                "decisions": {str(k): v for k, v in sorted((policy.decisions - before).items())}}
@@ -159,6 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
               "tree": tree, "batches": batches, "throughput": []}
     reference: dict[int, tuple] = {}
     engine = build_engine(cfg)
+    if args.device.startswith("cuda"):
+        WATCH.start()  # from here, each row counts the compilations inside its timed run
     prompts = prompt_ids(engine, texts)
     eos = engine.target.model_config.eos_token_ids
     report["verify_cost"] = _verify_cost(engine.target, args).to_json()  # before any request: see calibrate

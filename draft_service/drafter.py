@@ -114,13 +114,14 @@ class EagleDrafter:
     def _compile_extends(self, max_rows: int) -> None:
         """Run the eager extend (more rows a sequence than an extend graph holds: prompts, rows that
         waited out plain steps) at the shapes the target's warm-up runs: pieces on both sides of a
-        multiple of 16 and short ones, at a short and a long context. A placeholder sequence's KV
+        multiple of 16 and short ones, at a short and a long context (Triton specialises integer
+        arguments on divisibility by 16). A placeholder sequence's KV
         rows are written and given back."""
         seq, width = -1, len(self.capture_layers) * self.net.config.target_hidden_size
         longest = self._capacity - self.spec.settings.draft_tree_rows  # committed rows: the context at most
         n = max(3, min(max_rows, longest - 1))
         for seq_len in sorted({min(longest, length) for length in (n, 8192 + n, longest)}):
-            for tokens in sorted({n - 1, n - 2, *(t for t in (48, 12, 2) if t < n - 2)}):
+            for tokens in sorted({n - 1, n, *(t for t in (48, 12, 2) if t < n - 1)}):  # T % 16 == 0 and not
                 start = max(0, seq_len - tokens)
                 table = self.blocks.ensure_capacity(seq, start + tokens)
                 chunk = SeqChunk(np.zeros(tokens, np.int64), start, table, logits_rows=(tokens - 1,))
