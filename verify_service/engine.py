@@ -8,14 +8,14 @@
 
 Each step runs one batched target forward over prefill chunks, plain decodes and candidate
 trees together; then commits tokens (stop checks per token), feeds the draft what became
-final and asks it for the next trees. With an adaptive policy (``adaptive.py``) the trees' size,
-or plain decoding, is chosen per step; the draft is then called only when trees are wanted.
+final and asks it for the next trees (``draft_coordinator.py``). With an adaptive policy
+(``adaptive.py``) the trees' size, or plain decoding, is chosen per step; the draft is then called
+only when trees are wanted.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -27,11 +27,11 @@ import torch
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from common.tree_settings import TreeSettings
-from link.protocol import DraftFeed, DraftProvider, ProposeRequest
+from link.protocol import DraftFeed, DraftProvider
 from runtime.step_layout import SeqChunk
-from runtime.tree import InvalidTreeError, invalid_trees
 from verify_service.adaptive import AdaptivePolicy
 from verify_service.detokenizer import StopStringDetokenizer
+from verify_service.draft_coordinator import DraftCoordinator
 from verify_service.feed_buffer import FeedBuffer
 from verify_service.model_runner import StepOutput
 from verify_service.replay import AcceptanceReplay
@@ -40,9 +40,6 @@ from verify_service.scheduler import Scheduler
 from verify_service.sequence import FinishReason, Sequence, SpeculationMetrics
 from verify_service.target import Target
 from verify_service.verification import TreeVerifier, tree_chunks
-
-log = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
@@ -87,12 +84,12 @@ class Engine:
         self.scheduler = Scheduler(target.blocks, target.cfg.max_num_seqs, target.cfg.max_batch_tokens, extra)
         self.sampler = Sampler(target.runner.kernels, target.device)
         self.verifier = TreeVerifier(target, self.sampler, replay)
-        cfg = target.cfg
-        self.feed_buffer = FeedBuffer(limits.feature_rows(cfg.max_batch_tokens, cfg.max_num_seqs) if limits else 0)
-        self._asked: dict[int, int] = {}  # seq_id -> node cap its pending tree was asked with (0: pruned)
         self._ids = itertools.count()
         self.sequences: dict[int, Sequence] = {}
-        self.draft_errors = 0  # invalid trees refused (each fell back to one plain step)
+        cfg = target.cfg
+        self.speculation = None if drafter is None else DraftCoordinator(
+            drafter, policy, self.scheduler, self.sequences, target.model_config.vocab_size,
+            target.max_model_len, limits.feature_rows(cfg.max_batch_tokens, cfg.max_num_seqs))
         self.last_step_verified_trees = False
         self.released_speculation = SpeculationMetrics()  # totals over finished and aborted sequences
 
@@ -129,12 +126,17 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         self.released_speculation.merge(seq.speculation)
         self.scheduler.release(seq)
-        if seq.speculate:
-            self.feed_buffer.drop(seq.seq_id)
-            self.drafter.release(seq.seq_id)
-        if self.policy is not None:
-            self.policy.release(seq.seq_id)
-        self._asked.pop(seq.seq_id, None)
+        if self.speculation is not None:
+            self.speculation.release(seq)
+
+    @property
+    def feed_buffer(self) -> FeedBuffer | None:
+        return self.speculation.feed_buffer if self.speculation else None
+
+    @property
+    def draft_errors(self) -> int:
+        """Invalid trees refused (each fell back to one plain step)."""
+        return self.speculation.draft_errors if self.speculation else 0
 
     def speculation_totals(self) -> SpeculationMetrics:
         """Speculation counters over every request since start: released ones and those in flight."""
@@ -176,25 +178,18 @@ class Engine:
         events = []
         for (i, seq, start, n), token in zip(due, host[:len(due)]):
             if seq.speculate:
-                self._feed_rows(seq, out, i, start, n, token, feeds)
+                DraftCoordinator.feed_rows(seq, out, i, start, n, token, feeds)
             events.append(self._commit(seq, [token]))
         if pending:
             for v in self.verifier.finish(pending, host[len(due):]):
-                self._observe(v)
+                self.speculation.observe(v)
                 feeds[v.seq.seq_id] = v.feed
                 events.append(self._commit(v.seq, v.tokens))
-        draft_s = self._draft(feeds)
+        draft_s = self.speculation.draft(feeds) if self.speculation else 0.0
         if self.policy is not None and decode_only:
             context = float(np.mean([s.num_cached for s, _ in plan]))
             self.policy.observe_step(len(plan), tree_nodes, context, (time.perf_counter() - t0 - draft_s) * 1e3)
         return events
-
-    def _observe(self, v) -> None:
-        """Tell the policy what a verified tree accepted (a tree cut short by the context or max_tokens
-        says nothing about its size)."""
-        asked = self._asked.pop(v.seq.seq_id, 0)
-        if self.policy is not None and asked:
-            self.policy.observe_tree(v.seq.seq_id, v.tree, v.accepted, asked)
 
     def _chunks(self, plan: list[tuple[Sequence, int]]) -> list[SeqChunk]:
         """The step's inputs in plan order: tree chunks (built together) and plain chunks."""
@@ -219,95 +214,8 @@ class Engine:
             if not seq.prefilling:
                 due.append((i, seq, start, n))
             elif seq.speculate:
-                self._feed_rows(seq, out, i, start, n, None, feeds)
+                DraftCoordinator.feed_rows(seq, out, i, start, n, None, feeds)
         return due
-
-    def _feed_rows(self, seq: Sequence, out: StepOutput, chunk: int, start: int, n: int,
-                   sampled: int | None, feeds: dict[int, DraftFeed]) -> None:
-        """Pair the features of positions start..start+n-1 with the tokens that follow them.
-
-        The last feature's successor is known only once sampled (or once the next prompt
-        chunk runs), so without ``sampled`` it waits in ``seq.pending_feature``.
-        """
-        row = out.query_start_loc[chunk]
-        feats = out.captured[row:row + n]
-        successors = seq.token_slice(start + 1, start + n) + ([sampled] if sampled is not None else [])
-        first = start
-        if seq.pending_feature is not None:
-            feats = torch.cat([seq.pending_feature[None], feats])
-            successors = [seq.token_slice(start, start + 1)[0], *successors]
-            first = start - 1
-        if sampled is None:
-            feats, seq.pending_feature = feats[:-1], feats[-1]
-        else:
-            seq.pending_feature = None
-        if feats.shape[0]:
-            feeds[seq.seq_id] = DraftFeed(seq.seq_id, first, feats, np.asarray(successors, dtype=np.int64))
-
-    def _draft(self, feeds: dict[int, DraftFeed]) -> float:
-        """Send the draft what became final; ask for trees for every decoding sequence, of the size the
-        policy picks when there is one (plain decoding: the rows wait in the feed buffer and the draft
-        is not called). Returns the seconds the call for trees took (0: none was made)."""
-        if self.drafter is None:
-            return 0.0
-        live = [f for f in feeds.values() if f.seq_id in self.sequences]  # finished ones are gone
-        overflow = self.feed_buffer.add(live)
-        if overflow:
-            self.drafter.step(overflow, [])
-        backlog = self.feed_buffer.rows - sum(len(f.next_tokens) for f in live)  # rows of earlier steps wait
-        requests = self._requests(feeds) if getattr(self.drafter, "connected", True) else []
-        if not requests and (self.policy is not None or not self.feed_buffer.rows):
-            return 0.0
-        start = time.perf_counter()
-        trees = self.drafter.step(self.feed_buffer.take(), requests)
-        seconds = time.perf_counter() - start  # the trees are on the host: the draft's work is done
-        if self.policy is not None and requests:  # a backlog's extend is no tree's cost: counted apart
-            levels = max(r.settings.depth for r in requests)
-            self.policy.observe_draft(len(requests), levels, seconds * 1e3, backlog)
-        proposed = [(req, trees[req.seq_id]) for req in requests if trees.get(req.seq_id) is not None
-                    and trees[req.seq_id].num_nodes]
-        vocab = self.target.model_config.vocab_size
-        # Checked all at once; a flagged tree gets its own check, which names the broken invariant.
-        flagged = set(invalid_trees([t for _, t in proposed], vocab, [r.settings.node_budget for r, _ in proposed],
-                                    [r.max_depth for r, _ in proposed]))
-        for j, (req, tree) in enumerate(proposed):
-            try:
-                if j in flagged:
-                    tree.validate(vocab, req.settings.node_budget, req.max_depth)
-            except InvalidTreeError as exc:  # this step decodes plainly; the output stays exact
-                log.warning("sequence %d: draft proposed an invalid tree (%s); decoding one token", req.seq_id, exc)
-                self.draft_errors += 1
-                self.drafter.tree_rejected(req.seq_id, str(exc))
-                continue
-            self.sequences[req.seq_id].tree = tree
-            self._asked[req.seq_id] = req.settings.node_budget if req.max_depth >= req.settings.depth else 0
-        return seconds
-
-    def _requests(self, feeds: dict[int, DraftFeed]) -> list[ProposeRequest]:
-        """A tree request per decoding sequence that speculates, capped to the policy's choice."""
-        ready = []
-        for seq in self.scheduler.running:
-            if seq.speculate and not seq.prefilling and seq.seq_id in feeds and not seq.finished:
-                depth = self._max_depth(seq)
-                if depth > 0:
-                    ready.append((seq, depth))
-        if self.policy is None:
-            return [ProposeRequest(seq.seq_id, depth, seq.tree_settings) for seq, depth in ready]
-        if not ready:
-            return []
-        decoding = [s for s in self.scheduler.running if not s.prefilling and not s.finished]
-        context = float(np.mean([s.num_tokens for s in decoding]))
-        nodes = self.policy.choose(len(decoding), context, [s.seq_id for s, _ in ready],
-                                   [s.tree_settings.node_budget for s, _ in ready])
-        if nodes == 0:
-            return []
-        capped = [(seq, self.policy.settings(seq.tree_settings, nodes)) for seq, _ in ready]
-        return [ProposeRequest(seq.seq_id, min(depth, tree.depth), tree) for (seq, tree), (_, depth) in zip(capped, ready)]
-
-    def _max_depth(self, seq: Sequence) -> int:
-        """Deepest useful tree: within its settings, the context and the tokens still allowed."""
-        room = self.target.max_model_len - seq.num_tokens  # node at depth d sits at num_tokens - 1 + d
-        return min(seq.tree_settings.depth, room, seq.max_new_tokens - len(seq.output_ids) - 1)
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> TokenEvent:
         """Append tokens one by one until one of them finishes the sequence."""

@@ -1,0 +1,144 @@
+"""The engine's side of speculation: what the draft is fed, which trees it is asked for, and the
+trees it sends back.
+
+Each step the engine hands over the rows that became final (``feed_rows``: a position's captured
+target features paired with the token that follows it) and calls ``draft``: the rows go to the
+draft (through the feed buffer, which holds them while adaptive speculation decodes plainly), the
+draft is asked for a tree per decoding sequence that speculates, capped to the policy's choice and
+to what the context and ``max_tokens`` leave, and the trees that come back are checked (all at
+once; a broken one costs its sequence one plain step, never a wrong token) and attached to their
+sequences for the next step's verification.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from link.protocol import DraftFeed, DraftProvider, ProposeRequest
+from runtime.tree import InvalidTreeError, invalid_trees
+from verify_service.adaptive import AdaptivePolicy
+from verify_service.feed_buffer import FeedBuffer
+from verify_service.model_runner import StepOutput
+from verify_service.scheduler import Scheduler
+from verify_service.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class DraftCoordinator:
+    def __init__(self, drafter: DraftProvider, policy: AdaptivePolicy | None, scheduler: Scheduler,
+                 sequences: dict[int, Sequence], vocab_size: int, max_model_len: int, feature_rows: int):
+        """``sequences``: the engine's live sequences (shared, not copied). ``feature_rows``: the most
+        rows one draft call may carry."""
+        self.drafter, self.policy = drafter, policy
+        self.scheduler, self.sequences = scheduler, sequences
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.feed_buffer = FeedBuffer(feature_rows)
+        self._asked: dict[int, int] = {}  # seq_id -> node cap its pending tree was asked with (0: pruned)
+        self.draft_errors = 0  # invalid trees refused (each fell back to one plain step)
+
+    def release(self, seq: Sequence) -> None:
+        """A finished or cancelled sequence: its waiting rows, its draft state, its policy estimates."""
+        if seq.speculate:
+            self.feed_buffer.drop(seq.seq_id)
+            self.drafter.release(seq.seq_id)
+        if self.policy is not None:
+            self.policy.release(seq.seq_id)
+        self._asked.pop(seq.seq_id, None)
+
+    @staticmethod
+    def feed_rows(seq: Sequence, out: StepOutput, chunk: int, start: int, n: int, sampled: int | None,
+                  feeds: dict[int, DraftFeed]) -> None:
+        """Pair the features of positions start..start+n-1 with the tokens that follow them.
+
+        The last feature's successor is known only once sampled (or once the next prompt
+        chunk runs), so without ``sampled`` it waits in ``seq.pending_feature``.
+        """
+        row = out.query_start_loc[chunk]
+        feats = out.captured[row:row + n]
+        successors = seq.token_slice(start + 1, start + n) + ([sampled] if sampled is not None else [])
+        first = start
+        if seq.pending_feature is not None:
+            feats = torch.cat([seq.pending_feature[None], feats])
+            successors = [seq.token_slice(start, start + 1)[0], *successors]
+            first = start - 1
+        if sampled is None:
+            feats, seq.pending_feature = feats[:-1], feats[-1]
+        else:
+            seq.pending_feature = None
+        if feats.shape[0]:
+            feeds[seq.seq_id] = DraftFeed(seq.seq_id, first, feats, np.asarray(successors, dtype=np.int64))
+
+    def draft(self, feeds: dict[int, DraftFeed]) -> float:
+        """Send the draft what became final; ask for trees for every decoding sequence, of the size the
+        policy picks when there is one (plain decoding: the rows wait in the feed buffer and the draft
+        is not called). Returns the seconds the call for trees took (0: none was made)."""
+        live = [f for f in feeds.values() if f.seq_id in self.sequences]  # finished ones are gone
+        overflow = self.feed_buffer.add(live)
+        if overflow:
+            self.drafter.step(overflow, [])
+        backlog = self.feed_buffer.rows - sum(len(f.next_tokens) for f in live)  # rows of earlier steps wait
+        requests = self._requests(feeds) if getattr(self.drafter, "connected", True) else []
+        if not requests and (self.policy is not None or not self.feed_buffer.rows):
+            return 0.0
+        start = time.perf_counter()
+        trees = self.drafter.step(self.feed_buffer.take(), requests)
+        seconds = time.perf_counter() - start  # the trees are on the host: the draft's work is done
+        if self.policy is not None and requests:  # a backlog's extend is no tree's cost: counted apart
+            levels = max(r.settings.depth for r in requests)
+            self.policy.observe_draft(len(requests), levels, seconds * 1e3, backlog)
+        proposed = [(req, trees[req.seq_id]) for req in requests if trees.get(req.seq_id) is not None
+                    and trees[req.seq_id].num_nodes]
+        vocab = self.vocab_size
+        # Checked all at once; a flagged tree gets its own check, which names the broken invariant.
+        flagged = set(invalid_trees([t for _, t in proposed], vocab, [r.settings.node_budget for r, _ in proposed],
+                                    [r.max_depth for r, _ in proposed]))
+        for j, (req, tree) in enumerate(proposed):
+            try:
+                if j in flagged:
+                    tree.validate(vocab, req.settings.node_budget, req.max_depth)
+            except InvalidTreeError as exc:  # this step decodes plainly; the output stays exact
+                log.warning("sequence %d: draft proposed an invalid tree (%s); decoding one token", req.seq_id, exc)
+                self.draft_errors += 1
+                self.drafter.tree_rejected(req.seq_id, str(exc))
+                continue
+            self.sequences[req.seq_id].tree = tree
+            self._asked[req.seq_id] = req.settings.node_budget if req.max_depth >= req.settings.depth else 0
+        return seconds
+
+    def _requests(self, feeds: dict[int, DraftFeed]) -> list[ProposeRequest]:
+        """A tree request per decoding sequence that speculates, capped to the policy's choice."""
+        ready = []
+        for seq in self.scheduler.running:
+            if seq.speculate and not seq.prefilling and seq.seq_id in feeds and not seq.finished:
+                depth = self._max_depth(seq)
+                if depth > 0:
+                    ready.append((seq, depth))
+        if self.policy is None:
+            return [ProposeRequest(seq.seq_id, depth, seq.tree_settings) for seq, depth in ready]
+        if not ready:
+            return []
+        decoding = [s for s in self.scheduler.running if not s.prefilling and not s.finished]
+        context = float(np.mean([s.num_tokens for s in decoding]))
+        nodes = self.policy.choose(len(decoding), context, [s.seq_id for s, _ in ready],
+                                   [s.tree_settings.node_budget for s, _ in ready])
+        if nodes == 0:
+            return []
+        capped = [(seq, self.policy.settings(seq.tree_settings, nodes)) for seq, _ in ready]
+        return [ProposeRequest(seq.seq_id, min(depth, tree.depth), tree) for (seq, tree), (_, depth) in zip(capped, ready)]
+
+    def _max_depth(self, seq: Sequence) -> int:
+        """Deepest useful tree: within its settings, the context and the tokens still allowed."""
+        room = self.max_model_len - seq.num_tokens  # node at depth d sits at num_tokens - 1 + d
+        return min(seq.tree_settings.depth, room, seq.max_new_tokens - len(seq.output_ids) - 1)
+
+    def observe(self, v) -> None:
+        """Tell the policy what a verified tree accepted (a tree cut short by the context or max_tokens
+        says nothing about its size)."""
+        asked = self._asked.pop(v.seq.seq_id, 0)
+        if self.policy is not None and asked:
+            self.policy.observe_tree(v.seq.seq_id, v.tree, v.accepted, asked)
