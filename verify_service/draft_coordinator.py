@@ -112,9 +112,12 @@ class DraftCoordinator:
 
     def _requests(self, feeds: dict[int, DraftFeed]) -> list[ProposeRequest]:
         """A tree request per decoding sequence that speculates, capped to the policy's choice."""
-        ready = []
+        ready, decoding, context = [], 0, 0  # one pass: asked every step for every sequence
         for seq in self.scheduler.running:
-            if seq.speculate and not seq.prefilling and seq.seq_id in feeds and not seq.finished:
+            if seq.prefilling or seq.finished:
+                continue
+            decoding, context = decoding + 1, context + seq.num_tokens
+            if seq.speculate and seq.seq_id in feeds:
                 depth = self._max_depth(seq)
                 if depth > 0:
                     ready.append((seq, depth))
@@ -122,9 +125,7 @@ class DraftCoordinator:
             return [ProposeRequest(seq.seq_id, depth, seq.tree_settings) for seq, depth in ready]
         if not ready:
             return []
-        decoding = [s for s in self.scheduler.running if not s.prefilling and not s.finished]
-        context = float(np.mean([s.num_tokens for s in decoding]))
-        nodes = self.policy.choose(len(decoding), context, [s.seq_id for s, _ in ready],
+        nodes = self.policy.choose(decoding, context / decoding, [s.seq_id for s, _ in ready],
                                    [s.tree_settings.node_budget for s, _ in ready])
         if nodes == 0:
             return []

@@ -94,10 +94,14 @@ class Sequence:
         return self.num_cached < len(self.prompt_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + output, in O(end - start): asked for every sequence every
+        step, it must not copy a long context."""
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
 
     @property
     def max_kv_len(self) -> int:
