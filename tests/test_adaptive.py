@@ -17,7 +17,8 @@ from link.protocol import DraftFeed
 from runtime.tree import CandidateTree
 from tiny_eagle import make_eagle_dir
 from tiny_models import make_model_dir, target_for, tiny_config
-from verify_service.adaptive import AdaptivePolicy, PolicyConfig, _learned, accepted_within, policy_for, tree_sizes
+from verify_service.adaptive import (AdaptivePolicy, DraftCost, PolicyConfig, _learned, accepted_within, policy_for,
+                                     tree_sizes)
 from verify_service.cost_table import CostGrid, CostTable, calibrate, interp1
 from verify_service.engine import Engine
 from verify_service.feed_buffer import FeedBuffer
@@ -171,6 +172,26 @@ def test_an_unseen_batch_takes_the_nearest_learned_costs_scaled_with_the_batch()
     policy = AdaptivePolicy(table(per_token_ms=1.0), TreeSettings("chain", 3), PolicyConfig(probe_every=0))
     policy.observe_draft(64, 3, 8.0)  # 2 ms a level at 64 sequences
     assert policy.draft_ms(128, 3, 1024) == pytest.approx(16.0)  # 4 levels at 4 ms, not the prior
+
+
+def test_the_draft_cost_has_a_fixed_part_and_a_part_per_level():
+    cost = DraftCost(weight=0.5)
+    cost.update(2, 2.4)  # one depth seen: the prior's slope through it
+    assert cost.fit(0.1) == pytest.approx((2.2, 0.1)) and cost.predict(8, 0.1) == pytest.approx(3.0)
+    for _ in range(40):
+        cost.update(2, 2.4)
+        cost.update(8, 3.6)
+    fixed, per_level = cost.fit(0.1)  # two depths: the line through them, the prior unused
+    assert fixed == pytest.approx(2.0, abs=0.02) and per_level == pytest.approx(0.2, abs=0.005)
+    steep = DraftCost(1.0)
+    steep.update(4, 1.0)
+    assert steep.fit(5.0) == (0.0, 0.25)  # a prior steeper than the observation: no negative fixed part
+    # The policy: one shallow tree measured no longer makes a deep one look proportionally dear.
+    policy = AdaptivePolicy(table(per_token_ms=1.0, base_ms=1.0), TreeSettings("dynamic", 7, 10, 59),
+                            PolicyConfig(probe_every=0))
+    policy.observe_draft(1, 1, 2.4)  # a 1-node tree: 2 levels, 2.4 ms
+    prior = 0.15 * 1.0  # draft_prior_fraction x the table's decode forward
+    assert policy.draft_ms(1, 7, 1024) == pytest.approx(2.4 + 6 * prior)  # 3.3 ms, not 4 x 2.4
 
 
 # --- the cost table -------------------------------------------------------------------------------

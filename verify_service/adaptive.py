@@ -10,8 +10,11 @@ For B decoding sequences, S of them speculating, and trees of at most n nodes::
 forward: the calibrated ``CostTable``. residual: what a step costs beyond the forward (sampling,
 acceptance, compaction, commit), learned online per batch bucket for plain and tree steps apart.
 draft: the draft's part (extend + tree growth, the link's round trip included), learned online
-per batch bucket as milliseconds per level, levels = 1 + tree depth. A bucket not measured yet
-takes the nearest measured one's residual and draft cost, scaled with the batch when larger.
+per batch bucket as a fixed part plus a part per level (levels = 1 + tree depth), by weighted
+least squares: a draft call has a fixed cost (launches, the copy back, the link) that a
+proportional model would charge a deep tree many times over. Until two depths were seen the
+per-level part is the prior's and the fixed part takes the rest. A bucket not measured yet takes
+the nearest measured one's residual and draft cost, scaled with the batch when larger.
 
 Acceptance: the best m nodes of a tree (by draft score) are themselves the tree of size m
 (``TreeSettings.capped``) and closed under ancestors, so a verified tree of n nodes shows what every
@@ -127,18 +130,53 @@ def _bucket(batch: int) -> int:
     return 1 << max(0, int(batch) - 1).bit_length()
 
 
-def _learned(by_bucket: dict[int, float], bucket: int) -> float | None:
-    """A cost learned per batch bucket, at ``bucket``; at a bucket not seen yet, the nearest seen one's,
-    scaled up with the batch when ``bucket`` is larger (a cost that grows with the sequences: taking
-    it flat would let a larger batch look as cheap as a smaller one and start a tree it cannot
-    afford); None when no bucket was seen."""
-    if bucket in by_bucket:
-        return by_bucket[bucket]
-    if not by_bucket:
+def _nearest(buckets, bucket: int) -> tuple[int, float] | None:
+    """The learned bucket to read a cost at ``bucket`` from, and the factor to scale it by: itself
+    (1), else the nearest seen one, scaled up with the batch when ``bucket`` is larger (a cost that
+    grows with the sequences: taking it flat would let a larger batch look as cheap as a smaller one
+    and start a tree it cannot afford); None when no bucket was seen."""
+    if bucket in buckets:
+        return bucket, 1.0
+    if not buckets:
         return None
-    near = min(by_bucket, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
-    value = by_bucket[near]
-    return value * bucket / near if bucket > near and value > 0 else value
+    near = min(buckets, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
+    return near, bucket / near if bucket > near else 1.0
+
+
+def _learned(by_bucket: dict[int, float], bucket: int) -> float | None:
+    """A cost learned per batch bucket, at ``bucket`` (``_nearest``; a negative one is not scaled)."""
+    near = _nearest(by_bucket, bucket)
+    if near is None:
+        return None
+    value = by_bucket[near[0]]
+    return value * near[1] if value > 0 else value
+
+
+class DraftCost:
+    """A draft call's milliseconds against its levels: fixed + per_level x levels, from exponentially
+    weighted means of the observations (levels, ms) and their products (the first observation
+    counts fully)."""
+
+    def __init__(self, weight: float):
+        self.weight = weight
+        self._means: np.ndarray | None = None  # E[L], E[ms], E[L^2], E[L ms]
+
+    def update(self, levels: float, ms: float) -> None:
+        x = np.array([levels, ms, levels * levels, levels * ms])
+        self._means = x if self._means is None else self._means + self.weight * (x - self._means)
+
+    def fit(self, prior_per_level: float) -> tuple[float, float]:
+        """(fixed, per_level): the least-squares line where the levels seen differ, else the prior's
+        slope through the mean; neither part negative."""
+        level, ms, level_sq, level_ms = self._means
+        var = level_sq - level * level
+        per_level = (level_ms - level * ms) / var if var > 0.25 else prior_per_level
+        per_level = min(max(per_level, 0.0), ms / level)  # a fixed part of zero at most: all per level
+        return ms - per_level * level, per_level
+
+    def predict(self, levels: float, prior_per_level: float) -> float:
+        fixed, per_level = self.fit(prior_per_level)
+        return fixed + per_level * levels
 
 
 class AdaptivePolicy:
@@ -152,7 +190,7 @@ class AdaptivePolicy:
         self._seq: dict[int, Acceptance] = {}
         self._nodes = np.array(self.sizes, dtype=np.float64)  # nodes the trees of each size really held
         self._residual: dict[bool, dict[int, float]] = {False: {}, True: {}}  # tree step? -> bucket -> ms
-        self._draft_level_ms: dict[int, float] = {}
+        self._draft: dict[int, DraftCost] = {}  # per batch bucket
         self._forward_cache: dict[tuple[int, int, int], float] = {}
         self.decisions: Counter[int] = Counter()  # steps per choice (0: plain decoding)
         self.choice = 0
@@ -218,10 +256,15 @@ class AdaptivePolicy:
         return max(forward + (residual or 0.0), 0.05 * forward)
 
     def draft_ms(self, speculating: int, levels: float, context: float) -> float:
-        unit = _learned(self._draft_level_ms, _bucket(speculating))
-        if unit is None:
-            unit = self.cfg.draft_prior_fraction * self._forward(speculating, 1, context)
-        return unit * (1 + levels)
+        """The draft's part of a step with trees of ``levels`` levels for ``speculating`` sequences."""
+        near = _nearest(self._draft, _bucket(speculating))
+        if near is None:
+            return self._prior_per_level(speculating, context) * (1 + levels)
+        bucket, scale = near
+        return scale * self._draft[bucket].predict(1 + levels, self._prior_per_level(bucket, context))
+
+    def _prior_per_level(self, speculating: int, context: float) -> float:
+        return self.cfg.draft_prior_fraction * self._forward(speculating, 1, context)
 
     def _forward(self, batch: int, tokens: float, context: float) -> float:
         """The table's forward ms, memoised on (batch, tokens, context to 128): asked every step."""
@@ -302,9 +345,7 @@ class AdaptivePolicy:
         if not self.cfg.cost_weight or backlog:
             return
         self._version += 1
-        key, unit = _bucket(speculating), ms / (1 + levels)
-        old = self._draft_level_ms.get(key)
-        self._draft_level_ms[key] = unit if old is None else old + self.cfg.cost_weight * (unit - old)
+        self._draft.setdefault(_bucket(speculating), DraftCost(self.cfg.cost_weight)).update(1 + levels, ms)
 
     def release(self, seq_id: int) -> None:
         self._seq.pop(seq_id, None)
@@ -316,7 +357,9 @@ class AdaptivePolicy:
                 "probe_share_modelled": round(float(self._probe_ms / self._spent_ms), 4) if self._spent_ms else 0.0,
                 "residual_ms": {f"{'tree' if t else 'plain'} b{b}": round(float(v), 4)
                                 for t, by_bucket in self._residual.items() for b, v in by_bucket.items()},
-                "draft_ms_per_level": {f"b{b}": round(float(v), 4) for b, v in self._draft_level_ms.items()},
+                "draft_ms": {f"b{b}": dict(zip(("fixed", "per_level"), (round(float(v), 4) for v in
+                                                     cost.fit(self._prior_per_level(b, 1024)))))
+                             for b, cost in self._draft.items()},
                 "steps": {k: {"steps": int(n), "measured_ms": round(float(m / n), 4), "modelled_ms": round(float(e / n), 4)}
                           for k, (n, m, e) in self.observed.items() if not k.startswith("draft")},
                 "draft_calls": {k: {"calls": int(n), "ms": round(float(m / n), 4), "backlog_rows": round(float(e / n), 1)}
