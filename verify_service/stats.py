@@ -49,31 +49,32 @@ def latest_stats(loop: EngineThread, remote: RemoteDraft | None) -> VerifyStats:
     """The snapshot the engine thread published after its last step or command: answers at once,
     however long the step in progress takes (a long prefill chunk on a CPU takes seconds)."""
     published = loop.published
-    if published is None:
-        return read_stats(loop, remote)
+    return _with_link(read_stats(loop, remote) if published is None else published, remote)
+
+
+def _with_link(stats: VerifyStats, remote: RemoteDraft | None) -> VerifyStats:
+    """The link's own counters, read live: they move on gRPC threads (a draft lost while the engine
+    idles), and their percentiles cost a sort that the snapshot after every step should not pay."""
     if remote is None:
-        return published
-    # The link's own counters move on gRPC threads (a draft lost while the engine idles): read live.
+        return stats
     p50, p99 = remote.overhead_percentiles_us()
-    return replace(published, draft_connected=remote.connected, draft_sessions=remote.sessions_opened,
-                   draft_errors=published.refused_trees + remote.errors, control_plane_p50_us=p50,
+    return replace(stats, draft_connected=remote.connected, draft_sessions=remote.sessions_opened,
+                   draft_errors=stats.refused_trees + remote.errors, control_plane_p50_us=p50,
                    control_plane_p99_us=p99)
 
 
 def snapshot_fn(loop: EngineThread, remote: RemoteDraft | None):
-    """engine -> VerifyStats, to run on the engine thread."""
+    """engine -> VerifyStats, to run on the engine thread (the link's counters: ``latest_stats``)."""
     def snapshot(engine: Engine) -> VerifyStats:
         blocks = engine.target.blocks
-        p50, p99 = remote.overhead_percentiles_us() if remote else (0.0, 0.0)
         return VerifyStats(
             running_requests=len(engine.scheduler.running), waiting_requests=len(engine.scheduler.waiting),
             completed_requests=loop.completed, cancelled_requests=loop.cancelled,
             generated_tokens=loop.generated_tokens, kv_blocks_used=blocks.num_used_blocks,
             kv_blocks_total=blocks.num_blocks, speculative_steps=loop.steps_with_trees, plain_steps=loop.plain_steps,
-            speculation=engine.speculation_totals(), draft_connected=bool(remote and remote.connected),
-            draft_sessions=remote.sessions_opened if remote else 0,
-            draft_errors=engine.draft_errors + (remote.errors if remote else 0), refused_trees=engine.draft_errors,
-            control_plane_p50_us=p50, control_plane_p99_us=p99, **_adaptive(engine))
+            speculation=engine.speculation_totals(), draft_connected=False, draft_sessions=0,
+            draft_errors=engine.draft_errors, refused_trees=engine.draft_errors,
+            control_plane_p50_us=0.0, control_plane_p99_us=0.0, **_adaptive(engine))
     return snapshot
 
 
