@@ -100,11 +100,12 @@ class EngineThread:
         """``fn(engine)`` evaluated on the engine thread (metrics and info snapshots)."""
         return self._call(lambda: fn(self.engine), timeout_s)
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool) -> bool:
+        """Run the queued commands (waiting for one when ``block``); whether any ran."""
         try:
             item = self._commands.get(block=block)
         except queue.Empty:
-            return
+            return False
         while True:
             fn, done = item
             try:
@@ -119,12 +120,12 @@ class EngineThread:
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _run(self) -> None:
         while not self._stopped:
-            self._drain(block=not self.engine.has_work)
-            self._publish()
+            if self._drain(block=not self.engine.has_work):
+                self._publish()  # commands changed the state (the step's own publish follows it)
             if self._stopped or not self.engine.has_work:
                 continue
             start = time.perf_counter()
