@@ -21,7 +21,7 @@ from verify_service.adaptive import (AdaptivePolicy, DraftCost, PolicyConfig, _l
                                      tree_sizes)
 from verify_service.cost_table import CostGrid, CostTable, calibrate, interp1
 from verify_service.engine import Engine
-from verify_service.feed_buffer import FeedBuffer
+from verify_service.feed_buffer import FeedBuffer, FeedRows
 
 PROMPTS = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2]]
 TOKENS = (1, 2, 3, 4, 5, 6, 9, 17, 33, 60)
@@ -246,8 +246,26 @@ def test_feed_buffer_merges_rows_per_sequence_and_flushes_before_overflowing():
     buf.add([feed(2, 1, 1)])
     buf.drop(2)
     assert [(f.seq_id, f.start) for f in buf.take()] == [(1, 4)] and buf.rows == 0
+    buf.add([feed(3, 0, 1)]), buf.add([feed(3, 2, 1)])
+    with pytest.raises(AssertionError, match="in order"):  # a gap
+        buf.take()
+
+
+def test_feed_buffer_takes_batched_rows_merged_per_sequence_in_order():
+    buf = FeedBuffer(max_rows=64)
+    step = lambda ids, starts: FeedRows(np.array(ids), np.array(starts), torch.tensor(starts, dtype=torch.float32)[:, None].expand(-1, 2),
+                                        np.array(starts) + 100)
+    buf.add([feed(7, 0, 2), step([5, 9], [3, 0])])  # a prefill chunk of 7, decodes of 5 and 9
+    buf.add([step([9, 7, 5], [1, 2, 4])])
+    buf.add([step([7, 5], [3, 5])])
+    buf.drop(9)
+    assert buf.rows == 7
+    got = [(f.seq_id, f.start, f.features[:, 0].tolist(), f.next_tokens.tolist()) for f in buf.take()]
+    assert got == [(5, 3, [3, 4, 5], [103, 104, 105]), (7, 0, [0, 0, 2, 3], [0, 1, 102, 103])]  # the helper: features = start
+    assert buf.rows == 0 and buf.take() == []
+    buf.add([step([5, 5], [7, 7])])  # a row twice
     with pytest.raises(AssertionError, match="in order"):
-        buf.add([feed(3, 0, 1)]), buf.add([feed(3, 2, 1)])
+        buf.take()
 
 
 # --- end to end -----------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The engine's side of speculation: what the draft is fed, which trees it is asked for, and the
 trees it sends back.
 
-Each step the engine hands over the rows that became final (``feed_rows``: a position's captured
-target features paired with the token that follows it) and calls ``draft``: the rows go to the
+Each step the engine hands over the rows that became final (``feed_rows`` per prefill chunk,
+``decode_rows`` for all plain decodes at once: a position's captured target features paired with
+the token that follows it) and calls ``draft``: the rows go to the
 draft (through the feed buffer, which holds them while adaptive speculation decodes plainly), the
 draft is asked for a tree per decoding sequence that speculates, capped to the policy's choice and
 to what the context and ``max_tokens`` leave, and the trees that come back are checked (all at
@@ -21,7 +22,7 @@ import torch
 from link.protocol import DraftFeed, DraftProvider, ProposeRequest
 from runtime.tree import InvalidTreeError, invalid_trees
 from verify_service.adaptive import AdaptivePolicy
-from verify_service.feed_buffer import FeedBuffer
+from verify_service.feed_buffer import FeedBuffer, FeedRows
 from verify_service.model_runner import StepOutput
 from verify_service.scheduler import Scheduler
 from verify_service.sequence import Sequence
@@ -73,16 +74,32 @@ class DraftCoordinator:
         if feats.shape[0]:
             feeds[seq.seq_id] = DraftFeed(seq.seq_id, first, feats, np.asarray(successors, dtype=np.int64))
 
-    def draft(self, feeds: dict[int, DraftFeed]) -> float:
-        """Send the draft what became final; ask for trees for every decoding sequence, of the size the
-        policy picks when there is one (plain decoding: the rows wait in the feed buffer and the draft
-        is not called). Returns the seconds the call for trees took (0: none was made)."""
-        live = [f for f in feeds.values() if f.seq_id in self.sequences]  # finished ones are gone
+    @staticmethod
+    def decode_rows(seqs: list[Sequence], out: StepOutput, chunks: list[int], tokens: list[int]) -> FeedRows:
+        """One-token decodes of sequences without a pending feature (their last feature's successor
+        was known a step ago): position ``num_cached - 1`` of each, with the token just sampled."""
+        rows = np.fromiter((out.query_start_loc[i] for i in chunks), np.int64, len(chunks))
+        feats = out.captured[rows[0]:rows[-1] + 1] if rows[-1] - rows[0] == len(rows) - 1 else \
+            out.captured[torch.from_numpy(rows).to(out.captured.device)]
+        return FeedRows(np.fromiter((s.seq_id for s in seqs), np.int64, len(seqs)),
+                        np.fromiter((s.num_cached - 1 for s in seqs), np.int64, len(seqs)), feats,
+                        np.asarray(tokens, dtype=np.int64))
+
+    def draft(self, feeds: dict[int, DraftFeed], rows: FeedRows | None = None) -> float:
+        """Send the draft what became final (``feeds`` per sequence, ``rows`` for many; of live
+        sequences only); ask for trees for every decoding sequence, of the size the policy picks when
+        there is one (plain decoding: the rows wait in the feed buffer and the draft is not called).
+        Returns the seconds the call for trees took (0: none was made)."""
+        live: list[DraftFeed | FeedRows] = [f for f in feeds.values() if f.seq_id in self.sequences]
+        fed = set(feeds)
+        if rows is not None and len(rows):
+            live.append(rows)
+            fed.update(rows.seq_ids.tolist())
         overflow = self.feed_buffer.add(live)
         if overflow:
             self.drafter.step(overflow, [])
         backlog = self.feed_buffer.rows - sum(len(f.next_tokens) for f in live)  # rows of earlier steps wait
-        requests = self._requests(feeds) if getattr(self.drafter, "connected", True) else []
+        requests = self._requests(fed) if getattr(self.drafter, "connected", True) else []
         if not requests and (self.policy is not None or not self.feed_buffer.rows):
             return 0.0
         start = time.perf_counter()
@@ -110,27 +127,32 @@ class DraftCoordinator:
             self._asked[req.seq_id] = req.settings.node_budget if req.max_depth >= req.settings.depth else 0
         return seconds
 
-    def _requests(self, feeds: dict[int, DraftFeed]) -> list[ProposeRequest]:
-        """A tree request per decoding sequence that speculates, capped to the policy's choice."""
+    def _requests(self, fed: set[int]) -> list[ProposeRequest]:
+        """A tree request per decoding sequence that speculates and was fed this step, capped to the
+        policy's choice; none for a sequence whose context or ``max_tokens`` leaves no room."""
         ready, decoding, context = [], 0, 0  # one pass: asked every step for every sequence
         for seq in self.scheduler.running:
             if seq.prefilling or seq.finished:
                 continue
             decoding, context = decoding + 1, context + seq.num_tokens
-            if seq.speculate and seq.seq_id in feeds:
-                depth = self._max_depth(seq)
-                if depth > 0:
-                    ready.append((seq, depth))
-        if self.policy is None:
-            return [ProposeRequest(seq.seq_id, depth, seq.tree_settings) for seq, depth in ready]
+            if seq.speculate and seq.seq_id in fed:
+                ready.append(seq)
         if not ready:
             return []
-        nodes = self.policy.choose(decoding, context / decoding, [s.seq_id for s, _ in ready],
-                                   [s.tree_settings.node_budget for s, _ in ready])
-        if nodes == 0:
-            return []
-        capped = [(seq, self.policy.settings(seq.tree_settings, nodes)) for seq, _ in ready]
-        return [ProposeRequest(seq.seq_id, min(depth, tree.depth), tree) for (seq, tree), (_, depth) in zip(capped, ready)]
+        if self.policy is None:
+            trees = [seq.tree_settings for seq in ready]
+        else:  # sequences at their last token count as candidates: the choice comes first (plain: done)
+            nodes = self.policy.choose(decoding, context / decoding, [s.seq_id for s in ready],
+                                       [s.tree_settings.node_budget for s in ready])
+            if nodes == 0:
+                return []
+            trees = [self.policy.settings(seq.tree_settings, nodes) for seq in ready]
+        requests = []
+        for seq, tree in zip(ready, trees):
+            depth = self._max_depth(seq)
+            if depth > 0:
+                requests.append(ProposeRequest(seq.seq_id, min(depth, tree.depth), tree))
+        return requests
 
     def _max_depth(self, seq: Sequence) -> int:
         """Deepest useful tree: within its settings, the context and the tokens still allowed."""

@@ -175,17 +175,23 @@ class Engine:
                                        [out.query_start_loc[i] for i, *_ in trees], out) if trees else None
         parts = [t for t in (sampled, pending.device_values() if pending else None) if t is not None]
         host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
-        events = []
+        events, decodes = [], []  # decodes: (chunk, sequence, token) whose one row goes in the batch
         for (i, seq, start, n), token in zip(due, host[:len(due)]):
             if seq.speculate:
-                DraftCoordinator.feed_rows(seq, out, i, start, n, token, feeds)
+                if n == 1 and seq.pending_feature is None:
+                    decodes.append((i, seq, token))
+                else:
+                    DraftCoordinator.feed_rows(seq, out, i, start, n, token, feeds)
             events.append(self._commit(seq, [token]))
+        decodes = [d for d in decodes if not d[1].finished]  # a finished sequence's rows are not sent
+        rows = DraftCoordinator.decode_rows([s for _, s, _ in decodes], out, [i for i, *_ in decodes],
+                                            [t for *_, t in decodes]) if decodes else None
         if pending:
             for v in self.verifier.finish(pending, host[len(due):]):
                 self.speculation.observe(v)
                 feeds[v.seq.seq_id] = v.feed
                 events.append(self._commit(v.seq, v.tokens))
-        draft_s = self.speculation.draft(feeds) if self.speculation else 0.0
+        draft_s = self.speculation.draft(feeds, rows) if self.speculation else 0.0
         if self.policy is not None and decode_only:
             context = float(np.mean([s.num_cached for s, _ in plan]))
             self.policy.observe_step(len(plan), tree_nodes, context, (time.perf_counter() - t0 - draft_s) * 1e3)

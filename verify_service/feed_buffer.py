@@ -1,12 +1,19 @@
 """Committed rows the draft has not been sent yet.
 
 With a fixed tree the draft is called every step and the buffer is emptied at once. When adaptive
-speculation decodes plainly, asking the draft for nothing, its rows wait here, merged per sequence,
-and go with the next request for trees (or when the buffer fills): a plain step then costs no draft
-round trip, and the draft still receives every committed row, in order, before proposing.
+speculation decodes plainly, asking the draft for nothing, its rows wait here and go with the next
+request for trees (or when the buffer fills): a plain step then costs no draft round trip, and the
+draft still receives every committed row, in order, before proposing.
+
+Rows arrive a step at a time as ``FeedRows`` (a step's plain decodes: one record for the whole
+batch, no per-sequence work) or as one sequence's ``DraftFeed`` (prefill chunks); they are merged
+per sequence only when taken.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -14,43 +21,73 @@ import torch
 from link.protocol import DraftFeed
 
 
+@dataclass(frozen=True, slots=True)
+class FeedRows:
+    """Committed rows of any sequences: row j is position ``starts[j]`` of sequence ``seq_ids[j]``,
+    its captured features and the token after it."""
+
+    seq_ids: np.ndarray  # int64 [n]
+    starts: np.ndarray  # int64 [n]
+    features: torch.Tensor  # [n, k * target_hidden]
+    next_tokens: np.ndarray  # int64 [n]
+
+    @staticmethod
+    def of(feed: DraftFeed) -> FeedRows:
+        n = len(feed.next_tokens)
+        return FeedRows(np.full(n, feed.seq_id, dtype=np.int64), np.arange(feed.start, feed.start + n),
+                        feed.features, np.asarray(feed.next_tokens, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+
 class FeedBuffer:
     def __init__(self, max_rows: int):
         """``max_rows``: the most rows one draft call may carry (the link's features buffer)."""
         self.max_rows = max_rows
-        self._feeds: dict[int, list[DraftFeed]] = {}  # per sequence, in row order: merged when taken
+        self._parts: list[FeedRows] = []  # in arrival order
+        self._per_seq: Counter[int] = Counter()  # rows waiting per sequence
+        self._dropped: set[int] = set()  # sequences whose waiting rows are never sent
         self.rows = 0
 
-    def add(self, feeds: list[DraftFeed]) -> list[DraftFeed]:
+    def add(self, feeds: list[DraftFeed | FeedRows]) -> list[DraftFeed]:
         """Buffer ``feeds``; returns what must be sent first, without them, when together they would
         exceed ``max_rows`` (one step's feeds alone never do)."""
-        new = sum(len(f.next_tokens) for f in feeds)
-        flush = self.take() if self._feeds and self.rows + new > self.max_rows else []
-        for f in feeds:
-            parts = self._feeds.setdefault(f.seq_id, [])
-            if parts:
-                last = parts[-1]
-                assert f.start == last.start + len(last.next_tokens), f"sequence {f.seq_id}: rows must arrive in order"
-            parts.append(f)
+        parts = [f if isinstance(f, FeedRows) else FeedRows.of(f) for f in feeds]
+        new = sum(len(p) for p in parts)
+        flush = self.take() if self._parts and self.rows + new > self.max_rows else []
+        for p in parts:
+            if len(p):
+                self._parts.append(p)
+                self._per_seq.update(p.seq_ids.tolist())
         self.rows += new
         return flush
 
     def take(self) -> list[DraftFeed]:
-        """Everything buffered, one feed per sequence, emptied."""
-        feeds = [_merge(parts) for parts in self._feeds.values()]
-        self._feeds, self.rows = {}, 0
-        return feeds
+        """Everything buffered, one feed per sequence (by sequence id, rows in order), emptied."""
+        parts, dropped = self._parts, self._dropped
+        self._parts, self._per_seq, self._dropped, self.rows = [], Counter(), set(), 0
+        if not parts:
+            return []
+        ids = np.concatenate([p.seq_ids for p in parts])
+        starts = np.concatenate([p.starts for p in parts])
+        tokens = np.concatenate([p.next_tokens for p in parts])
+        order = np.lexsort((starts, ids))  # by sequence, then position
+        if dropped:
+            order = order[~np.isin(ids[order], np.fromiter(dropped, np.int64, len(dropped)))]
+        ids, starts, tokens = ids[order], starts[order], tokens[order]
+        same = ids[1:] == ids[:-1]
+        bad = np.flatnonzero(same & (starts[1:] != starts[:-1] + 1))
+        assert not len(bad), f"sequence {ids[bad[0]]}: rows must arrive in order, without gaps or repeats"
+        features = torch.cat([p.features for p in parts]) if len(parts) > 1 else parts[0].features
+        if len(order) != len(features) or np.any(order != np.arange(len(order))):
+            features = features[torch.from_numpy(order).to(features.device)]
+        bounds = [0, *(np.flatnonzero(~same) + 1).tolist(), len(ids)]
+        return [DraftFeed(int(ids[a]), int(starts[a]), features[a:b], tokens[a:b]) for a, b in zip(bounds, bounds[1:])]
 
     def drop(self, seq_id: int) -> None:
         """A finished or cancelled sequence: its rows are never sent."""
-        for f in self._feeds.pop(seq_id, ()):
-            self.rows -= len(f.next_tokens)
-
-
-def _merge(parts: list[DraftFeed]) -> DraftFeed:
-    """One sequence's buffered feeds as one (consecutive rows): one copy, however many steps waited."""
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    return DraftFeed(first.seq_id, first.start, torch.cat([f.features for f in parts]),
-                     np.concatenate([f.next_tokens for f in parts]))
+        waiting = self._per_seq.pop(seq_id, 0)
+        if waiting:
+            self.rows -= waiting
+            self._dropped.add(seq_id)
