@@ -8,6 +8,11 @@ the host time of the draft's and the target's top-level calls (cProfile, cumulat
 top device kernels (torch.profiler)::
 
     python benchmarks/profile_spec_step.py smollm2 --config dynamic:7:10:59 --batch 1 --context 512
+
+``--mode plain`` keeps the draft attached but decodes plainly every step (what adaptive
+speculation does when trees do not pay: features captured and buffered, the draft called only
+when its buffer fills); ``--mode target`` is the same engine without a draft. Side by side they
+show what a plain step costs because a draft is attached.
 """
 
 from __future__ import annotations
@@ -38,6 +43,25 @@ from verify_service.engine import Engine  # noqa: E402
 SHIPPED_HEAD = str(Path(__file__).resolve().parent.parent / "hub" / "heads" / "smollm2-135m-instruct")
 
 
+class _AlwaysPlain:
+    """A policy that always picks plain decoding (the engine's policy interface, nothing learned)."""
+
+    def choose(self, batch, context, seq_ids, budgets) -> int:
+        return 0
+
+    def observe_step(self, *args) -> None:
+        pass
+
+    def observe_draft(self, *args) -> None:
+        pass
+
+    def observe_tree(self, *args) -> None:
+        pass
+
+    def release(self, seq_id) -> None:
+        pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", help="smollm2, llama3-8b (random weights) or a model directory")
@@ -48,6 +72,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--mode", choices=("spec", "plain", "target"), default="spec",
+                    help="spec: a tree every step; plain: draft attached, plain decoding; target: no draft")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a CPU: a smoke run
@@ -60,9 +86,12 @@ def main() -> None:
                                      min(args.draft_vocab, raw["vocab_size"])))
     spec = parse_config(args.config, head)
     target = make_engine(args.model, args.batch, args.context, 16 * args.steps + 128, device)  # + tree room
-    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
-                                           args.batch, target.max_model_len, "auto")
-    engine = Engine(target, drafter, spec.settings)
+    if args.mode == "target":
+        engine = Engine(target)
+    else:
+        drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                               args.batch, target.max_model_len, "auto")
+        engine = Engine(target, drafter, spec.settings, _AlwaysPlain() if args.mode == "plain" else None)
     gen = torch.Generator().manual_seed(0)
     for _ in range(args.batch):
         prompt = torch.randint(1, target.model_config.vocab_size, (args.context,), generator=gen).tolist()
@@ -92,7 +121,8 @@ def main() -> None:
         sync()
     kernels = tprof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=15)
     launches = sum(e.count for e in tprof.key_averages() if e.device_type.name == "CUDA") / 5
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": args.model, "config": args.config,
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": args.model,
+              "mode": args.mode, "config": args.config,
               "batch": args.batch, "context": args.context, "step_ms_median": round(statistics.median(times), 3),
               "step_ms": [round(x, 3) for x in times], "device_kernels_per_step": launches}
     print(json.dumps({k: v for k, v in result.items() if k != "step_ms"}))

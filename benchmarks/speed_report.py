@@ -10,7 +10,9 @@ EAGLE-3 with the fixed tree (default: the device's), EAGLE-3 with adaptive specu
 measured first), transformers ``generate`` (left-padded batches) and its assisted generation where
 it applies: prompt lookup (``prompt_lookup_num_tokens``), which needs no second model, at batch 1
 (transformers assists one sequence at a time; SmolLM2-135M has no smaller sibling to assist it).
-Each row says how many outputs equal the target-only ones. Verify cost: the target's forward
+Each row says how many outputs equal the target-only ones. The three engines are loaded together and
+run in turn, ``--rounds`` times per batch size, their order rotated each round; each row's time is
+its median round, so a speed-up compares runs made minutes apart at most, not a whole report apart. Verify cost: the target's forward
 (``verify_service/cost_table.py``) over tokens per sequence x context x batch. tau per depth: the
 share of verification steps that accepted a node at depth d, per speculative row at batch 1.
 A model directory without a tokenizer (tests) gets prompts of token ids derived from the text.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import time
 from collections import Counter
@@ -51,26 +54,45 @@ def prompt_ids(engine, texts: list[str]) -> list[list[int]]:
     return [engine.target.encode(messages=[{"role": "user", "content": t}]) for t in texts]
 
 
-def engine_rows(name: str, engine, prompts, batches, min_prompts: int, params, reference) -> list[dict]:
-    """One row per batch size; ``reference`` (target-only outputs per batch) is filled on the first call."""
-    run(engine, prompts[:2], params, 1)  # warm-up: kernels, CUDA graphs
+def engine_rows(engines: list[tuple[str, object]], prompts, batches, min_prompts: int, params, rounds: int,
+                reference) -> list[dict]:
+    """One row per engine and batch size. The engines run in turn ``rounds`` times per batch size (the
+    order rotated each round), so a drift of the machine's speed (clocks, other load) reaches them all
+    alike; a row's seconds are its median round. ``reference`` (the first engine's outputs and median
+    seconds per batch) is filled here: the first engine must be target-only."""
+    for _, engine in engines:
+        run(engine, prompts[:2], params, 1)  # warm-up: kernels, CUDA graphs
     rows = []
     for b in batches:
         ps = prompts[:max(b, min_prompts)]
-        policy = getattr(engine, "policy", None)
-        before = Counter(policy.decisions) if policy else None
-        compiled = WATCH.compilations
-        outputs, secs, metrics = run(engine, ps, params, b)
-        ref_out, ref_secs = reference.setdefault(b, (outputs, secs))
-        row = summarize(name, outputs, secs, metrics if metrics and metrics[0] else None, ref_out, ref_secs)
-        if row.get("tau") == 0.0:  # no tree verified (adaptive speculation decoded plainly throughout)
-            del row["tau"], row["acceptance_per_depth"]
-        row["compilations"] = WATCH.compilations - compiled  # Triton compilations inside the timed run
-        if policy:  # this batch's decisions, and the policy's model against the steps it measured
-            row["adaptive"] = {**policy.diagnostics(),
-                               "decisions": {str(k): v for k, v in sorted((policy.decisions - before).items())}}
-        rows.append({"batch": b, **row})
-        print(json.dumps(rows[-1]), flush=True)
+        runs: dict[str, list] = {name: [] for name, _ in engines}
+        decisions = {name: Counter() for name, _ in engines}
+        compiled = {name: 0 for name, _ in engines}
+        for r in range(rounds):
+            for name, engine in engines[r % len(engines):] + engines[:r % len(engines)]:
+                policy = getattr(engine, "policy", None)
+                before = Counter(policy.decisions) if policy else None
+                count = WATCH.compilations
+                runs[name].append(run(engine, ps, params, b))
+                compiled[name] += WATCH.compilations - count
+                if policy:
+                    decisions[name] += policy.decisions - before
+        for name, engine in engines:
+            outputs, _, metrics = runs[name][0]
+            seconds = [secs for _, secs, _ in runs[name]]
+            ref_out, ref_secs = reference.setdefault(b, (outputs, statistics.median(seconds)))
+            row = summarize(name, outputs, statistics.median(seconds), metrics if metrics and metrics[0] else None,
+                            ref_out, ref_secs)
+            if row.get("tau") == 0.0:  # no tree verified (adaptive speculation decoded plainly throughout)
+                del row["tau"], row["acceptance_per_depth"]
+            row["seconds_per_round"] = [round(x, 4) for x in seconds]
+            row["compilations"] = compiled[name]  # Triton compilations inside the timed runs
+            policy = getattr(engine, "policy", None)
+            if policy:  # this batch's decisions, and the policy's model against the steps it measured
+                row["adaptive"] = {**policy.diagnostics(),
+                                   "decisions": {str(k): v for k, v in sorted(decisions[name].items())}}
+            rows.append({"batch": b, **row})
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -141,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--tree", default=None, help="TREE:DEPTH[:TOP_K[:NODES]] (default: the device's default tree)")
     ap.add_argument("--no-adaptive", action="store_true", help="skip the adaptive speculation rows")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every engine per batch size, in turn; "
+                    "rows report the median (the engines are all loaded at once)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--verify-tokens", type=int, action="append", help="default 1, 2, 4, 8, 16, 32, 64")
     ap.add_argument("--verify-contexts", type=int, action="append", help="default 512, 2048, 6144")
@@ -165,20 +189,18 @@ def main(argv: list[str] | None = None) -> dict:
     reference: dict[int, tuple] = {}
     engine = build_engine(cfg)
     if args.device.startswith("cuda"):
-        WATCH.start()  # from here, each row counts the compilations inside its timed run
+        WATCH.start()  # from here, each row counts the compilations inside its timed runs
     prompts = prompt_ids(engine, texts)
     eos = engine.target.model_config.eos_token_ids
     report["verify_cost"] = _verify_cost(engine.target, args).to_json()  # before any request: see calibrate
-    report["throughput"] += engine_rows("target-only", engine, prompts, batches, args.min_prompts, params, reference)
-    del engine
-    for name, adaptive in ((f"eagle3 {tree}", False), (f"eagle3 adaptive (limits {tree})", True)):
-        if adaptive and args.no_adaptive:
-            continue
-        engine = build_engine(cfg, spec, adaptive=adaptive)
-        report["throughput"] += engine_rows(name, engine, prompts, batches, args.min_prompts, params, reference)
-        if adaptive:
-            report["adaptive_decisions"] = {str(k): v for k, v in sorted(engine.policy.decisions.items())}
-        del engine
+    engines = [("target-only", engine), (f"eagle3 {tree}", build_engine(cfg, spec))]
+    if not args.no_adaptive:
+        engines.append((f"eagle3 adaptive (limits {tree})", build_engine(cfg, spec, adaptive=True)))
+    report["rounds"] = args.rounds
+    report["throughput"] += engine_rows(engines, prompts, batches, args.min_prompts, params, args.rounds, reference)
+    if not args.no_adaptive:
+        report["adaptive_decisions"] = {str(k): v for k, v in sorted(engines[-1][1].policy.decisions.items())}
+    del engine, engines
     report["tau_per_depth"] = tau_per_depth(report["throughput"])
     report["hf"] = _hf(args, model, prompts, batches, eos, reference, report)
     Path(args.out).write_text(json.dumps(report, indent=2))

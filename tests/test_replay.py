@@ -76,7 +76,9 @@ def test_speed_report_runs_small(tmp_path):
     report = speed_report.main(["--model", str(target_dir), "--head", str(head), "--batch", "1", "--batch", "2",
                                 "--min-prompts", "2", "--max-tokens", "5", "--tree", "chain:2", "--no-hf",
                                 "--verify-tokens", "1", "--verify-tokens", "3", "--verify-contexts", "16",
-                                "--verify-batches", "1", "--device", "cpu", "--dtype", "float32", "--out", str(out)])
+                                "--verify-batches", "1", "--device", "cpu", "--dtype", "float32", "--rounds", "2",
+                                "--out", str(out)])
+    assert all(len(r["seconds_per_round"]) == 2 for r in report["throughput"])  # every engine ran twice
     configs = {(r["batch"], r["config"]) for r in report["throughput"]}
     assert configs == {(b, c) for b in (1, 2) for c in ("target-only", "eagle3 chain:2",
                                                          "eagle3 adaptive (limits chain:2)")}
