@@ -12,7 +12,8 @@ top device kernels (torch.profiler)::
 ``--mode plain`` keeps the draft attached but decodes plainly every step (what adaptive
 speculation does when trees do not pay: features captured and buffered, the draft called only
 when its buffer fills); ``--mode target`` is the same engine without a draft. Side by side they
-show what a plain step costs because a draft is attached.
+show what a plain step costs because a draft is attached. ``--mode backlog`` times the draft
+extending what ``--steps`` plain steps left waiting (what a tree after a plain stretch pays first).
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--mode", choices=("spec", "plain", "target"), default="spec",
-                    help="spec: a tree every step; plain: draft attached, plain decoding; target: no draft")
+    ap.add_argument("--mode", choices=("spec", "plain", "target", "backlog"), default="spec",
+                    help="spec: a tree every step; plain: draft attached, plain decoding; target: no draft; "
+                         "backlog: the draft's extend after --steps plain steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a CPU: a smoke run
@@ -91,13 +93,15 @@ def main() -> None:
     else:
         drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                                args.batch, target.max_model_len, "auto")
-        engine = Engine(target, drafter, spec.settings, _AlwaysPlain() if args.mode == "plain" else None)
+        engine = Engine(target, drafter, spec.settings, _AlwaysPlain() if args.mode in ("plain", "backlog") else None)
     gen = torch.Generator().manual_seed(0)
     for _ in range(args.batch):
         prompt = torch.randint(1, target.model_config.vocab_size, (args.context,), generator=gen).tolist()
         engine.add_request(prompt, SamplingParams(max_tokens=16 * args.steps, ignore_eos=True))
     while any(s.prefilling for s in engine.sequences.values()):
         engine.step()
+    if args.mode == "backlog":
+        return profile_backlog(engine, args, sync)
     for _ in range(5):
         engine.step()
     times = []
@@ -126,6 +130,40 @@ def main() -> None:
               "batch": args.batch, "context": args.context, "step_ms_median": round(statistics.median(times), 3),
               "step_ms": [round(x, 3) for x in times], "device_kernels_per_step": launches}
     print(json.dumps({k: v for k, v in result.items() if k != "step_ms"}))
+    print(text.getvalue())
+    print(kernels)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n" + text.getvalue() + "\n" + kernels)
+
+
+def profile_backlog(engine: Engine, args, sync) -> None:
+    """Three rounds of ``--steps`` plain steps, each followed by the draft's extend of their rows
+    (timed; the first compiles); cProfile and the device kernels of the last."""
+    times, rows = [], 0
+    engine.drafter.step(engine.feed_buffer.take(), [])  # the prompts' rows
+    for r in range(3):
+        for _ in range(args.steps):
+            engine.step()
+        feeds = engine.feed_buffer.take()
+        rows = sum(len(f.next_tokens) for f in feeds)
+        sync()
+        t = time.perf_counter()
+        if r < 2:
+            engine.drafter.step(feeds, [])
+        else:
+            prof = cProfile.Profile()
+            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])) as tprof:
+                prof.enable()
+                engine.drafter.step(feeds, [])
+                sync()
+                prof.disable()
+        sync()
+        times.append(round((time.perf_counter() - t) * 1e3, 3))
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+    kernels = tprof.key_averages().table(sort_by="self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=15)
+    result = {"mode": "backlog", "model": args.model, "batch": args.batch, "rows": rows, "extend_ms": times}
+    print(json.dumps(result))
     print(text.getvalue())
     print(kernels)
     if args.out:

@@ -251,6 +251,19 @@ def test_feed_buffer_merges_rows_per_sequence_and_flushes_before_overflowing():
         buf.take()
 
 
+def test_feed_buffer_holds_up_to_its_capacity_and_splits_into_calls_of_max_rows():
+    buf = FeedBuffer(max_rows=4, capacity=10)
+    assert buf.add([feed(1, 0, 6), feed(2, 0, 3)]) == [] and buf.rows == 9
+    calls = buf.split(buf.take())
+    assert [[(f.seq_id, f.start, len(f.next_tokens)) for f in c] for c in calls] == \
+        [[(1, 0, 4)], [(1, 4, 2), (2, 0, 2)], [(2, 2, 1)]]
+    assert calls[1][0].features[:, 0].tolist() == [0, 0] and calls[1][0].next_tokens.tolist() == [4, 5]
+    assert buf.add([feed(1, 6, 4)]) == [] and buf.add([feed(1, 10, 4)]) == []
+    assert [(f.seq_id, f.start, len(f.features)) for f in buf.add([feed(1, 14, 4)])] == [(1, 6, 8)]  # 12 > 10
+    assert buf.rows == 4
+    assert buf.split([]) == []
+
+
 def test_feed_buffer_takes_batched_rows_merged_per_sequence_in_order():
     buf = FeedBuffer(max_rows=64)
     step = lambda ids, starts: FeedRows(np.array(ids), np.array(starts), torch.tensor(starts, dtype=torch.float32)[:, None].expand(-1, 2),
@@ -319,6 +332,34 @@ def test_the_draft_gets_every_row_before_it_proposes(dirs):
             assert rows == seq.num_tokens - 1
         else:  # plain decoding: the rows wait in the buffer, none lost, none twice
             assert rows + engine.feed_buffer.rows == seq.num_tokens - 1 - (seq.pending_feature is not None)
+
+
+class PlainThenTrees(AdaptivePolicy):
+    """Plain decoding for the first 60 decisions, then the largest tree."""
+
+    def choose(self, batch, context, seq_ids, budgets):
+        self.choice = 0 if sum(self.decisions.values()) < 60 else self.sizes[-1]
+        self.decisions[self.choice] += 1
+        return self.choice
+
+
+def test_a_backlog_larger_than_one_draft_call_goes_in_pieces_and_in_order(dirs):
+    engine = eagle_engine(dirs, "dynamic", PlainThenTrees, table(1.0), max_batch_tokens=32)
+    calls = []
+    step = engine.drafter.step
+    engine.drafter.step = lambda feeds, proposals: calls.append(sum(len(f.next_tokens) for f in feeds)) or \
+        step(feeds, proposals)
+    params = SamplingParams(max_tokens=90, ignore_eos=True)
+    want = Engine(target_for(dirs[0])).generate([PROMPTS[3]], params)[0].token_ids
+    seq_id = engine.add_request(PROMPTS[3], params)
+    out = []
+    while not engine.speculation_totals().steps:  # until the first tree was verified
+        out += [t for ev in engine.step() for t in ev.token_ids]
+    max_rows = engine.feed_buffer.max_rows
+    assert len(calls) >= 2 and max(calls) <= max_rows and sum(calls) > max_rows  # one backlog, several calls
+    assert engine.drafter.rows[seq_id] >= len(PROMPTS[3]) + 60
+    out += [t for ev in engine.run_until_done() for t in ev.token_ids]
+    assert out == want
 
 
 class CountingOracle(OracleDrafter):

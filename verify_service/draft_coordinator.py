@@ -22,7 +22,7 @@ import torch
 from link.protocol import DraftFeed, DraftProvider, ProposeRequest
 from runtime.tree import InvalidTreeError, invalid_trees
 from verify_service.adaptive import AdaptivePolicy
-from verify_service.feed_buffer import FeedBuffer, FeedRows
+from verify_service.feed_buffer import FEED_BUFFER_BYTES, FeedBuffer, FeedRows
 from verify_service.model_runner import StepOutput
 from verify_service.scheduler import Scheduler
 from verify_service.sequence import Sequence
@@ -32,13 +32,15 @@ log = logging.getLogger(__name__)
 
 class DraftCoordinator:
     def __init__(self, drafter: DraftProvider, policy: AdaptivePolicy | None, scheduler: Scheduler,
-                 sequences: dict[int, Sequence], vocab_size: int, max_model_len: int, feature_rows: int):
+                 sequences: dict[int, Sequence], vocab_size: int, max_model_len: int, feature_rows: int,
+                 feature_bytes: int):
         """``sequences``: the engine's live sequences (shared, not copied). ``feature_rows``: the most
-        rows one draft call may carry."""
+        rows one draft call may carry; ``feature_bytes``: the size of one row's features (the feed
+        buffer holds ``FEED_BUFFER_BYTES`` of them while speculation decodes plainly)."""
         self.drafter, self.policy = drafter, policy
         self.scheduler, self.sequences = scheduler, sequences
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
-        self.feed_buffer = FeedBuffer(feature_rows)
+        self.feed_buffer = FeedBuffer(feature_rows, FEED_BUFFER_BYTES // feature_bytes if policy else None)
         self._asked: dict[int, int] = {}  # seq_id -> node cap its pending tree was asked with (0: pruned)
         self.draft_errors = 0  # invalid trees refused (each fell back to one plain step)
 
@@ -97,13 +99,13 @@ class DraftCoordinator:
             fed.update(rows.seq_ids.tolist())
         overflow = self.feed_buffer.add(live)
         if overflow:
-            self.drafter.step(overflow, [])
+            self._send(overflow, [])
         backlog = self.feed_buffer.rows - sum(len(f.next_tokens) for f in live)  # rows of earlier steps wait
         requests = self._requests(fed) if getattr(self.drafter, "connected", True) else []
         if not requests and (self.policy is not None or not self.feed_buffer.rows):
             return 0.0
         start = time.perf_counter()
-        trees = self.drafter.step(self.feed_buffer.take(), requests)
+        trees = self._send(self.feed_buffer.take(), requests)
         seconds = time.perf_counter() - start  # the trees are on the host: the draft's work is done
         if self.policy is not None and requests:  # a backlog's extend is no tree's cost: counted apart
             levels = max(r.settings.depth for r in requests)
@@ -126,6 +128,14 @@ class DraftCoordinator:
             self.sequences[req.seq_id].tree = tree
             self._asked[req.seq_id] = req.settings.node_budget if req.max_depth >= req.settings.depth else 0
         return seconds
+
+    def _send(self, feeds: list[DraftFeed], requests: list[ProposeRequest]) -> dict:
+        """Feed the draft (in calls of at most the feed buffer's ``max_rows``), then ask for trees with
+        the last call."""
+        calls = self.feed_buffer.split(feeds) or [[]]
+        for call in calls[:-1]:
+            self.drafter.step(call, [])
+        return self.drafter.step(calls[-1], requests)
 
     def _requests(self, fed: set[int]) -> list[ProposeRequest]:
         """A tree request per decoding sequence that speculates and was fed this step, capped to the

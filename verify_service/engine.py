@@ -89,7 +89,8 @@ class Engine:
         cfg = target.cfg
         self.speculation = None if drafter is None else DraftCoordinator(
             drafter, policy, self.scheduler, self.sequences, target.model_config.vocab_size,
-            target.max_model_len, limits.feature_rows(cfg.max_batch_tokens, cfg.max_num_seqs))
+            target.max_model_len, limits.feature_rows(cfg.max_batch_tokens, cfg.max_num_seqs),
+            len(drafter.capture_layers) * target.model_config.hidden_size * target.dtype.itemsize)
         self.last_step_verified_trees = False
         self.released_speculation = SpeculationMetrics()  # totals over finished and aborted sequences
 

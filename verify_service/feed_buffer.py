@@ -2,8 +2,11 @@
 
 With a fixed tree the draft is called every step and the buffer is emptied at once. When adaptive
 speculation decodes plainly, asking the draft for nothing, its rows wait here and go with the next
-request for trees (or when the buffer fills): a plain step then costs no draft round trip, and the
-draft still receives every committed row, in order, before proposing.
+request for trees (or when the buffer fills): a plain step then costs no draft round trip, the rows
+of a sequence that finishes before its next tree are never sent at all, and the draft still
+receives every committed row, in order, before proposing. The buffer holds up to ``capacity`` rows
+(a GPU memory bound, many steps' worth); ``split`` cuts what it releases into draft calls of at most
+``max_rows`` (what one call, or the services' shared features buffer, carries).
 
 Rows arrive a step at a time as ``FeedRows`` (a step's plain decodes: one record for the whole
 batch, no per-sequence work) or as one sequence's ``DraftFeed`` (prefill chunks); they are merged
@@ -41,10 +44,15 @@ class FeedRows:
         return len(self.seq_ids)
 
 
+FEED_BUFFER_BYTES = 256 << 20  # features waiting for the draft, at most (GPU memory)
+
+
 class FeedBuffer:
-    def __init__(self, max_rows: int):
-        """``max_rows``: the most rows one draft call may carry (the link's features buffer)."""
+    def __init__(self, max_rows: int, capacity: int | None = None):
+        """``max_rows``: the most rows one draft call may carry (the link's features buffer);
+        ``capacity``: the most rows waiting (default ``max_rows``)."""
         self.max_rows = max_rows
+        self.capacity = max(capacity or max_rows, max_rows)
         self._parts: list[FeedRows] = []  # in arrival order
         self._per_seq: Counter[int] = Counter()  # rows waiting per sequence
         self._dropped: set[int] = set()  # sequences whose waiting rows are never sent
@@ -52,10 +60,10 @@ class FeedBuffer:
 
     def add(self, feeds: list[DraftFeed | FeedRows]) -> list[DraftFeed]:
         """Buffer ``feeds``; returns what must be sent first, without them, when together they would
-        exceed ``max_rows`` (one step's feeds alone never do)."""
+        exceed ``capacity`` (one step's feeds alone never exceed ``max_rows``)."""
         parts = [f if isinstance(f, FeedRows) else FeedRows.of(f) for f in feeds]
         new = sum(len(p) for p in parts)
-        flush = self.take() if self._parts and self.rows + new > self.max_rows else []
+        flush = self.take() if self._parts and self.rows + new > self.capacity else []
         for p in parts:
             if len(p):
                 self._parts.append(p)
@@ -84,6 +92,22 @@ class FeedBuffer:
             features = features[torch.from_numpy(order).to(features.device)]
         bounds = [0, *(np.flatnonzero(~same) + 1).tolist(), len(ids)]
         return [DraftFeed(int(ids[a]), int(starts[a]), features[a:b], tokens[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+    def split(self, feeds: list[DraftFeed]) -> list[list[DraftFeed]]:
+        """``feeds`` cut into draft calls of at most ``max_rows`` rows, in order: a sequence's rows
+        that do not fit one call go in consecutive pieces, each call after the one before it."""
+        calls, call, room = [], [], self.max_rows
+        for f in feeds:
+            at, n = 0, len(f.next_tokens)
+            while at < n:
+                if room == 0:
+                    calls.append(call)
+                    call, room = [], self.max_rows
+                take = min(room, n - at)
+                call.append(f if take == n else DraftFeed(f.seq_id, f.start + at, f.features[at:at + take],
+                                                          f.next_tokens[at:at + take]))
+                at, room = at + take, room - take
+        return calls + [call] if call else calls
 
     def drop(self, seq_id: int) -> None:
         """A finished or cancelled sequence: its rows are never sent."""
