@@ -21,8 +21,11 @@ A model directory without a tokenizer (tests) gets prompts of token ids derived 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import logging
+import pstats
 import statistics
 import sys
 import time
@@ -96,6 +99,19 @@ def engine_rows(engines: list[tuple[str, object]], prompts, batches, min_prompts
     return rows
 
 
+def profile_run(name: str, engine, prompts, params, batch: int) -> str:
+    """One run under cProfile: the functions by own time and by cumulative time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    _, secs, _ = run(engine, prompts, params, batch)
+    prof.disable()
+    text = io.StringIO()
+    text.write(f"=== {name}, batch {batch}: {secs:.3f} s under the profiler ===\n")
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(30)
+    return text.getvalue()
+
+
 def hf_rows(model_dir: str, prompts, batches, min_prompts: int, max_tokens: int, device: str, dtype,
             eos: tuple[int, ...], reference) -> list[dict]:
     """transformers generate at every batch size, prompt-lookup assisted generation at batch 1."""
@@ -163,6 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--tree", default=None, help="TREE:DEPTH[:TOP_K[:NODES]] (default: the device's default tree)")
     ap.add_argument("--no-adaptive", action="store_true", help="skip the adaptive speculation rows")
+    ap.add_argument("--profile-batch", type=int, default=None, help="after the rows, one more run of every "
+                    "engine at this batch size under cProfile: OUT.profile.txt (where the host time goes)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every engine per batch size, in turn; "
                     "rows report the median (the engines are all loaded at once)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
@@ -200,6 +218,10 @@ def main(argv: list[str] | None = None) -> dict:
     report["throughput"] += engine_rows(engines, prompts, batches, args.min_prompts, params, args.rounds, reference)
     if not args.no_adaptive:
         report["adaptive_decisions"] = {str(k): v for k, v in sorted(engines[-1][1].policy.decisions.items())}
+    if args.profile_batch:
+        b = args.profile_batch
+        Path(args.out + ".profile.txt").write_text(
+            "".join(profile_run(name, e, prompts[:max(b, args.min_prompts)], params, b) for name, e in engines))
     del engine, engines
     report["tau_per_depth"] = tau_per_depth(report["throughput"])
     report["hf"] = _hf(args, model, prompts, batches, eos, reference, report)

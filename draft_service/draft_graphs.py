@@ -11,6 +11,10 @@ puts the step's metadata at the graph's fixed addresses::
     device: the fed features -> the graph's buffer (device-to-device)
     graph:  draft layers -> LM head at each sequence's last row -> log_softmax
 
+Rows that waited out plain steps (adaptive speculation) and prompts come in larger numbers: a second
+graph per padded batch holds ``backlog_rows(B)`` rows a sequence (``BACKLOG_ROWS`` in all), and the
+drafter feeds more than that in consecutive rounds.
+
 Fills take the next of a ring of pinned buffers, waiting only on the copy that last used it.
 ``max_seq_len`` of the graphed metadata is the cache's capacity, so the attention grid never
 depends on a step's lengths.
@@ -35,6 +39,8 @@ log = logging.getLogger(__name__)
 
 _FIELDS = ("qsl", "seq_lens", "tables", "slots", "positions", "token_seq", "q_idx", "ids", "rows")
 _RING = 4  # pinned host buffers in turn
+BACKLOG_ROWS = 2048  # rows of a backlog extend graph (all sequences together)
+BACKLOG_ROWS_PER_SEQ = 128  # ... and a sequence's at most
 
 
 @dataclass
@@ -67,15 +73,19 @@ class DraftGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
+    def backlog_rows(self, batch: int) -> int:
+        """Rows a sequence that a backlog extend graph of ``batch`` sequences (padded) holds."""
+        return max(self.extend_tokens, min(BACKLOG_ROWS_PER_SEQ, BACKLOG_ROWS // padded_batch(batch)))
+
     def run_extend(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(out [T, H], log-probs [B', Vd] at each sequence's last row, B' >= B: the padded batch the
         graph was captured for) of a draft extend (host token ids, causal); None when a sequence
-        brings more than ``extend_tokens`` rows."""
-        Q = self.extend_tokens
+        brings more than ``backlog_rows`` rows."""
         n = [len(c.token_ids) for c in chunks]
+        B = padded_batch(len(chunks))  # padding sequences bring no tokens (their query range is empty)
+        Q = self.extend_tokens if max(n) <= self.extend_tokens else self.backlog_rows(B)
         if max(n) > Q:
             return None
-        B = padded_batch(len(chunks))  # padding sequences bring no tokens (their query range is empty)
         g = self._graph("extend", B, Q, hidden.shape[1])
         if g is None:
             return None
@@ -94,8 +104,10 @@ class DraftGraphs:
         return g.out[:T], g.logp
 
     def capture_extend(self, batch: int, hidden_size: int) -> None:
-        """Capture the extend graph of a padded ``batch`` now (start-up) rather than on first use."""
-        self._graph("extend", padded_batch(batch), self.extend_tokens, hidden_size)
+        """Capture the extend graphs (a step's rows, a backlog's) of a padded ``batch`` now (start-up)
+        rather than on first use."""
+        for rows in sorted({self.extend_tokens, self.backlog_rows(batch)}):
+            self._graph("extend", padded_batch(batch), rows, hidden_size)
 
     def _send(self, g: _Graph, arrays: dict[str, np.ndarray]) -> None:
         """``arrays`` to the graph's metadata buffer: a pinned ring buffer, one copy."""

@@ -147,6 +147,15 @@ class EagleDrafter:
     # --- draft extend over committed rows --------------------------------------------------
 
     def _extend(self, feeds: list[DraftFeed]) -> None:
+        """Extend the draft's cache with ``feeds``; with graphs, rows beyond what the backlog graph holds
+        a sequence go in consecutive rounds (each sequence's rows in order)."""
+        if self.graphs is not None:
+            cap = self.graphs.backlog_rows(len(feeds))
+            if max(len(f.next_tokens) for f in feeds) > cap:
+                self._extend([DraftFeed(f.seq_id, f.start, f.features[:cap], f.next_tokens[:cap]) for f in feeds])
+                rest = [DraftFeed(f.seq_id, f.start + cap, f.features[cap:], f.next_tokens[cap:])
+                        for f in feeds if len(f.next_tokens) > cap]
+                return self._extend(rest)
         chunks = []
         for f in feeds:
             have = self.rows.get(f.seq_id, 0)

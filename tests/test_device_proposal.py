@@ -106,7 +106,8 @@ def test_a_proposal_graph_that_does_not_fit_runs_eagerly(dirs, monkeypatch):
 
     monkeypatch.setattr(proposal_graph.DeviceProposal, "_capture", no_memory)
     drafter, width, vocab = drafter_for(dirs, "dynamic")
-    drafter.graphs = SimpleNamespace(pool=None, run_extend=lambda chunks, hidden: None)  # as on CUDA: graphs tried first
+    drafter.graphs = SimpleNamespace(pool=None, run_extend=lambda chunks, hidden: None,  # as on CUDA: graphs first
+                                     backlog_rows=lambda batch: 128)
     gen = torch.Generator().manual_seed(1)
     drafter.step([DraftFeed(1, 0, torch.randn(6, width, generator=gen),
                             torch.randint(0, vocab, (6,), generator=gen).numpy())], [])
@@ -127,3 +128,30 @@ def test_compiling_the_eager_extends_leaves_no_trace(dirs):
     drafter._compile_extends(40)
     assert drafter.blocks.num_used_blocks == used and torch.equal(committed_kv(drafter, 1), before)
     assert set(drafter.rows) == {1}
+
+
+def test_a_backlog_beyond_the_graphs_rows_goes_in_rounds_with_the_same_result(dirs):
+    """With graphs, a sequence bringing more rows than the backlog graph holds is extended in
+    consecutive rounds (here 4 rows a round, run eagerly): the same KV, last rows and trees as one
+    eager extend of everything."""
+    from types import SimpleNamespace
+
+    whole, width, vocab = drafter_for(dirs, "dynamic")
+    rounds, _, _ = drafter_for(dirs, "dynamic")
+    rounds.graphs = SimpleNamespace(pool=None, run_extend=lambda chunks, hidden: None, backlog_rows=lambda batch: 4)
+    gen = torch.Generator().manual_seed(5)
+    feeds = [DraftFeed(s, 0, torch.randn(n, width, generator=gen), torch.randint(0, vocab, (n,), generator=gen).numpy())
+             for s, n in ((1, 13), (2, 3), (3, 9))]
+    calls = []
+    run = rounds._run
+    rounds._run = lambda chunks, hidden, *a: calls.append([len(c.token_ids) for c in chunks]) or run(chunks, hidden, *a)
+    whole.step(feeds, [])
+    rounds.step(feeds, [])
+    assert calls == [[4, 3, 4], [4, 4], [4, 1], [1]]
+    rounds.graphs = None  # proposals eagerly (no CUDA here)
+    requests = [ProposeRequest(s, whole.spec.settings.depth) for s in (1, 2, 3)]
+    for s in (1, 2, 3):
+        assert rounds.rows[s] == whole.rows[s]
+        torch.testing.assert_close(committed_kv(rounds, s), committed_kv(whole, s))
+    same_trees(whole._propose_on_device(requests, whole.spec.settings),
+               rounds._propose_on_device(requests, rounds.spec.settings))

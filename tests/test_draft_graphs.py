@@ -65,3 +65,14 @@ def test_warm_up_captures_what_generation_replays(dirs):
     assert len(eng.drafter._proposals) == proposals
     assert {k for k in eng.drafter.graphs._graphs if k[0] == "extend"} <= draft_graphs
     assert set(eng.target.runner._graphs) == target_graphs
+
+
+def test_a_prompt_longer_than_the_backlog_graph_goes_in_graphed_rounds(dirs):
+    """A 200-token prompt (more rows than a backlog extend graph holds a sequence) is fed to the
+    graphed draft in rounds: the same output and acceptance as the eager drafter."""
+    prompts = [[(7 * i) % 90 + 1 for i in range(200)], [5, 6, 7]]
+    eager, graphed = engine(dirs, False), engine(dirs, True)
+    got_eager, got_graphed = eager.generate(prompts, PARAMS), graphed.generate(prompts, PARAMS)
+    assert [r.token_ids for r in got_eager] == [r.token_ids for r in got_graphed]
+    assert [r.speculation.accepted_tokens for r in got_eager] == [r.speculation.accepted_tokens for r in got_graphed]
+    assert 200 > graphed.drafter.graphs.backlog_rows(2) and graphed.drafter.graphs.replays >= 3

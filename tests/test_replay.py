@@ -77,7 +77,8 @@ def test_speed_report_runs_small(tmp_path):
                                 "--min-prompts", "2", "--max-tokens", "5", "--tree", "chain:2", "--no-hf",
                                 "--verify-tokens", "1", "--verify-tokens", "3", "--verify-contexts", "16",
                                 "--verify-batches", "1", "--device", "cpu", "--dtype", "float32", "--rounds", "2",
-                                "--out", str(out)])
+                                "--profile-batch", "2", "--out", str(out)])
+    assert "=== eagle3 adaptive (limits chain:2), batch 2" in (tmp_path / "report.json.profile.txt").read_text()
     assert all(len(r["seconds_per_round"]) == 2 for r in report["throughput"])  # every engine ran twice
     configs = {(r["batch"], r["config"]) for r in report["throughput"]}
     assert configs == {(b, c) for b in (1, 2) for c in ("target-only", "eagle3 chain:2",

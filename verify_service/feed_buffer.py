@@ -115,3 +115,5 @@ class FeedBuffer:
         if waiting:
             self.rows -= waiting
             self._dropped.add(seq_id)
+        if not self.rows:  # every waiting row was dropped: nothing to hold on to
+            self._parts, self._per_seq, self._dropped = [], Counter(), set()
