@@ -55,6 +55,8 @@ def main() -> None:
                     help="the verify service picks each step's tree size (or plain decoding)")
     ap.add_argument("--exact", action="store_true",
                     help="batch-invariant numerics on the verify service and the in-process reference")
+    ap.add_argument("--stream-interval-ms", type=float, default=None,
+                    help="the verify service's --stream-interval-ms (default: its own default)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     levels = sorted(set(args.concurrency or [1]))
@@ -89,7 +91,9 @@ def main() -> None:
     verify = spawn(["serve-verify", "--model", model, "--listen", public, "--internal", internal, "--dtype",
                     args.dtype, "--max-model-len", "4096", "--max-num-seqs", str(max(8, max(levels))),
                     "--adaptive-speculation", args.adaptive_speculation, *flags,
-                    *(["--exact"] if args.exact else [])], tmp / "verify.log")
+                    *(["--exact"] if args.exact else []),
+                    *([] if args.stream_interval_ms is None else ["--stream-interval-ms", str(args.stream_interval_ms)])],
+                   tmp / "verify.log")
     draft = None
     try:
         client = Eagle3Client(public, timeout_s=600)
@@ -99,7 +103,8 @@ def main() -> None:
         wait_healthy(client, "eagle3.speculation", draft, "draft service")
         client.complete(prompts[0], max_tokens=8)  # warm-up
         report = {"device": args.device, "dtype": args.dtype, "tree": tree.describe(), "exact": args.exact,
-                  "adaptive_speculation": args.adaptive_speculation, "prompts": len(prompts),
+                  "adaptive_speculation": args.adaptive_speculation, "stream_interval_ms": args.stream_interval_ms,
+                  "prompts": len(prompts),
                   "max_tokens": args.max_tokens, "runs": []}
         for c in levels:
             before = client.metrics()

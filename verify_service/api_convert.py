@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import chain
+
 from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from common.tree_settings import TreeSettings
@@ -53,8 +55,10 @@ def speculation(req: pb.GenerateRequest, limits: TreeSettings | None) -> tuple[b
     return wanted, limits.request(tree, opt("depth"), opt("top_k"), opt("max_nodes"))
 
 
-def delta(ev: TokenEvent) -> pb.GenerateResponse:
-    return pb.GenerateResponse(delta=pb.TokenDelta(token_ids=ev.token_ids, text=ev.text))
+def delta(events: list[TokenEvent]) -> pb.GenerateResponse:
+    """Consecutive events of one request as one message: their tokens and text, in order."""
+    return pb.GenerateResponse(delta=pb.TokenDelta(token_ids=list(chain.from_iterable(ev.token_ids for ev in events)),
+                                                   text="".join(ev.text for ev in events)))
 
 
 def done(ev: TokenEvent, prompt_tokens: int, completion_tokens: int) -> pb.GenerateResponse:

@@ -21,13 +21,14 @@ from common.errors import CapacityError
 from common.sampling_params import SamplingParams
 from common.tree_settings import TreeSettings
 from verify_service.engine import Engine, TokenEvent
+from verify_service.event_box import EventBox
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineFailure:
-    """Put on a request's queue when the step loop failed; the handler reports INTERNAL."""
+    """Posted to a request's events when the step loop failed; the handler reports INTERNAL."""
 
     error: Exception
 
@@ -38,7 +39,7 @@ class EngineThread:
         self.engine = engine
         self._on_step = on_step
         self._commands: queue.Queue = queue.Queue()  # (callable, Future | None)
-        self._queues: dict[int, queue.Queue] = {}
+        self._boxes: dict[int, EventBox] = {}
         self._stopped = False
         self.completed = 0
         self.cancelled = 0
@@ -71,10 +72,10 @@ class EngineThread:
         return done.result(timeout_s)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, speculate: bool,
-               tree: TreeSettings | None, max_waiting: int | None = None) -> tuple[int, queue.Queue]:
-        """Validate and queue a request (raises typed errors at once); returns (id, event queue).
+               tree: TreeSettings | None, max_waiting: int | None = None) -> tuple[int, EventBox]:
+        """Validate and queue a request (raises typed errors at once); returns (id, its events).
         ``max_waiting``: CapacityError when that many requests already wait for a batch slot."""
-        events: queue.Queue = queue.Queue()
+        events = EventBox()
 
         def add():
             waiting = len(self.engine.scheduler.waiting)
@@ -82,7 +83,7 @@ class EngineThread:
                 raise CapacityError(f"{waiting} requests are queued, the server queues at most {max_waiting}; "
                                     "retry later")
             seq_id = self.engine.add_request(prompt_ids, params, speculate, tree)
-            self._queues[seq_id] = events
+            self._boxes[seq_id] = events
             return seq_id
         return self._call(add), events
 
@@ -91,7 +92,7 @@ class EngineThread:
         self._commands.put((lambda: self._cancel(seq_id), None))
 
     def _cancel(self, seq_id: int) -> None:
-        if self._queues.pop(seq_id, None) is not None:
+        if self._boxes.pop(seq_id, None) is not None:
             self.engine.abort(seq_id)
             self.cancelled += 1
             log.info("request %d cancelled; its KV is free", seq_id)
@@ -132,7 +133,7 @@ class EngineThread:
             try:
                 events = self.engine.step()
             except Exception as exc:  # a bug: fail the requests in flight, keep serving
-                log.exception("engine step failed; aborting %d requests", len(self._queues))
+                log.exception("engine step failed; aborting %d requests", len(self._boxes))
                 self._fail_all(exc)
                 continue
             self._count_step(time.perf_counter() - start)
@@ -156,16 +157,17 @@ class EngineThread:
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for ev in events:
             self.generated_tokens += len(ev.token_ids)
-            q = self._queues.get(ev.seq_id)
-            if q is None:
+            box = self._boxes.get(ev.seq_id)
+            if box is None:
                 continue
-            q.put(ev)
-            if ev.finish_reason is not None:
-                del self._queues[ev.seq_id]
+            last = ev.finish_reason is not None
+            box.post(ev, last)
+            if last:
+                del self._boxes[ev.seq_id]
                 self.completed += 1
 
     def _fail_all(self, exc: Exception) -> None:
-        for seq_id, q in list(self._queues.items()):
+        for seq_id, box in list(self._boxes.items()):
             self.engine.abort(seq_id)
-            q.put(EngineFailure(exc))
-        self._queues.clear()
+            box.post(EngineFailure(exc), last=True)
+        self._boxes.clear()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import threading
 import time
 from pathlib import Path
@@ -35,8 +34,11 @@ _CANCEL_POLL_S = 0.25
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, loop: EngineThread, limits: TreeSettings | None, remote: RemoteDraft | None,
                  max_tokens_default: int, model_name: str, max_open_streams: int = 256,
-                 max_queued_requests: int = 256):
+                 max_queued_requests: int = 256, stream_interval_s: float = 0.0):
+        """``stream_interval_s``: after a response message, a stream lets tokens gather this long
+        before the next (its last tokens and its end go at once)."""
         self.loop, self.limits, self.remote = loop, limits, remote
+        self.stream_interval_s = stream_interval_s
         self.target = loop.engine.target
         self.max_tokens_default = max_tokens_default
         self.model_name = model_name
@@ -74,24 +76,25 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # covers the usual case; the is_active() poll covers runtimes that only report a
         # cancelled stream to a handler that is not blocked.
         context.add_callback(lambda: self.loop.cancel(seq_id))
-        produced = 0
+        produced, sent_at = 0, float("-inf")
         while True:
-            try:
-                ev = events.get(timeout=_CANCEL_POLL_S)
-            except queue.Empty:
-                ev = None
+            # Every event committed since the last message, as one message (the message, not the
+            # token, is what costs: thread wake-ups that take the GIL from the engine thread).
+            batch = events.take(_CANCEL_POLL_S, sent_at + self.stream_interval_s - time.monotonic())
             if not context.is_active():
                 self.loop.cancel(seq_id)
                 return
-            if ev is None:
+            if not batch:
                 continue
-            if isinstance(ev, EngineFailure):
-                abort(context, ev.error)
-            produced += len(ev.token_ids)
-            if ev.token_ids or ev.text:
-                yield api_convert.delta(ev)
-            if ev.finish_reason is not None:
-                yield api_convert.done(ev, len(ids), produced)
+            failure = batch.pop() if isinstance(batch[-1], EngineFailure) else None  # always the last event
+            produced += sum(len(ev.token_ids) for ev in batch)
+            if any(ev.token_ids or ev.text for ev in batch):
+                sent_at = time.monotonic()
+                yield api_convert.delta(batch)
+            if failure is not None:
+                abort(context, failure.error)
+            if batch[-1].finish_reason is not None:
+                yield api_convert.done(batch[-1], len(ids), produced)
                 return
 
     def GetServerInfo(self, request, context):
