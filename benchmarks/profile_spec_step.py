@@ -45,9 +45,15 @@ SHIPPED_HEAD = str(Path(__file__).resolve().parent.parent / "hub" / "heads" / "s
 
 
 class _AlwaysPlain:
-    """A policy that always picks plain decoding (the engine's policy interface, nothing learned)."""
+    """A policy that always picks plain decoding (the engine's policy interface, nothing learned),
+    as adaptive speculation holding a plain decision does."""
 
-    def choose(self, batch, context, seq_ids, budgets) -> int:
+    last_held = True
+
+    def choose_held(self, quick_key) -> bool:
+        return True
+
+    def choose(self, batch, context, seq_ids, budgets, quick_key=None) -> int:
         return 0
 
     def observe_step(self, *args) -> None:

@@ -163,6 +163,26 @@ def test_a_decision_is_held_while_nothing_it_rests_on_changes():
     assert len(calls) == 4
 
 
+def test_a_held_plain_decision_is_repeated_without_looking_at_the_sequences():
+    policy = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4),
+                            PolicyConfig(probe_every=0, hold_steps=4))
+    seen(policy, accepted=0)
+    assert not policy.choose_held((1, 1))  # nothing decided yet
+    assert policy.choose(1, 1024, [0], [4], quick_key=(1, 1)) == 0 and not policy.last_held
+    assert [policy.choose_held((1, 1)) for _ in range(4)] == [True, True, True, False]  # held 4 decisions in all
+    assert policy.last_held and policy.decisions[0] == 4
+    policy.choose(1, 1024, [0], [4], quick_key=(1, 1))
+    assert not policy.choose_held((2, 1))  # another batch: look again
+    policy.observe_tree(0, chain(4), [0, 1, 2, 3], 4)  # something learned: look again
+    assert not policy.choose_held((1, 1))
+    probing = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4),
+                             PolicyConfig(probe_every=3, hold_steps=8, probe_share=1.0))
+    seen(probing, accepted=0)
+    assert probing.choose(1, 1024, [0], [4], quick_key=(1, 1)) == 0
+    assert [probing.choose_held((1, 1)) for _ in range(2)] == [True, False]  # a probe is due: choose
+    assert probing.choose(1, 1024, [0], [4], quick_key=(1, 1)) > 0 and probing.probes == 1
+
+
 def test_an_unseen_batch_takes_the_nearest_learned_costs_scaled_with_the_batch():
     assert _learned({}, 8) is None
     assert _learned({64: 2.0, 4: 1.0}, 128) == 4.0  # larger: the nearest (64), x 128/64
@@ -289,7 +309,7 @@ def test_feed_buffer_takes_batched_rows_merged_per_sequence_in_order():
 class ChaosPolicy(AdaptivePolicy):
     """Picks a random size (plain decoding included) every step: whatever the choice, the output holds."""
 
-    def choose(self, batch, context, seq_ids, budgets):
+    def choose(self, batch, context, seq_ids, budgets, quick_key=None):
         self.choice = random.choice((0, *self.sizes))
         self.decisions[self.choice] += 1
         return self.choice
@@ -340,7 +360,7 @@ def test_the_draft_gets_every_row_before_it_proposes(dirs):
 class PlainThenTrees(AdaptivePolicy):
     """Plain decoding for the first 60 decisions, then the largest tree."""
 
-    def choose(self, batch, context, seq_ids, budgets):
+    def choose(self, batch, context, seq_ids, budgets, quick_key=None):
         self.choice = 0 if sum(self.decisions.values()) < 60 else self.sizes[-1]
         self.decisions[self.choice] += 1
         return self.choice

@@ -201,19 +201,42 @@ class AdaptivePolicy:
         self.observed: dict[str, list[float]] = {}  # per batch bucket and kind: steps, measured ms, modelled ms
         self._version = 0  # bumped by what moves the decision much: a tree's acceptance, a draft's cost
         self._held: list = [None, 0, 0]  # (batch, context / 256, speculating, budget, version), best, uses
+        self._quick = None  # (caller's key, version, plain step's modelled ms) while plain decoding is held
+        self.last_held = False  # the latest decision was a held plain one (choose_held)
 
     # --- the decision ---------------------------------------------------------------------------
 
-    def choose(self, batch: int, context: float, seq_ids: list[int], budgets: list[int]) -> int:
+    def choose(self, batch: int, context: float, seq_ids: list[int], budgets: list[int], quick_key=None) -> int:
         """Nodes per tree for the next step (0: plain decoding). ``batch``: the sequences that decode
-        next step; ``seq_ids``/``budgets``: those that may speculate, and the most nodes each may have."""
+        next step; ``seq_ids``/``budgets``: those that may speculate, and the most nodes each may have.
+        ``quick_key``: the caller's cheap summary of the step (see ``choose_held``)."""
         key = (batch, int(context) >> 8, len(seq_ids), min(budgets, default=0), self._version)
         if key != self._held[0] or self._held[2] >= self.cfg.hold_steps:
             self._held = [key, self.best(batch, context, seq_ids, budgets), 0]
         self._held[2] += 1
         self.choice = self._probe(self._held[1], batch, context, len(seq_ids))
         self.decisions[self.choice] += 1
+        plain = self.step_ms(batch, context, 0, len(seq_ids)) if self.choice == 0 and quick_key is not None else None
+        self._quick = None if plain is None else (quick_key, self._version, plain)
+        self.last_held = False
         return self.choice
+
+    def choose_held(self, quick_key) -> bool:
+        """Plain decoding again, without looking at the sequences: True (and counted as a decision)
+        when the latest decision was plain for the same ``quick_key`` (the caller's cheap summary:
+        sequences running, sequences fed), nothing was learned since, it is held fewer than
+        ``hold_steps`` steps and no probe is due. A plain step then costs the policy a few
+        comparisons; False: call ``choose``."""
+        q = self._quick
+        if q is None or q[0] != quick_key or q[1] != self._version or self._held[2] >= self.cfg.hold_steps \
+                or (self.cfg.probe_every and self._since_probe + 1 >= self.cfg.probe_every):
+            return False
+        self._held[2] += 1
+        self._since_probe += 1
+        self._spent_ms += q[2]
+        self.choice, self.last_held = 0, True
+        self.decisions[0] += 1
+        return True
 
     def best(self, batch: int, context: float, seq_ids: list[int], budgets: list[int]) -> int:
         """argmax over {0} + sizes of expected tokens per ms (no probing, no counting)."""

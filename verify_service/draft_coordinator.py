@@ -140,8 +140,12 @@ class DraftCoordinator:
     def _requests(self, fed: set[int]) -> list[ProposeRequest]:
         """A tree request per decoding sequence that speculates and was fed this step, capped to the
         policy's choice; none for a sequence whose context or ``max_tokens`` leaves no room."""
-        ready, decoding, context = [], 0, 0  # one pass: asked every step for every sequence
-        for seq in self.scheduler.running:
+        running = self.scheduler.running
+        quick = (len(running), len(fed))
+        if self.policy is not None and self.policy.choose_held(quick):  # plain decoding held: no look at each
+            return []
+        ready, decoding, context = [], 0, 0  # one pass over the sequences
+        for seq in running:
             if seq.prefilling or seq.finished:
                 continue
             decoding, context = decoding + 1, context + seq.num_tokens
@@ -153,7 +157,7 @@ class DraftCoordinator:
             trees = [seq.tree_settings for seq in ready]
         else:  # sequences at their last token count as candidates: the choice comes first (plain: done)
             nodes = self.policy.choose(decoding, context / decoding, [s.seq_id for s in ready],
-                                       [s.tree_settings.node_budget for s in ready])
+                                       [s.tree_settings.node_budget for s in ready], quick)
             if nodes == 0:
                 return []
             trees = [self.policy.settings(seq.tree_settings, nodes) for seq in ready]

@@ -193,7 +193,8 @@ class Engine:
                 feeds[v.seq.seq_id] = v.feed
                 events.append(self._commit(v.seq, v.tokens))
         draft_s = self.speculation.draft(feeds, rows) if self.speculation else 0.0
-        if self.policy is not None and decode_only:
+        if self.policy is not None and decode_only and not (self.policy.last_held and not tree_nodes):
+            # (plain steps are measured when the policy looks, not while it holds: a few per hold)
             context = float(np.mean([s.num_cached for s, _ in plan]))
             self.policy.observe_step(len(plan), tree_nodes, context, (time.perf_counter() - t0 - draft_s) * 1e3)
         return events
