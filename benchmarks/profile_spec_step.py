@@ -14,6 +14,8 @@ speculation does when trees do not pay: features captured and buffered, the draf
 when its buffer fills); ``--mode target`` is the same engine without a draft. Side by side they
 show what a plain step costs because a draft is attached. ``--mode backlog`` times the draft
 extending what ``--steps`` plain steps left waiting (what a tree after a plain stretch pays first).
+``--mode ab`` loads both plain engines (target-only, and draft attached) in one process and
+alternates them, 10 steps at a time for ``--steps`` rounds: their median step times side by side.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--mode", choices=("spec", "plain", "target", "backlog"), default="spec",
+    ap.add_argument("--mode", choices=("spec", "plain", "target", "backlog", "ab"), default="spec",
                     help="spec: a tree every step; plain: draft attached, plain decoding; target: no draft; "
                          "backlog: the draft's extend after --steps plain steps")
     ap.add_argument("--out", default=None)
@@ -94,6 +96,9 @@ def main() -> None:
                                      min(args.draft_vocab, raw["vocab_size"])))
     spec = parse_config(args.config, head)
     target = make_engine(args.model, args.batch, args.context, 16 * args.steps + 128, device)  # + tree room
+    if args.mode == "ab":
+        return profile_ab(args, spec, target, make_engine(args.model, args.batch, args.context, 16 * args.steps + 128,
+                                                          device), sync)
     if args.mode == "target":
         engine = Engine(target)
     else:
@@ -140,6 +145,38 @@ def main() -> None:
     print(kernels)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n" + text.getvalue() + "\n" + kernels)
+
+
+def profile_ab(args, spec, target_a, target_b, sync) -> None:
+    """Target-only and draft-attached plain decoding, same prompts, alternated in one process."""
+    drafter = EagleDrafter.from_checkpoint(spec, target_b.model_config, target_b.model.model.embed_tokens.weight,
+                                           args.batch, target_b.max_model_len, "auto")
+    engines = {"target": Engine(target_a), "plain": Engine(target_b, drafter, spec.settings, _AlwaysPlain())}
+    for engine in engines.values():
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(args.batch):
+            prompt = torch.randint(1, target_a.model_config.vocab_size, (args.context,), generator=gen).tolist()
+            engine.add_request(prompt, SamplingParams(max_tokens=16 * args.steps, ignore_eos=True))
+        while any(s.prefilling for s in engine.sequences.values()):
+            engine.step()
+        for _ in range(5):
+            engine.step()
+    times = {name: [] for name in engines}
+    for r in range(args.steps):
+        for name in (("target", "plain") if r % 2 == 0 else ("plain", "target")):
+            sync()
+            t = time.perf_counter()
+            for _ in range(10):
+                engines[name].step()
+            sync()
+            times[name].append((time.perf_counter() - t) * 100)  # ms a step
+    med = {name: round(statistics.median(v), 4) for name, v in times.items()}
+    result = {"mode": "ab", "model": args.model, "batch": args.batch, "context": args.context,
+              "step_ms_median": med, "plain_over_target": round(med["plain"] / med["target"], 4),
+              "step_ms": {name: [round(x, 4) for x in v] for name, v in times.items()}}
+    print(json.dumps(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 def profile_backlog(engine: Engine, args, sync) -> None:
