@@ -105,12 +105,7 @@ def main() -> None:
         drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                                args.batch, target.max_model_len, "auto")
         engine = Engine(target, drafter, spec.settings, _AlwaysPlain() if args.mode in ("plain", "backlog") else None)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(args.batch):
-        prompt = torch.randint(1, target.model_config.vocab_size, (args.context,), generator=gen).tolist()
-        engine.add_request(prompt, SamplingParams(max_tokens=16 * args.steps, ignore_eos=True))
-    while any(s.prefilling for s in engine.sequences.values()):
-        engine.step()
+    prefilled(engine, args)
     if args.mode == "backlog":
         return profile_backlog(engine, args, sync)
     for _ in range(5):
@@ -147,18 +142,23 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n" + text.getvalue() + "\n" + kernels)
 
 
+def prefilled(engine: Engine, args) -> None:
+    """``--batch`` random prompts of ``--context`` tokens (the same for every engine), prefilled."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(args.batch):
+        prompt = torch.randint(1, engine.target.model_config.vocab_size, (args.context,), generator=gen).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=16 * args.steps, ignore_eos=True))
+    while any(s.prefilling for s in engine.sequences.values()):
+        engine.step()
+
+
 def profile_ab(args, spec, target_a, target_b, sync) -> None:
     """Target-only and draft-attached plain decoding, same prompts, alternated in one process."""
     drafter = EagleDrafter.from_checkpoint(spec, target_b.model_config, target_b.model.model.embed_tokens.weight,
                                            args.batch, target_b.max_model_len, "auto")
     engines = {"target": Engine(target_a), "plain": Engine(target_b, drafter, spec.settings, _AlwaysPlain())}
     for engine in engines.values():
-        gen = torch.Generator().manual_seed(0)
-        for _ in range(args.batch):
-            prompt = torch.randint(1, target_a.model_config.vocab_size, (args.context,), generator=gen).tolist()
-            engine.add_request(prompt, SamplingParams(max_tokens=16 * args.steps, ignore_eos=True))
-        while any(s.prefilling for s in engine.sequences.values()):
-            engine.step()
+        prefilled(engine, args)
         for _ in range(5):
             engine.step()
     times = {name: [] for name in engines}
