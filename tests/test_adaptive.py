@@ -294,7 +294,7 @@ def test_feed_buffer_takes_batched_rows_merged_per_sequence_in_order():
     buf.drop(9)
     assert buf.rows == 7
     got = [(f.seq_id, f.start, f.features[:, 0].tolist(), f.next_tokens.tolist()) for f in buf.take()]
-    assert got == [(5, 3, [3, 4, 5], [103, 104, 105]), (7, 0, [0, 0, 2, 3], [0, 1, 102, 103])]  # the helper: features = start
+    assert got == [(5, 3, [3, 4, 5], [103, 104, 105]), (7, 0, [0, 0, 2, 3], [0, 1, 102, 103])]  # feed(): features = start
     assert buf.rows == 0 and buf.take() == []
     buf.add([step([5, 9], [6, 1])])
     buf.drop(5), buf.drop(9)
