@@ -301,12 +301,16 @@ class StaticLayout:
         kv_idx = starts[token_seq] + q_idx
         h["slots"][:T] = tables[token_seq, kv_idx // bs] * bs + kv_idx % bs
         h["slots"][T:] = -1
-        h["positions"][:T] = np.concatenate([np.asarray(c.positions) if c.positions is not None else
-                                             np.arange(c.kv_start, c.kv_start + len(c.token_ids)) for c in chunks])
+        if T == n and all(c.positions is None for c in chunks):  # a decode step: one token each, at kv_start
+            h["positions"][:T] = starts
+            h["ids"][:T] = [c.token_ids[0] for c in chunks]
+        else:
+            h["positions"][:T] = np.concatenate([np.asarray(c.positions) if c.positions is not None else
+                                                 np.arange(c.kv_start, c.kv_start + len(c.token_ids)) for c in chunks])
+            h["ids"][:T] = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks])
         h["positions"][T:] = 0
         h["token_seq"][:T], h["token_seq"][T:] = token_seq, 0
         h["q_idx"][:T], h["q_idx"][T:] = q_idx, 0
-        h["ids"][:T] = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks])
         h["ids"][T:] = 0
         if self._mask_bytes is not None:
             masks = [np.ones((1, 1), dtype=bool) if c.custom_mask is None else np.asarray(c.custom_mask, dtype=bool)

@@ -39,3 +39,28 @@ def test_staging_buffers_alternate_and_grow():
     a = staging.upload([np.arange(5)])[0]
     b = staging.upload([np.arange(10_000)])[0]  # grows past the initial 4096 words
     assert a.tolist() == list(range(5)) and b.tolist() == list(range(10_000))
+
+
+def test_a_graphs_static_layout_holds_what_layout_arrays_computes():
+    """``StaticLayout.fill`` (a CUDA graph's inputs, here on the CPU) against ``layout_arrays``, for a
+    decode step (its fast path) and a step of trees, padding zeroed past the step's tokens."""
+    from runtime.step_layout import Bucket, StaticLayout, layout_arrays
+
+    tree_mask = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+    decode = [SeqChunk([9 + i], 5 + 7 * i, [4, i + 1, 7][:1 + (5 + 7 * i) // 16]) for i in range(5)]
+    trees = [SeqChunk([1, 2, 3], 17, [1, 2], positions=[17, 18, 18], custom_mask=tree_mask),
+             SeqChunk([4, 5, 6], 3, [6], positions=[3, 4, 4], custom_mask=tree_mask)]
+    for chunks, bucket in ((decode, Bucket(8, 1, False)), (trees, Bucket(4, 3, True))):
+        lay = StaticLayout(bucket, 3, 64, 16, torch.device("cpu"))
+        lay.fill_placeholder()
+        qsl = lay.fill(chunks)
+        want = layout_arrays(chunks, 16, 3)
+        T, n = int(want["qsl"][-1]), len(chunks)
+        assert qsl.tolist() == want["qsl"].tolist() and lay.host["qsl"][n + 1:].tolist() == [T] * (bucket.seqs - n)
+        assert np.array_equal(lay.host["seq_lens"][:n], want["seq_lens"]) and not lay.host["seq_lens"][n:].any()
+        assert np.array_equal(lay.host["tables"][:n], want["tables"]) and not lay.host["tables"][n:].any()
+        for name in ("slots", "positions", "token_seq", "q_idx"):
+            assert np.array_equal(lay.host[name][:T], want[name]), name
+        assert (lay.host["slots"][T:] == -1).all() and not lay.host["positions"][T:].any()
+        assert lay.host["ids"][:T].tolist() == [t for c in chunks for t in c.token_ids] and not lay.host["ids"][T:].any()
+        assert torch.equal(lay.device_buffer, lay.host_buffer)  # the one copy
