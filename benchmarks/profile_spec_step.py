@@ -16,6 +16,8 @@ show what a plain step costs because a draft is attached. ``--mode backlog`` tim
 extending what ``--steps`` plain steps left waiting (what a tree after a plain stretch pays first).
 ``--mode ab`` loads both plain engines (target-only, and draft attached) in one process and
 alternates them, 10 steps at a time for ``--steps`` rounds: their median step times side by side.
+``--timeline``: the host phases of ``--steps`` steps against the device's busy and idle time
+(``step_timeline.py``): what the device waits for.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode_baseline import GEOMETRIES, make_engine  # noqa: E402
+from benchmarks.step_timeline import timeline  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from draft_service.drafter import EagleDrafter  # noqa: E402
 from draft_service.eagle_init import write_random_head  # noqa: E402
@@ -85,6 +88,9 @@ def main() -> None:
                     help="spec: a tree every step; plain: draft attached, plain decoding; target: no draft; "
                          "backlog: the draft's extend after --steps plain steps")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--timeline", action="store_true",
+                    help="instead of the profiles: the host phases against the device's busy and idle time "
+                         "(benchmarks/step_timeline.py)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a CPU: a smoke run
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -110,6 +116,14 @@ def main() -> None:
         return profile_backlog(engine, args, sync)
     for _ in range(5):
         engine.step()
+    if args.timeline:
+        result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": args.model,
+                  "mode": args.mode, "config": args.config, "batch": args.batch, "context": args.context,
+                  **timeline(engine, args.steps, sync)}
+        print(json.dumps(result, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        return
     times = []
     for _ in range(args.steps):
         sync()

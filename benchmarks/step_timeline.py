@@ -1,0 +1,137 @@
+"""Where a step's wall time goes: host phases against device work, from one torch.profiler trace.
+
+Each engine step and its main host phases are wrapped in profiler ranges (methods patched on
+the engine's objects for the run, the code itself unchanged). From the trace:
+
+- per phase: host milliseconds a step, and the device milliseconds of the kernels it launched
+  (a CUDA graph's kernels carry its launch's correlation id);
+- the device's busy time (the union of kernel and copy intervals) against the wall time, and
+  every idle interval of the device attributed to the host phase that was running then: what
+  the device waited for.
+
+Used by ``profile_spec_step.py --timeline``; on a CPU only the host phases are reported.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import defaultdict
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+STEP = "step"
+
+
+def _wrap(obj, name: str, label: str, stack: ExitStack) -> None:
+    fn = getattr(obj, name)
+
+    def wrapped(*a, **k):
+        with record_function(label):
+            return fn(*a, **k)
+
+    own = obj.__dict__.get(name) if hasattr(obj, "__dict__") else None
+    setattr(obj, name, wrapped)
+    stack.callback(lambda: setattr(obj, name, own) if own is not None else delattr(obj, name))
+
+
+@contextmanager
+def patched(engine):
+    """The engine's step and phases wrapped in profiler ranges, for the ``with`` block."""
+    with ExitStack() as stack:
+        phases = [(engine.scheduler, "schedule", "schedule"), (engine, "_chunks", "layout_trees"),
+                  (engine.target.runner, "step", "target_forward"), (engine.sampler, "sample", "sample")]
+        if engine.drafter is not None:
+            phases += [(engine.verifier, "accept", "accept"), (engine.verifier, "finish", "finish"),
+                       (engine.speculation, "draft", "draft_call")]
+            inner = getattr(engine.drafter, "_extend", None)
+            if inner is not None:  # an in-process drafter: its two halves
+                phases += [(engine.drafter, "_extend", "draft_extend"), (engine.drafter, "_propose", "draft_propose")]
+        for obj, name, label in phases:
+            _wrap(obj, name, label, stack)
+        _wrap(engine, "step", STEP, stack)
+        yield
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def analyse(trace: dict) -> dict:
+    """Per-step milliseconds from a chrome trace of steps run under ``patched``."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    ranges = [e for e in events if e.get("cat") == "user_annotation"]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in ranges if e["name"] == STEP)
+    if not steps:
+        raise ValueError("no step ranges in the trace")
+    t0, t1 = steps[0][0], steps[-1][1]
+    n = len(steps)
+    phases = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in ranges if e["name"] != STEP]
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+
+    def phase_at(t: float) -> str:
+        """The innermost phase running on the host at ``t`` (the step's own time outside them: 'other')."""
+        best = None
+        for a, b, name in phases:
+            if a <= t < b and (best is None or b - a < best[1] - best[0]):
+                best = (a, b, name)
+        if best is not None:
+            return best[2]
+        return "step_other" if any(a <= t < b for a, b in steps) else "between_steps"
+
+    host = defaultdict(float)
+    for a, b, name in phases:
+        if t0 <= a < t1:
+            host[name] += (b - a) / 1e3
+    device_by_phase = defaultdict(float)
+    spans = []
+    for e in device:
+        a, b = e["ts"], e["ts"] + e["dur"]
+        if b < t0 or a > t1 + 50_000:
+            continue
+        spans.append((max(a, t0), min(b, t1) if b > t1 else b))
+        launch = launches.get(e["args"].get("correlation"))
+        device_by_phase[phase_at(launch) if launch is not None else "unknown"] += e["dur"] / 1e3
+    busy = _union([(a, min(b, t1)) for a, b in spans if a < t1])
+    idle_by_phase = defaultdict(float)
+    cursor = t0
+    for a, b in busy + [(t1, t1)]:
+        if a > cursor:  # the device idle over [cursor, a): split by the host phase, 20 us at a time
+            t = cursor
+            while t < a:
+                u = min(a, t + 20.0)
+                idle_by_phase[phase_at((t + u) / 2)] += (u - t) / 1e3
+                t = u
+        cursor = max(cursor, b)
+    wall = (t1 - t0) / 1e3
+    per = lambda d: {k: round(v / n, 4) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
+    return {"steps": n, "wall_ms": round(wall / n, 4),
+            "device_busy_ms": round(sum(b - a for a, b in busy) / 1e3 / n, 4),
+            "host_ms_by_phase": per(host), "device_ms_by_launching_phase": per(device_by_phase),
+            "device_idle_ms_by_host_phase": per(idle_by_phase)}
+
+
+def timeline(engine, steps: int, sync, trace_out: str | None = None) -> dict:
+    """Run ``steps`` engine steps under the profiler with the phases marked; returns ``analyse``'s dict."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with patched(engine):
+        engine.step()  # the wrappers' first call outside the trace
+        sync()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync()
+    path = trace_out or str(Path(tempfile.mkdtemp(prefix="eagle3-trace-")) / "trace.json")
+    prof.export_chrome_trace(path)
+    return analyse(json.loads(Path(path).read_text()))
