@@ -88,6 +88,10 @@ def main() -> None:
                     help="spec: a tree every step; plain: draft attached, plain decoding; target: no draft; "
                          "backlog: the draft's extend after --steps plain steps")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--requests", type=int, default=0,
+                    help="instead of steps: this many whole requests one after another (a --context-token "
+                         "prompt, --steps new tokens each; the first a warm-up): their time against their steps' "
+                         "(what a request costs outside its steps), and cProfile by own time")
     ap.add_argument("--timeline", action="store_true",
                     help="instead of the profiles: the host phases against the device's busy and idle time "
                          "(benchmarks/step_timeline.py)")
@@ -111,6 +115,8 @@ def main() -> None:
         drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                                args.batch, target.max_model_len, "auto")
         engine = Engine(target, drafter, spec.settings, _AlwaysPlain() if args.mode in ("plain", "backlog") else None)
+    if args.requests:
+        return profile_requests(engine, args, sync)
     prefilled(engine, args)
     if args.mode == "backlog":
         return profile_backlog(engine, args, sync)
@@ -139,6 +145,7 @@ def main() -> None:
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])) as tprof:
         for _ in range(5):
             engine.step()
@@ -191,6 +198,43 @@ def profile_ab(args, spec, target_a, target_b, sync) -> None:
     print(json.dumps(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def profile_requests(engine: Engine, args, sync) -> None:
+    """Whole requests at batch 1: wall time, time to the first token, steps, and the mean step time."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.target.model_config.vocab_size
+    rows, prof = [], cProfile.Profile()
+    for r in range(args.requests + 1):
+        prompt = torch.randint(1, vocab, (args.context,), generator=gen).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=args.steps, ignore_eos=True))
+        steps, first, step_s = 0, None, 0.0
+        if r == args.requests:
+            prof.enable()
+        sync()
+        t0 = time.perf_counter()
+        while engine.has_work:
+            t = time.perf_counter()
+            events = engine.step()
+            sync()
+            step_s += time.perf_counter() - t
+            steps += 1
+            if first is None and any(e.token_ids for e in events):
+                first = time.perf_counter() - t0
+        total = time.perf_counter() - t0
+        prof.disable()
+        if r:
+            rows.append({"ms": round(total * 1e3, 3), "first_token_ms": round(first * 1e3, 3), "steps": steps,
+                         "outside_steps_ms": round((total - step_s) * 1e3, 3),
+                         "step_ms_mean": round(step_s / steps * 1e3, 4)})
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    result = {"mode": args.mode, "requests": rows, "model": args.model, "context": args.context,
+              "new_tokens": args.steps, "config": args.config}
+    print(json.dumps(result))
+    print(text.getvalue())
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n" + text.getvalue())
 
 
 def profile_backlog(engine: Engine, args, sync) -> None:
