@@ -12,7 +12,7 @@ computed from them on the device::
     graph:   builder.start (top-k through d2t)
              every level's slots/positions/lengths from rows and tables, at once (_kv_layout)
              per level: the packed feed mask (its parents' rows | its own bits),
-                        parents' outputs -> draft forward -> log-softmax -> builder.expand
+                        parents' outputs -> draft forward -> logits -> builder.expand
              builder.finish (re-rank the final nodes, parents first)
              -> tokens | parents | depths | score bits, packed [4, B, n]
     host:    the packed trees, the proposal's ONE device-to-host copy
@@ -167,8 +167,8 @@ class DeviceProposal:
         kv = self._kv_layout()
         parent_out, mask = self.root_out[:, None], None  # (B, 1, H): the root's output; its mask: none
         while frontier is not None and frontier.depth < self.depth:
-            parent_out, logp, mask = self._level(frontier, parent_out, mask, kv)
-            frontier = builder.expand(logp)
+            parent_out, logits, mask = self._level(frontier, parent_out, mask, kv)
+            frontier = builder.expand(logits)
         tokens, parents, depths, scores = builder.finish_tensors()
         return torch.stack([tokens, parents, depths, scores.view(torch.int32).to(torch.int64)])
 
@@ -189,7 +189,7 @@ class DeviceProposal:
         """One level: its ``F`` nodes a sequence go to draft KV rows ``rows + fed ..`` at RoPE position
         ``rows + depth - 1`` and see the committed rows plus their fed ancestors and themselves: their
         parents' mask rows (``mask``, the previous level's) plus their own columns. Returns the level's
-        outputs [B, F, H], log-probs [B, F, Vd] and packed mask rows [B, F, words]."""
+        outputs [B, F, H], logits [B, F, Vd] and packed mask rows [B, F, words]."""
         B, F = frontier.tokens.shape
         level = self._layout.levels[frontier.depth - 1]
         assert F == level.width, (F, level.width)
@@ -207,8 +207,10 @@ class DeviceProposal:
             max_seq_len=min(self._longest, self.max_seq_len), custom_mask=mask.view(B * F, -1), mask_start=self.rows)
         out = self.net(frontier.tokens.reshape(-1), hidden.reshape(B * F, -1), self.kernels.prepare_attention(meta),
                        self.kv, self.kernels)
-        logp = torch.log_softmax(self.net.compute_logits(out, self.kernels), dim=-1)
-        return out.view(B, F, -1), logp.view(B, F, -1), mask
+        # Logits, not log-probs: the builder's top-k normalises them (``draft_topk``), a log-softmax
+        # over the whole draft vocabulary first would only repeat that.
+        logits = self.net.compute_logits(out, self.kernels)
+        return out.view(B, F, -1), logits.view(B, F, -1), mask
 
     def _capture(self, pool) -> None:
         """Warm up eagerly on a side stream (compiles kernels, builds a static shape's level tensors),

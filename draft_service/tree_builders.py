@@ -1,7 +1,7 @@
 """Batched candidate-tree builders driven by the drafter's loop.
 
 The drafter feeds the root, then one frontier per level, and hands back the draft's
-log-probs at each fed node::
+log-probs at each fed node (or its logits: the top-k normalises them, ``draft_topk``)::
 
     frontier = builder.start(logprobs_root)            # [B, Vd] at the root
     while frontier is not None:

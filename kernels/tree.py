@@ -67,34 +67,3 @@ def draft_topk_ref(logits: torch.Tensor, k: int, d2t: torch.Tensor) -> tuple[tor
     assert 0 < k <= logits.shape[-1], f"top-k {k} over a draft vocabulary of {logits.shape[-1]}"
     log_probs, draft_ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
     return draft_ids + d2t[draft_ids], log_probs
-
-
-def draft_topk_chunked(logits: torch.Tensor, k: int, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``draft_topk_ref`` in two top-k passes and no full log-softmax (the GPU sets' choice).
-
-    One top-k over a whole 32K-entry row runs as one thread block per row, ~80 us on an H100 for
-    the ten rows of a tree level. Here each row's chunks of ~1K entries give their own top-k (many
-    small blocks), and a second top-k picks among those k * chunks candidates; the log-probs are
-    the picked logits minus the row's log-sum-exp. Same entries as the reference (up to the order
-    of equal values), log-probs equal within float rounding.
-    """
-    assert 0 < k <= logits.shape[-1], f"top-k {k} over a draft vocabulary of {logits.shape[-1]}"
-    x = logits.float()
-    values, draft_ids = _chunked_topk(x, k)
-    return draft_ids + d2t[draft_ids], values - torch.logsumexp(x, dim=-1, keepdim=True)
-
-
-def _chunked_topk(x: torch.Tensor, k: int, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the top ``k`` of each row of ``x`` [M, V], descending."""
-    m, v = x.shape
-    if v <= 2 * chunk or k > chunk // 4:
-        return x.topk(k, dim=-1)
-    # Chunks that divide the row need no padding copy (32,000 = 32 x 1,000); else pad.
-    chunks = next((c for c in range(-(-v // chunk), -(-v // (chunk // 2)) + 1) if v % c == 0), -(-v // chunk))
-    chunk = -(-v // chunks)
-    if chunks * chunk != v:  # pad with -inf: never picked while k <= v
-        x = torch.nn.functional.pad(x, (0, chunks * chunk - v), value=float("-inf"))
-    local_values, local_ids = x.view(m, chunks, chunk).topk(k, dim=-1)  # (M, chunks, k)
-    ids = local_ids + torch.arange(0, chunks * chunk, chunk, device=x.device)[None, :, None]
-    values, pick = local_values.view(m, chunks * k).topk(k, dim=-1)
-    return values, ids.view(m, chunks * k).gather(1, pick)

@@ -8,7 +8,7 @@ from kernels import REFERENCE
 from kernels.attention_triton import paged_attention_triton, prepare_attention_triton, write_kv_triton
 from kernels.fused_triton import rms_norm_triton, rope_write_kv_triton, silu_mul_triton
 from kernels.acceptance_triton import compaction_slots_triton, greedy_accept_triton
-from kernels.tree import draft_topk_chunked
+from kernels.topk_triton import draft_topk_triton
 
 TRITON = dataclasses.replace(
     REFERENCE,
@@ -18,7 +18,7 @@ TRITON = dataclasses.replace(
     rms_norm=rms_norm_triton,
     silu_mul=silu_mul_triton,
     rope_write_kv=rope_write_kv_triton,
-    draft_topk=draft_topk_chunked,
+    draft_topk=draft_topk_triton,
     greedy_accept=greedy_accept_triton,
     compaction_slots=compaction_slots_triton,
     name="triton",

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from common.errors import InvalidRequestError, ModelNotFoundError
 from draft_service.tree_builders import DynamicTreeBuilder, StaticTreeBuilder, StaticTreeSpec
 from kernels import REFERENCE
-from kernels.tree import draft_topk_chunked, draft_topk_ref, tree_mask_ref, tree_positions_ref
+from kernels.tree import draft_topk_ref, tree_mask_ref, tree_positions_ref
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -93,22 +93,6 @@ def test_draft_topk_by_hand():
     assert ids.tolist() == [[1, 6], [5, 6]] and ids.dtype == torch.int64
     torch.testing.assert_close(lp, torch.tensor([[0.4, 0.3], [0.7, 0.2]]).log())
     assert lp.dtype == torch.float32
-
-
-@pytest.mark.parametrize("vocab", [16, 1000, 3001, 32000, 49152])
-@pytest.mark.parametrize("k", [1, 10])
-def test_chunked_draft_topk_equals_the_reference(vocab, k):
-    """The GPU sets' two-pass top-k: the reference's ids (distinct random values: no ties) and log-probs,
-    from logits or from log-probs, with padding when the chunks do not divide the vocabulary."""
-    gen = torch.Generator().manual_seed(vocab + k)
-    logits = torch.randn(7, vocab, generator=gen) * 4
-    d2t = torch.randint(0, 50, (vocab,), generator=gen)
-    for x in (logits, torch.log_softmax(logits, dim=-1)):
-        want_ids, want_lp = draft_topk_ref(x, k, d2t)
-        got_ids, got_lp = draft_topk_chunked(x, k, d2t)
-        assert torch.equal(got_ids, want_ids)
-        torch.testing.assert_close(got_lp, want_lp, rtol=1e-5, atol=1e-5)
-    assert draft_topk_chunked(logits, k, d2t)[0].dtype == torch.int64
 
 
 # ---------------------------------------------------------------- dynamic builder

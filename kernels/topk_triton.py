@@ -1,0 +1,101 @@
+"""Triton top-k of the draft distribution: ``kernels.tree.draft_topk_ref``'s signature and results.
+
+A tree level asks for the top ``k`` (about 10) of each fed node's ~32K draft log-probs. torch's
+top-k over such rows costs a radix select of several passes (~15 us for a level of ten rows on an
+H100), and the log-softmax, the chunked variant's second top-k, its gathers and the d2t map add a
+kernel each. Here two kernels do all of it::
+
+    chunks:  one program per (row, chunk of BLOCK entries): the chunk's max and sum of exp (its
+             share of the row's log-sum-exp) and its own top k (k rounds of max, first index on
+             ties, the pick masked out)                               -> k candidates a chunk
+    merge:   one program per row: the row's log-sum-exp from the chunks' shares, the top k of
+             the candidates, log-prob = logit - lse, target id = draft id + d2t[draft id]
+
+Every chunk's top k holds every entry of the row's top k that lies in it, so the merge picks the
+row's top k. Equal values go to the lower draft id (the reference's order for ties is torch's,
+unspecified). No host sync, outputs allocated from shapes alone: the calls are captured in the
+draft's CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048  # entries a chunk program reads: 16 chunks for a 32K vocabulary
+
+
+def draft_topk_triton(logits: torch.Tensor, k: int, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target ids int64 [M, k], log-probs float32 [M, k]) of ``logits`` [M, Vd] (any float dtype,
+    rows may be strided, entries contiguous), descending; ``d2t`` int64 [Vd]: draft id -> offset."""
+    m, v = logits.shape
+    assert 0 < k <= v, f"top-k {k} over a draft vocabulary of {v}"
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    dev = logits.device
+    ids = torch.empty(m, k, dtype=torch.int64, device=dev)
+    lp = torch.empty(m, k, dtype=torch.float32, device=dev)
+    if m == 0:
+        return ids, lp
+    block = min(BLOCK, triton.next_power_of_2(v))
+    chunks = triton.cdiv(v, block)
+    cand_vals = torch.empty(m, chunks * k, dtype=torch.float32, device=dev)
+    cand_ids = torch.empty(m, chunks * k, dtype=torch.int32, device=dev)
+    shares = torch.empty(m, chunks, 2, dtype=torch.float32, device=dev)  # (max, sum of exp(x - max))
+    _chunk_topk_kernel[(m, chunks)](logits, logits.stride(0), v, cand_vals, cand_ids, shares, chunks,
+                                    K=k, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    width = triton.next_power_of_2(chunks * k)
+    _merge_topk_kernel[(m,)](cand_vals, cand_ids, shares, chunks, v, d2t, ids, lp, K=k,
+                             WIDTH=width, CHUNKS=triton.next_power_of_2(chunks), num_warps=4)
+    return ids, lp
+
+
+@triton.jit
+def _chunk_topk_kernel(x_ptr, stride_row, v, cand_vals, cand_ids, shares, chunks, K: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < v
+    x = tl.load(x_ptr + row * stride_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    top = tl.max(x, 0)
+    finite_top = tl.where(top == float("-inf"), 0.0, top)  # a chunk of -inf only: sum 0, no NaN
+    s = tl.sum(tl.where(ok, tl.exp(x - finite_top), 0.0), 0)
+    tl.store(shares + (row * chunks + c) * 2, finite_top)
+    tl.store(shares + (row * chunks + c) * 2 + 1, s)
+    out = row * chunks * K + c * K
+    free = ok  # entries not picked yet (a chunk with fewer than K entries repeats none: its extra
+    for i in tl.static_range(K):  # picks are -inf at a padding index, clamped below)
+        best = tl.max(tl.where(free, x, float("-inf")), 0)
+        at = tl.min(tl.where(free & (x == best), cols, 2147483647), 0)  # the first index holding it
+        at = tl.minimum(at, v)  # none free: the padding index v, never merged ahead of a real entry
+        tl.store(cand_vals + out + i, tl.where(at < v, best, float("-inf")))
+        tl.store(cand_ids + out + i, at.to(tl.int32))
+        free = free & (cols != at)
+
+
+@triton.jit
+def _merge_topk_kernel(cand_vals, cand_ids, shares, chunks, v, d2t_ptr, ids_ptr, lp_ptr, K: tl.constexpr,
+                       WIDTH: tl.constexpr, CHUNKS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, CHUNKS)
+    has = j < chunks
+    cmax = tl.load(shares + (row * chunks + j) * 2, mask=has, other=float("-inf"))
+    csum = tl.load(shares + (row * chunks + j) * 2 + 1, mask=has, other=0.0)
+    top = tl.max(cmax, 0)
+    lse = top + tl.log(tl.sum(tl.where(has, csum * tl.exp(cmax - top), 0.0), 0))
+    n = chunks * K
+    w = tl.arange(0, WIDTH)
+    ok = w < n
+    vals = tl.load(cand_vals + row * n + w, mask=ok, other=float("-inf"))
+    cids = tl.load(cand_ids + row * n + w, mask=ok, other=2147483647)
+    free = ok
+    for i in tl.static_range(K):
+        best = tl.max(tl.where(free, vals, float("-inf")), 0)
+        did = tl.min(tl.where(free & (vals == best), cids, 2147483647), 0)  # ties: the lower draft id
+        pos = tl.min(tl.where(free & (vals == best) & (cids == did), w, WIDTH), 0)
+        d = tl.minimum(did, v - 1).to(tl.int64)  # fewer than k real entries (k > v is refused): in range
+        tl.store(ids_ptr + row * K + i, d + tl.load(d2t_ptr + d))
+        tl.store(lp_ptr + row * K + i, best - lse)
+        free = free & (w != pos)
