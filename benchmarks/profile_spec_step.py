@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode_baseline import GEOMETRIES, make_engine  # noqa: E402
-from benchmarks.step_timeline import timeline  # noqa: E402
+from benchmarks.step_timeline import host_phases, timeline  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from draft_service.drafter import EagleDrafter  # noqa: E402
 from draft_service.eagle_init import write_random_head  # noqa: E402
@@ -125,6 +125,7 @@ def main() -> None:
     if args.timeline:
         result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": args.model,
                   "mode": args.mode, "config": args.config, "batch": args.batch, "context": args.context,
+                  "host_ms_by_phase_unprofiled": host_phases(engine, args.steps, sync),
                   **timeline(engine, args.steps, sync)}
         print(json.dumps(result, indent=1))
         if args.out:
@@ -215,7 +216,13 @@ def profile_requests(engine: Engine, args, sync) -> None:
         t0 = time.perf_counter()
         while engine.has_work:
             t = time.perf_counter()
-            events = engine.step()
+            if r == args.requests and steps == 0:  # the last request's first step: its kernels too
+                with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                                                  else [])) as first_prof:
+                    events = engine.step()
+                    sync()
+            else:
+                events = engine.step()
             sync()
             step_s += time.perf_counter() - t
             steps += 1
@@ -229,6 +236,8 @@ def profile_requests(engine: Engine, args, sync) -> None:
                          "step_ms_mean": round(step_s / steps * 1e3, 4)})
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    text.write(first_prof.key_averages().table(sort_by="self_cuda_time_total" if torch.cuda.is_available()
+                                               else "self_cpu_time_total", row_limit=20))
     result = {"mode": args.mode, "requests": rows, "model": args.model, "context": args.context,
               "new_tokens": args.steps, "config": args.config}
     print(json.dumps(result))

@@ -9,13 +9,16 @@ the engine's objects for the run, the code itself unchanged). From the trace:
   every idle interval of the device attributed to the host phase that was running then: what
   the device waited for.
 
-Used by ``profile_spec_step.py --timeline``; on a CPU only the host phases are reported.
+Used by ``profile_spec_step.py --timeline``; on a CPU only the host phases are reported. The
+profiler adds its own cost to every host operation, so ``host_phases`` also times the phases with
+the clock alone.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+import time
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -26,10 +29,16 @@ from torch.profiler import ProfilerActivity, profile, record_function
 STEP = "step"
 
 
-def _wrap(obj, name: str, label: str, stack: ExitStack) -> None:
+def _wrap(obj, name: str, label: str, stack: ExitStack, clock: dict | None = None) -> None:
     fn = getattr(obj, name)
 
     def wrapped(*a, **k):
+        if clock is not None:  # host time only, no profiler: the phases' true cost on the host
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                clock[label] += time.perf_counter() - t
         with record_function(label):
             return fn(*a, **k)
 
@@ -39,8 +48,9 @@ def _wrap(obj, name: str, label: str, stack: ExitStack) -> None:
 
 
 @contextmanager
-def patched(engine):
-    """The engine's step and phases wrapped in profiler ranges, for the ``with`` block."""
+def patched(engine, clock: dict | None = None):
+    """The engine's step and phases wrapped in profiler ranges (or timed into ``clock``: label ->
+    seconds), for the ``with`` block."""
     with ExitStack() as stack:
         phases = [(engine.scheduler, "schedule", "schedule"), (engine, "_chunks", "layout_trees"),
                   (engine.target.runner, "step", "target_forward"), (engine.sampler, "sample", "sample")]
@@ -50,9 +60,18 @@ def patched(engine):
             inner = getattr(engine.drafter, "_extend", None)
             if inner is not None:  # an in-process drafter: its two halves
                 phases += [(engine.drafter, "_extend", "draft_extend"), (engine.drafter, "_propose", "draft_propose")]
+        # Finer: the graphs' host sides, the tree checks, and the waits on the device.
+        import verify_service.draft_coordinator as coordinator
+        phases += [(engine.target.runner, "_replay", "target_graph"), (coordinator, "invalid_trees", "tree_checks"),
+                   (torch.Tensor, "cpu", "wait_cpu"), (torch.Tensor, "tolist", "wait_tolist")]
+        graphs = getattr(engine.drafter, "graphs", None)
+        if graphs is not None:
+            phases.append((graphs, "run_extend", "extend_graph"))
+        for proposal in getattr(engine.drafter, "_proposals", {}).values():
+            phases.append((proposal, "run", "proposal_run"))
         for obj, name, label in phases:
-            _wrap(obj, name, label, stack)
-        _wrap(engine, "step", STEP, stack)
+            _wrap(obj, name, label, stack, clock)
+        _wrap(engine, "step", STEP, stack, clock)
         yield
 
 
@@ -120,6 +139,20 @@ def analyse(trace: dict) -> dict:
             "device_busy_ms": round(sum(b - a for a, b in busy) / 1e3 / n, 4),
             "host_ms_by_phase": per(host), "device_ms_by_launching_phase": per(device_by_phase),
             "device_idle_ms_by_host_phase": per(idle_by_phase)}
+
+
+def host_phases(engine, steps: int, sync) -> dict:
+    """Host milliseconds a step in each phase, timed with the clock alone (no profiler overhead;
+    a phase's time includes its waits on the device: the proposal's copy, the step's one copy)."""
+    clock: dict[str, float] = defaultdict(float)
+    with patched(engine, clock):
+        engine.step()
+        sync()
+        clock.clear()
+        for _ in range(steps):
+            engine.step()
+        sync()
+    return {k: round(v / steps * 1e3, 4) for k, v in sorted(clock.items(), key=lambda kv: -kv[1])}
 
 
 def timeline(engine, steps: int, sync, trace_out: str | None = None) -> dict:
