@@ -5,11 +5,14 @@ step's accepted tokens replayed as one graph, captured per padded batch (a power
 ``extend_tokens`` (the tree depth + 1) rows a sequence, packed at the front; the rows past a
 step's own write no KV (slot -1) and give outputs no one reads; padding sequences bring no rows.
 Eagerly it costs some forty kernel launches from Python; replayed, one graph plus the copy that
-puts the step's metadata at the graph's fixed addresses::
+puts the step's inputs at the graph's fixed addresses. The host sends only what it alone knows,
+per sequence; the graph lays the rows out itself (``extend_layout``: what ``layout_arrays``
+computes on the host, a few small kernels instead of a dozen array passes a step)::
 
-    host:   layout arrays (slots, positions, tables ...) -> pinned buffer -> one copy
+    host:   first row, row count, block table a sequence; the token ids -> pinned buffer -> one copy
     device: the fed features -> the graph's buffer (device-to-device)
-    graph:  draft layers -> LM head at each sequence's last row -> log_softmax
+    graph:  layout (query ranges, slots, positions) -> draft layers -> each sequence's last row:
+            its output, and log_softmax(LM head)
 
 Rows that waited out plain steps (adaptive speculation) and prompts come in larger numbers: a second
 graph per padded batch holds ``backlog_rows(B)`` rows a sequence (``BACKLOG_ROWS`` in all), and the
@@ -33,11 +36,11 @@ from kernels import KernelSet
 from kernels.metadata import AttentionMetadata
 from runtime.kv_cache import PagedKVCache
 from draft_service.proposal_graph import padded_batch
-from runtime.step_layout import SeqChunk, layout_arrays
+from runtime.step_layout import SeqChunk
 
 log = logging.getLogger(__name__)
 
-_FIELDS = ("qsl", "seq_lens", "tables", "slots", "positions", "token_seq", "q_idx", "ids", "rows")
+_FIELDS = ("starts", "counts", "tables", "ids")
 _RING = 4  # pinned host buffers in turn
 BACKLOG_ROWS = 2048  # rows of a backlog extend graph (all sequences together)
 BACKLOG_ROWS_PER_SEQ = 128  # ... and a sequence's at most
@@ -49,8 +52,30 @@ class _Graph:
     hidden: torch.Tensor  # [T, k * H], the target's features
     meta_buffer: torch.Tensor  # int64, the _FIELDS back to back (the token ids among them)
     views: dict[str, tuple[int, tuple[int, ...]]]  # field -> (offset, shape) in meta_buffer
-    out: torch.Tensor  # [T, H]
+    last: torch.Tensor  # [B, H]: each sequence's last row's output
     logp: torch.Tensor  # float32 [B, draft vocab], each sequence's last row
+
+
+def extend_layout(starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor, block_size: int,
+                  rows_per_seq: int) -> dict[str, torch.Tensor]:
+    """An extend's metadata on the device, from each sequence's first KV row ``starts`` [B], row
+    count ``counts`` [B] (0: a padding sequence) and block table ``tables`` [B, W]: rows packed
+    sequence after sequence in ``B * rows_per_seq`` slots, as ``layout_arrays`` lays them out on
+    the host, and the slots past the last row writing nothing (slot -1, position, sequence and
+    index 0). Adds ``rows``: each sequence's last row (0 for none before it). No host sync."""
+    B, W = tables.shape
+    T = B * rows_per_seq
+    qsl = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    r = torch.arange(T, device=counts.device)
+    seq = torch.searchsorted(qsl[1:], r, right=True).clamp(max=B - 1)  # the sequence whose range holds r
+    q_idx = r - qsl[seq]
+    valid = r < qsl[B]
+    kv = starts[seq] + q_idx
+    block = tables[seq, (kv // block_size).clamp(0, W - 1)]
+    zero = torch.zeros_like(r)
+    return {"qsl": qsl, "seq_lens": starts + counts, "slots": torch.where(valid, block * block_size + kv % block_size, -1),
+            "positions": torch.where(valid, kv, zero), "token_seq": torch.where(valid, seq, zero),
+            "q_idx": torch.where(valid, q_idx, zero), "rows": (qsl[1:] - 1).clamp(min=0)}
 
 
 class DraftGraphs:
@@ -64,6 +89,7 @@ class DraftGraphs:
         self._pool = None
         self._ring: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []  # buffer, view, last copy
         self._turn = 0
+        self._views: dict[tuple[int, int], dict[str, np.ndarray]] = {}  # (graph, ring turn) -> field views
         self.replays = 0
 
     @property
@@ -78,9 +104,10 @@ class DraftGraphs:
         return max(self.extend_tokens, min(BACKLOG_ROWS_PER_SEQ, BACKLOG_ROWS // padded_batch(batch)))
 
     def run_extend(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(out [T, H], log-probs [B', Vd] at each sequence's last row, B' >= B: the padded batch the
-        graph was captured for) of a draft extend (host token ids, causal); None when a sequence
-        brings more than ``backlog_rows`` rows."""
+        """(output [B', H] and log-probs [B', Vd] at each sequence's last row, B' >= B: the padded
+        batch the graph was captured for; the graph's buffers, overwritten by its next replay) of a
+        draft extend (host token ids, causal); None when a sequence brings more than
+        ``backlog_rows`` rows."""
         n = [len(c.token_ids) for c in chunks]
         B = padded_batch(len(chunks))  # padding sequences bring no tokens (their query range is empty)
         Q = self.extend_tokens if max(n) <= self.extend_tokens else self.backlog_rows(B)
@@ -89,19 +116,22 @@ class DraftGraphs:
         g = self._graph("extend", B, Q, hidden.shape[1])
         if g is None:
             return None
-        chunks = chunks + [SeqChunk(np.zeros(0, dtype=np.int64), 0, [])] * (B - len(chunks))
-        arrays = layout_arrays(chunks, self.kv.block_size, self.table_width)
-        T, pad = sum(n), B * Q - sum(n)
-        for name, fill in (("slots", -1), ("positions", 0), ("token_seq", 0), ("q_idx", 0)):
-            arrays[name] = np.concatenate([arrays[name], np.full(pad, fill, dtype=np.int64)])
-        arrays["ids"] = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks] +
-                                       [np.zeros(pad, dtype=np.int64)])
-        arrays["rows"] = arrays["qsl"][1:] - 1
-        self._send(g, arrays)
+        buf, turn, v = self._pinned(g)
+        k, T = len(chunks), sum(n)
+        v["starts"][:k] = [c.kv_start for c in chunks]
+        v["counts"][:k] = n
+        v["starts"][k:] = v["counts"][k:] = 0
+        tables = v["tables"]
+        tables[:] = 0
+        for i, c in enumerate(chunks):
+            tables[i, :len(c.block_table)] = c.block_table
+        v["ids"][:T] = np.concatenate([c.token_ids for c in chunks]) if k > 1 else chunks[0].token_ids
+        v["ids"][T:] = 0  # the rows past the last: valid ids all the same (they are embedded, then dropped)
+        self._send(g, buf, turn)
         g.hidden[:T].copy_(hidden)
         g.graph.replay()
         self.replays += 1
-        return g.out[:T], g.logp
+        return g.last, g.logp
 
     def capture_extend(self, batch: int, hidden_size: int) -> None:
         """Capture the extend graphs (a step's rows, a backlog's) of a padded ``batch`` now (start-up)
@@ -109,26 +139,28 @@ class DraftGraphs:
         for rows in sorted({self.extend_tokens, self.backlog_rows(batch)}):
             self._graph("extend", padded_batch(batch), rows, hidden_size)
 
-    def _send(self, g: _Graph, arrays: dict[str, np.ndarray]) -> None:
-        """``arrays`` to the graph's metadata buffer: a pinned ring buffer, one copy."""
-        buf, turn = self._pinned(g, arrays)
+    def _send(self, g: _Graph, buf: torch.Tensor, turn: int) -> None:
+        """The filled ring buffer ``buf`` to the graph's metadata buffer: one copy."""
         g.meta_buffer.copy_(buf, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._ring[turn] = (*self._ring[turn][:2], event)
 
-    def _pinned(self, g: _Graph, arrays: dict[str, np.ndarray]) -> tuple[torch.Tensor, int]:
-        """The next ring buffer (once the copy that last read it is done), holding ``arrays``, and
-        its place in the ring."""
+    def _pinned(self, g: _Graph) -> tuple[torch.Tensor, int, dict[str, np.ndarray]]:
+        """The next ring buffer (once the copy that last read it is done), its place in the ring, and
+        the graph's fields as views of it, to fill."""
         buf, host, event = self._ring[self._turn]
         if event is not None:
             event.synchronize()  # normally long done: it is _RING steps old
         turn = self._turn
         self._ring[turn] = (buf, host, None)
         self._turn = (turn + 1) % _RING
-        for name, (at, shape) in g.views.items():
-            host[at:at + int(np.prod(shape))] = arrays[name].reshape(-1)
-        return buf[:g.meta_buffer.numel()], turn
+        key = (id(g), turn)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = {name: host[at:at + int(np.prod(shape))].reshape(shape)
+                                        for name, (at, shape) in g.views.items()}
+        return buf[:g.meta_buffer.numel()], turn, views
 
     def _grow_ring(self, size: int) -> None:
         """Every ring buffer at least ``size`` long, made when a graph is captured: a step then
@@ -142,6 +174,7 @@ class DraftGraphs:
                     event.synchronize()
                 buf = torch.empty(max(size, 1024), dtype=torch.int64, pin_memory=True)
                 self._ring[i] = (buf, buf.numpy(), None)
+                self._views = {k: v for k, v in self._views.items() if k[1] != i}  # views of the old buffer
 
     def _graph(self, kind: str, B: int, F: int, hidden_size: int) -> _Graph | None:
         key = (kind, B, F)
@@ -157,31 +190,25 @@ class DraftGraphs:
     def _capture(self, kind: str, B: int, F: int, hidden_size: int) -> _Graph:
         assert kind == "extend", kind
         T, dev = B * F, self.device
-        shapes = {"qsl": (B + 1,), "seq_lens": (B,), "tables": (B, self.table_width), "slots": (T,),
-                  "positions": (T,), "token_seq": (T,), "q_idx": (T,), "ids": (T,), "rows": (B,)}
+        shapes = {"starts": (B,), "counts": (B,), "tables": (B, self.table_width), "ids": (T,)}
         views, at = {}, 0
         for name in _FIELDS:
             views[name] = (at, shapes[name])
             at += int(np.prod(shapes[name]))
         meta_buffer = torch.zeros(at, dtype=torch.int64, device=dev)
         field = {name: meta_buffer[o:o + int(np.prod(s))].view(s) for name, (o, s) in views.items()}
-        # Placeholder inputs for the capture: every sequence F rows at KV 0.., writing nothing.
-        field["qsl"].copy_(torch.arange(B + 1, device=dev) * F)
-        field["seq_lens"].fill_(F)
-        field["slots"].fill_(-1)
-        field["positions"].copy_(torch.arange(F, device=dev).repeat(B))
-        field["token_seq"].copy_(torch.arange(B, device=dev).repeat_interleave(F))
-        field["q_idx"].copy_(torch.arange(F, device=dev).repeat(B))
-        field["rows"].copy_(torch.arange(1, B + 1, device=dev) * F - 1)
+        # Placeholder inputs for the capture: every sequence without rows (counts 0), writing nothing.
         hidden = torch.zeros(T, hidden_size, dtype=self.net.norm.weight.dtype, device=dev)
-        meta = AttentionMetadata(query_start_loc=field["qsl"], seq_lens=field["seq_lens"], block_tables=field["tables"],
-                                 slot_mapping=field["slots"], positions=field["positions"],
-                                 token_seq=field["token_seq"], token_q_idx=field["q_idx"], max_query_len=F,
-                                 max_seq_len=self.max_seq_len)
 
         def forward():
+            lay = extend_layout(field["starts"], field["counts"], field["tables"], self.kv.block_size, F)
+            meta = AttentionMetadata(query_start_loc=lay["qsl"], seq_lens=lay["seq_lens"], block_tables=field["tables"],
+                                     slot_mapping=lay["slots"], positions=lay["positions"],
+                                     token_seq=lay["token_seq"], token_q_idx=lay["q_idx"], max_query_len=F,
+                                     max_seq_len=self.max_seq_len)
             out = self.net(field["ids"], hidden, self.kernels.prepare_attention(meta), self.kv, self.kernels)
-            return out, torch.log_softmax(self.net.compute_logits(out[field["rows"]], self.kernels), dim=-1)
+            last = out[lay["rows"]]
+            return last, torch.log_softmax(self.net.compute_logits(last, self.kernels), dim=-1)
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -190,6 +217,6 @@ class DraftGraphs:
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out, logp = forward()
+            last, logp = forward()
         self._grow_ring(meta_buffer.numel())
-        return _Graph(graph, hidden, meta_buffer, views, out, logp)
+        return _Graph(graph, hidden, meta_buffer, views, last, logp)

@@ -164,13 +164,16 @@ class EagleDrafter:
             self.blocks.ensure_capacity(f.seq_id, f.start + n)
             chunks.append(SeqChunk(f.next_tokens, f.start, self.blocks.block_table(f.seq_id), logits_rows=(n - 1,)))
             self.rows[f.seq_id] = f.start + n
-        hidden = torch.cat([f.features for f in feeds]).to(self.dtype)
+        hidden = torch.cat([f.features for f in feeds]) if len(feeds) > 1 else feeds[0].features
+        hidden = hidden.to(self.dtype)
         graphed = self.graphs.run_extend(chunks, hidden) if self.graphs is not None else None
-        out, logp = graphed if graphed is not None else self._run(chunks, hidden)
-        # Copies, not views: a graph's outputs are overwritten by its next replay, and a sequence's
-        # newest row must last until its next proposal, whichever steps come between.
-        last = out[np.cumsum([len(f.next_tokens) for f in feeds]) - 1]
-        logp = logp.clone() if graphed is not None else logp
+        if graphed is not None:
+            # Copies, not views: a graph's outputs are overwritten by its next replay, and a sequence's
+            # newest row must last until its next proposal, whichever steps come between.
+            last, logp = graphed[0].clone(), graphed[1].clone()
+        else:
+            out, logp = self._run(chunks, hidden)
+            last = out[np.cumsum([len(f.next_tokens) for f in feeds]) - 1]
         for j, f in enumerate(feeds):
             self.last_out[f.seq_id], self.last_logp[f.seq_id] = last[j], logp[j]
 

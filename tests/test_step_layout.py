@@ -64,3 +64,34 @@ def test_a_graphs_static_layout_holds_what_layout_arrays_computes():
         assert (lay.host["slots"][T:] == -1).all() and not lay.host["positions"][T:].any()
         assert lay.host["ids"][:T].tolist() == [t for c in chunks for t in c.token_ids] and not lay.host["ids"][T:].any()
         assert torch.equal(lay.device_buffer, lay.host_buffer)  # the one copy
+
+
+def test_the_draft_extend_graphs_layout_equals_layout_arrays():
+    """The extend graph lays its rows out on the device (``extend_layout``) from each sequence's first
+    row, row count and table: ``layout_arrays``' values for the real rows, and rows past them that
+    write nothing (slot -1) at position, sequence and index 0; padding sequences (count 0) empty."""
+    from draft_service.draft_graphs import extend_layout
+    from runtime.step_layout import layout_arrays
+
+    bs, Q, W = 4, 5, 6
+    rng = np.random.default_rng(0)
+    for counts in ([3], [5, 1, 2], [1, 4, 0, 0], [2, 3, 5, 1]):
+        real = [c for c in counts if c]
+        chunks = [SeqChunk(np.arange(n), int(rng.integers(0, 9)), list(rng.integers(1, 50, size=W)), logits_rows=(n - 1,))
+                  for n in real]
+        padded = chunks + [SeqChunk(np.zeros(0, dtype=np.int64), 0, [])] * (len(counts) - len(real))
+        want = layout_arrays(padded, bs, W)
+        tables = np.zeros((len(counts), W), dtype=np.int64)
+        for i, c in enumerate(chunks):
+            tables[i] = c.block_table
+        starts = [c.kv_start for c in chunks] + [0] * (len(counts) - len(real))
+        got = {k: v.numpy() for k, v in extend_layout(torch.tensor(starts), torch.tensor(counts), torch.from_numpy(tables),
+                                                       bs, Q).items()}
+        T = sum(counts)
+        for name in ("qsl", "seq_lens"):
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        for name in ("slots", "positions", "token_seq", "q_idx"):
+            np.testing.assert_array_equal(got[name][:T], want[name], err_msg=name)
+        assert (got["slots"][T:] == -1).all() and not got["positions"][T:].any()
+        assert not got["token_seq"][T:].any() and not got["q_idx"][T:].any()
+        np.testing.assert_array_equal(got["rows"], np.maximum(want["qsl"][1:] - 1, 0))
