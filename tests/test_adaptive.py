@@ -106,6 +106,26 @@ def test_each_sequence_keeps_its_own_acceptance():
     assert policy.expected_accepted(1, 5) == policy.expected_accepted(99, 5)  # back to the global prior
 
 
+def test_above_its_own_sizes_a_sequence_follows_the_global_gains():
+    """A sequence that only saw small trees, accepting all of them, against global trees of every size
+    that gain little past 2 nodes: its guess for the larger sizes is its own at 2 plus the global gain
+    from 2 (not its steep gain per node carried on), so the large tree is not chosen; where nobody saw
+    larger trees, the optimistic guess stays."""
+    limits = TreeSettings("chain", 8)
+    policy = AdaptivePolicy(table(per_token_ms=0.5), limits, PolicyConfig(probe_every=0))
+    seen(policy, accepted=2, seq_id=1, nodes=8)  # the batch's large trees: 2 of 8 nodes accepted
+    seen(policy, accepted=2, seq_id=2, nodes=2)  # this sequence: trees of 2, both nodes accepted
+    own = policy.expected_accepted(2, 2)
+    assert own == pytest.approx(2.0, abs=1e-3)
+    for m in (4, 8):
+        assert policy.expected_accepted(2, m) == pytest.approx(own + policy.expected_accepted(1, m)
+                                                               - policy.expected_accepted(1, 2), abs=1e-3)
+    assert policy.expected_accepted(2, 8) < 2.5
+    alone = AdaptivePolicy(table(per_token_ms=0.5), limits, PolicyConfig(probe_every=0))
+    seen(alone, accepted=2, seq_id=2, nodes=2)  # no larger tree seen anywhere: 1 node per node carried on
+    assert alone.expected_accepted(2, 8) == pytest.approx(8.0, abs=1e-3)
+
+
 def test_measured_draft_and_step_costs_change_the_choice():
     policy = AdaptivePolicy(table(per_token_ms=0.1), TreeSettings("chain", 3), PolicyConfig(probe_every=0,
                                                                                          cost_weight=1.0))

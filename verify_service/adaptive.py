@@ -20,9 +20,10 @@ Acceptance: the best m nodes of a tree (by draft score) are themselves the tree 
 (``TreeSettings.capped``) and closed under ancestors, so a verified tree of n nodes shows what every
 size m <= n would have accepted: under greedy verification exactly the leading nodes of the
 accepted path ranking among the best m (under sampling, an estimate). Each sequence keeps its own
-means per size (``Acceptance``), seeded from the global ones. Sizes above the largest seen are
-guessed optimistically (the last gain per node carried on), so a larger tree is tried when it might
-pay; and every ``probe_every`` decisions the next size up is tried once (from plain decoding: the
+means per size (``Acceptance``), seeded from the global ones. Above the largest size a sequence
+has seen, its estimate follows the global one's gains where the global one has seen larger trees;
+sizes above the largest anyone has seen are guessed optimistically (the last gain per node carried
+on), so a larger tree is tried when it might pay; and every ``probe_every`` decisions the next size up is tried once (from plain decoding: the
 smallest tree), so acceptance that rises is found even where the guess says no. A decision is reused
 for up to ``hold_steps`` steps while the batch, its context (to 256 tokens) and what was learned
 (acceptance, draft costs; not the per-step residuals) stay the same. A probe waits while
@@ -93,12 +94,14 @@ class Acceptance:
     the guess says it pays, and that tree corrects it. A tree holds every smaller one (the best m
     nodes), so the curve never decreases."""
 
-    def __init__(self, prior: np.ndarray, weight: float):
+    def __init__(self, prior: np.ndarray, weight: float, wider: Acceptance | None = None):
         self.prior, self.weight = prior, weight
+        self.wider = wider  # a sequence's: the global estimate, whose gains carry it above its own sizes
         self._sum = np.zeros_like(prior)  # EWMA from zero ...
         self._mass = np.zeros_like(prior)  # ... and the weight it has gathered: mean = sum / mass
         self.seen = -1  # index of the largest size seen
-        self._curve: np.ndarray | None = None  # cached until the next update
+        self.updates = 0
+        self._curve: tuple | None = None  # (the wider one's updates, curve), until the next update
 
     def update(self, acc: np.ndarray) -> None:
         """``acc``: what sizes 0..len(acc)-1 would have accepted in one tree."""
@@ -106,13 +109,15 @@ class Acceptance:
         self._sum[:j] += w * (acc - self._sum[:j])
         self._mass[:j] += w * (1.0 - self._mass[:j])
         self.seen = max(self.seen, j - 1)
+        self.updates += 1
         self._curve = None
 
     def curve(self, sizes, levels: np.ndarray) -> np.ndarray:
         """[len(sizes)] expected accepted nodes, the guess above the largest size seen included."""
-        if self._curve is None:
-            self._curve = self._estimate(np.asarray(sizes, dtype=np.float64), levels)
-        return self._curve
+        stamp = self.wider.updates if self.wider is not None else 0
+        if self._curve is None or self._curve[0] != stamp:
+            self._curve = (stamp, self._estimate(np.asarray(sizes, dtype=np.float64), levels))
+        return self._curve[1]
 
     def _estimate(self, s: np.ndarray, levels: np.ndarray) -> np.ndarray:
         top = self.seen
@@ -120,6 +125,17 @@ class Acceptance:
             return self.prior.copy()
         v = np.zeros_like(self.prior)
         v[:top + 1] = np.maximum.accumulate(self._sum[:top + 1] / self._mass[:top + 1])
+        wider = self.wider
+        if wider is not None and wider.seen > top:
+            # Sizes the batch's trees reached and this sequence's did not: its own estimate at its
+            # largest size plus the gain the global estimate measured from there (a sequence that only
+            # saw small trees would otherwise carry its early, steep gain per node on to the largest
+            # tree: at a large batch, where only small trees were tried, that guess started large
+            # trees that cost far more than they brought).
+            g = wider.curve(s, levels)
+            reach = wider.seen
+            v[top + 1:reach + 1] = v[top] + np.maximum(g[top + 1:reach + 1] - g[top], 0.0)
+            top = reach
         slope = v[0] / s[0] if top == 0 else (v[top] - v[top - 1]) / (s[top] - s[top - 1])
         v[top + 1:] = np.maximum(v[top] + slope * (s[top + 1:] - s[top]), v[top])
         return np.minimum(v, levels)
@@ -334,7 +350,8 @@ class AdaptivePolicy:
         acc = accepted_within(tree, accepted, [self.sizes[j] for j in seen])
         own = self._seq.get(seq_id)
         if own is None:  # a sequence's own estimate starts from the global one, as its prior
-            own = self._seq[seq_id] = Acceptance(self._global.curve(self.sizes, self._levels), self.cfg.seq_weight)
+            own = self._seq[seq_id] = Acceptance(self._global.curve(self.sizes, self._levels), self.cfg.seq_weight,
+                                                 wider=self._global)
         own.update(acc)
         self._global.update(acc)
         self._version += 1
