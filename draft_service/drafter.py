@@ -44,6 +44,13 @@ log = logging.getLogger(__name__)
 
 
 class EagleDrafter:
+    # Its trees are grown here, in this process, by the builders: parents before children, depths from
+    # the levels, distinct siblings (top-k of distinct draft ids through a d2t map checked injective and
+    # inside the vocabulary when the checkpoint loaded), at most the asked nodes and depth. The verify
+    # side skips its structural checks for them (``DraftCoordinator.draft``); trees from another
+    # process (the draft link) are always checked.
+    trusted_trees = True
+
     def __init__(self, net: EagleNet, spec: SpecConfig, capture_layers: tuple[int, ...], kernels: KernelSet,
                  max_num_seqs: int, max_model_len: int, block_size: int = 16, cuda_graphs: bool = False):
         """``cuda_graphs``: replay the whole proposal (``proposal_graph.py``) and the draft extend
@@ -240,7 +247,9 @@ class EagleDrafter:
             [self.blocks.block_table(i) for i in ids])
         for i in ids:  # drop the speculative rows; the next feed overwrites them
             self.blocks.truncate(i, self.rows[i])
-        return {r.seq_id: CandidateTree(tokens[j], parents[j], depths[j], scores[j]).prune_depth(r.max_depth)
+        deepest = depths.max(axis=1).tolist()  # one pass: most trees need no cut
+        return {r.seq_id: (CandidateTree(tokens[j], parents[j], depths[j], scores[j]) if deepest[j] <= r.max_depth else
+                           CandidateTree(tokens[j], parents[j], depths[j], scores[j]).prune_depth(r.max_depth))
                 for j, r in enumerate(requests)}
 
     def _proposal(self, settings: TreeSettings, n: int) -> DeviceProposal:

@@ -41,6 +41,9 @@ class ProposeRequest:
 
 class DraftProvider(Protocol):
     capture_layers: tuple[int, ...]  # target layers whose input features the draft consumes
+    # Optional, False when absent: True only for a provider in this process whose trees are valid by
+    # construction (the verify side then skips its structural checks of them).
+    trusted_trees: bool
 
     def step(self, feeds: list[DraftFeed], proposals: list[ProposeRequest]) -> dict[int, CandidateTree]:
         """Extend the draft's cache with ``feeds``, then propose a tree for each request.

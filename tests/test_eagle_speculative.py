@@ -127,3 +127,21 @@ def test_triton_kernels_give_the_reference_tokens(dirs, tree):
     results = engine.generate(prompts, params)
     assert [r.token_ids for r in results] == triton_only
     assert sum(r.speculation.steps for r in results) > 0
+
+
+def test_the_in_process_drafters_trees_skip_the_structural_checks(dirs, monkeypatch):
+    """Trees the in-process drafter grows are valid by construction: the coordinator does not check
+    them (every other provider's are checked: tests/test_speculative.py, the link's fuzz tests)."""
+    import verify_service.draft_coordinator as coordinator
+    from runtime.tree import invalid_trees
+
+    calls = []
+    monkeypatch.setattr(coordinator, "invalid_trees", lambda *a: calls.append(1) or invalid_trees(*a))
+    engine = eagle_engine(dirs, "dynamic")
+    assert engine.drafter.trusted_trees
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert [r.token_ids for r in engine.generate(PROMPTS, params)] == target_only(dirs[0], PROMPTS, params)
+    assert engine.speculation_totals().steps > 0 and not calls
+    engine.drafter.trusted_trees = False  # the same trees, from a provider not trusted: checked
+    engine.generate(PROMPTS[:1], params)
+    assert calls

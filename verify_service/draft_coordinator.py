@@ -113,9 +113,11 @@ class DraftCoordinator:
         proposed = [(req, trees[req.seq_id]) for req in requests if trees.get(req.seq_id) is not None
                     and trees[req.seq_id].num_nodes]
         vocab = self.vocab_size
-        # Checked all at once; a flagged tree gets its own check, which names the broken invariant.
-        flagged = set(invalid_trees([t for _, t in proposed], vocab, [r.settings.node_budget for r, _ in proposed],
-                                    [r.max_depth for r, _ in proposed]))
+        # Checked all at once; a flagged tree gets its own check, which names the broken invariant. A
+        # provider whose trees are valid by construction (the in-process drafter) is not checked.
+        flagged = set() if getattr(self.drafter, "trusted_trees", False) else \
+            set(invalid_trees([t for _, t in proposed], vocab, [r.settings.node_budget for r, _ in proposed],
+                              [r.max_depth for r, _ in proposed]))
         for j, (req, tree) in enumerate(proposed):
             try:
                 if j in flagged:

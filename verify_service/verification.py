@@ -57,12 +57,23 @@ def tree_chunks(seqs: list[Sequence], tables: list[list[int]]) -> list[SeqChunk]
             for i, (s, n, table) in enumerate(zip(seqs, num_nodes.tolist(), tables))]
 
 
+_last_padded: list = [None]  # (trees (held: their ids stay theirs), roots, arrays), swapped whole
+
+
 def padded_trees(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The sequences' trees as [B, N+1] arrays with the root in column 0 (kernel convention):
     tokens (the root's: the newest token), parents (columns; -1 for the root and padding) and
-    depths (root 0), and the node counts [B] (root excluded)."""
-    tokens, parents, depths, num_nodes = pad_trees([s.tree for s in seqs], root_column=True)
-    tokens[:, 0] = [s.output_ids[-1] for s in seqs]
+    depths (root 0), and the node counts [B] (root excluded). Read only: a step's layout and its
+    acceptance ask for the same trees in turn, and the second gets the first's arrays."""
+    trees = [s.tree for s in seqs]
+    roots = [s.output_ids[-1] for s in seqs]
+    last = _last_padded[0]
+    if last is not None and len(last[0]) == len(trees) and all(a is b for a, b in zip(last[0], trees)) \
+            and last[1] == roots:
+        return last[2]
+    tokens, parents, depths, num_nodes = pad_trees(trees, root_column=True)
+    tokens[:, 0] = roots
+    _last_padded[0] = (trees, roots, (tokens, parents, depths, num_nodes))
     return tokens, parents, depths, num_nodes
 
 
