@@ -115,6 +115,7 @@ def test_above_its_own_sizes_a_sequence_follows_the_global_gains():
     policy = AdaptivePolicy(table(per_token_ms=0.5), limits, PolicyConfig(probe_every=0))
     seen(policy, accepted=2, seq_id=1, nodes=8)  # the batch's large trees: 2 of 8 nodes accepted
     seen(policy, accepted=2, seq_id=2, nodes=2)  # this sequence: trees of 2, both nodes accepted
+    assert policy._global.trusted_reach() == 7
     own = policy.expected_accepted(2, 2)
     assert own == pytest.approx(2.0, abs=1e-3)
     for m in (4, 8):
@@ -123,6 +124,11 @@ def test_above_its_own_sizes_a_sequence_follows_the_global_gains():
     assert policy.expected_accepted(2, 8) < 2.5
     alone = AdaptivePolicy(table(per_token_ms=0.5), limits, PolicyConfig(probe_every=0))
     seen(alone, accepted=2, seq_id=2, nodes=2)  # no larger tree seen anywhere: 1 node per node carried on
+    assert alone.expected_accepted(2, 8) == pytest.approx(8.0, abs=1e-3)
+    # One unlucky large tree somewhere (nothing accepted) is no ground yet: the guess stays optimistic,
+    # or a plain-decoding batch whose probes try the smallest tree would never try a large one again.
+    seen(alone, accepted=0, seq_id=3, nodes=8, times=1)
+    assert alone._global.trusted_reach() == 1
     assert alone.expected_accepted(2, 8) == pytest.approx(8.0, abs=1e-3)
 
 

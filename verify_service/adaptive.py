@@ -21,8 +21,8 @@ Acceptance: the best m nodes of a tree (by draft score) are themselves the tree 
 size m <= n would have accepted: under greedy verification exactly the leading nodes of the
 accepted path ranking among the best m (under sampling, an estimate). Each sequence keeps its own
 means per size (``Acceptance``), seeded from the global ones. Above the largest size a sequence
-has seen, its estimate follows the global one's gains where the global one has seen larger trees;
-sizes above the largest anyone has seen are guessed optimistically (the last gain per node carried
+has seen, its estimate follows the global one's gains up to the largest size the global one rests on
+ten trees or more for; sizes above that are guessed optimistically (the last gain per node carried
 on), so a larger tree is tried when it might pay; and every ``probe_every`` decisions the next size up is tried once (from plain decoding: the
 smallest tree), so acceptance that rises is found even where the guess says no. A decision is reused
 for up to ``hold_steps`` steps while the batch, its context (to 256 tokens) and what was learned
@@ -112,6 +112,11 @@ class Acceptance:
         self.updates += 1
         self._curve = None
 
+    def trusted_reach(self, trees: int = 10) -> int:
+        """Index of the largest size whose estimate holds at least the weight of ``trees`` trees (-1:
+        none). The weight per size never grows with the size: every tree updates a prefix of sizes."""
+        return int(np.count_nonzero(self._mass >= 1.0 - (1.0 - self.weight) ** trees)) - 1
+
     def curve(self, sizes, levels: np.ndarray) -> np.ndarray:
         """[len(sizes)] expected accepted nodes, the guess above the largest size seen included."""
         stamp = self.wider.updates if self.wider is not None else 0
@@ -126,14 +131,15 @@ class Acceptance:
         v = np.zeros_like(self.prior)
         v[:top + 1] = np.maximum.accumulate(self._sum[:top + 1] / self._mass[:top + 1])
         wider = self.wider
-        if wider is not None and wider.seen > top:
+        reach = wider.trusted_reach() if wider is not None else -1
+        if reach > top:
             # Sizes the batch's trees reached and this sequence's did not: its own estimate at its
-            # largest size plus the gain the global estimate measured from there (a sequence that only
-            # saw small trees would otherwise carry its early, steep gain per node on to the largest
-            # tree: at a large batch, where only small trees were tried, that guess started large
-            # trees that cost far more than they brought).
+            # largest size plus the gain the global estimate measured from there, up to the largest size
+            # it rests on enough trees for (a sequence that only saw small trees would otherwise carry
+            # its early, steep gain per node on to the largest tree: at a large batch, where only small
+            # trees were tried, that guess started large trees that cost far more than they brought).
+            # Above that, the optimistic guess: one unlucky early tree must not stop the exploring.
             g = wider.curve(s, levels)
-            reach = wider.seen
             v[top + 1:reach + 1] = v[top] + np.maximum(g[top + 1:reach + 1] - g[top], 0.0)
             top = reach
         slope = v[0] / s[0] if top == 0 else (v[top] - v[top - 1]) / (s[top] - s[top - 1])
