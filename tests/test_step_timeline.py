@@ -1,0 +1,64 @@
+"""The step timeline (benchmarks/step_timeline.py): its trace analysis on a hand-made trace, and
+its phase timing on a tiny speculative engine (CPU)."""
+
+import pytest
+
+from benchmarks.step_timeline import analyse, host_phases, patched
+from common.sampling_params import SamplingParams
+from draft_service.drafter import EagleDrafter
+from draft_service.spec_config import SpecConfig
+from tiny_eagle import make_target_and_head
+from tiny_models import target_for
+from verify_service.engine import Engine
+
+
+def _x(name, cat, ts, dur, **args):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "args": args}
+
+
+def test_device_time_goes_to_the_phase_that_launched_it_and_idle_time_to_the_phase_running():
+    """Two steps of 1,000 us. Step 1: the forward (host 0-300) launches a kernel (400-900, a graph: two
+    kernels of one correlation); the device idles 0-300 (forward), 300-400 and 900-1000 (other). Step 2:
+    the draft (host 1000-1600) launches 1700-1800, idle 1000-1600 draft, 1600-1700 and 1800-2000 other."""
+    trace = {"traceEvents": [
+        _x("step", "user_annotation", 0, 1000), _x("step", "user_annotation", 1000, 1000),
+        _x("target_forward", "user_annotation", 0, 300), _x("draft_call", "user_annotation", 1000, 600),
+        _x("cudaGraphLaunch", "cuda_runtime", 250, 10, correlation=1),
+        _x("cudaLaunchKernel", "cuda_runtime", 1500, 10, correlation=2),
+        _x("k1", "kernel", 400, 300, correlation=1), _x("k2", "kernel", 700, 200, correlation=1),
+        _x("k3", "kernel", 1700, 100, correlation=2),
+    ]}
+    got = analyse(trace)
+    assert got["steps"] == 2 and got["wall_ms"] == 1.0
+    assert got["device_busy_ms"] == pytest.approx(0.3)  # (500 + 100) us over 2 steps
+    assert got["host_ms_by_phase"] == {"draft_call": 0.3, "target_forward": 0.15}
+    assert got["device_ms_by_launching_phase"] == {"target_forward": 0.25, "draft_call": 0.05}
+    idle = got["device_idle_ms_by_host_phase"]
+    assert idle["draft_call"] == pytest.approx(0.3) and idle["target_forward"] == pytest.approx(0.15)
+    assert idle["step_other"] == pytest.approx(0.25)  # 300-400, 900-1000, 1600-1700, 1800-2000: 500 us / 2
+    with pytest.raises(ValueError):
+        analyse({"traceEvents": []})
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return make_target_and_head(tmp_path_factory.mktemp("timeline"))
+
+
+def test_host_phases_time_a_speculative_step_and_leave_the_engine_as_it_was(dirs):
+    spec = SpecConfig(str(dirs[1]), tree="dynamic", depth=3, top_k=2, max_nodes=6)
+    target = target_for(dirs[0])
+    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                           target.cfg.max_num_seqs, target.max_model_len)
+    engine = Engine(target, drafter, spec.settings)
+    engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    phases = host_phases(engine, 4, lambda: None)
+    for name in ("step", "target_forward", "accept", "draft_call", "draft_extend", "draft_propose"):
+        assert phases[name] > 0, name
+    assert phases["step"] >= phases["draft_call"] >= phases["draft_propose"]
+    assert "step" not in engine.__dict__ and "accept" not in engine.verifier.__dict__  # unpatched again
+    with patched(engine):
+        assert "step" in engine.__dict__
+    assert "step" not in engine.__dict__
