@@ -28,6 +28,28 @@ def run_in_chunks(target, ids, sizes, seq_id=0):
     return torch.cat(rows)
 
 
+def test_a_prompts_tokens_as_one_step_of_decodes_equal_its_prefill(model_dir):
+    """``decode_tokens``: a prompt chunk's tokens as one-token sequences over its block table, in one
+    step (how a CUDA graph of decodes runs a short prompt): the prefill's logits, hidden states and KV,
+    after an earlier chunk too (the window of token i is the cache up to its own index)."""
+    from verify_service.model_runner import decode_tokens
+
+    ids = [(5 * i + 2) % 90 for i in range(30)]
+    whole, split = target_for(model_dir), target_for(model_dir)
+    for t in (whole, split):
+        t.blocks.ensure_capacity(0, len(ids))
+    table = whole.blocks.block_table(0)
+    want = whole.runner.step([SeqChunk(ids, 0, table, logits_rows=tuple(range(30)))])
+    first = split.runner.step([SeqChunk(ids[:9], 0, table, logits_rows=tuple(range(9)))])
+    rest = split.runner.step(decode_tokens([SeqChunk(ids[9:], 9, table, logits_rows=(20,))]))
+    assert rest.logits.shape[0] == 21 and rest.query_start_loc == list(range(22))
+    torch.testing.assert_close(torch.cat([first.logits, rest.logits]), want.logits, **tolerance())
+    torch.testing.assert_close(rest.hidden, want.hidden[9:], **tolerance())
+    blocks = -(-len(ids) // whole.kv_cache.block_size)
+    torch.testing.assert_close(split.kv_cache.data[:, :, :blocks], whole.kv_cache.data[:, :, :blocks], **tolerance())
+    assert decode_tokens([SeqChunk([1, 2], 0, table, positions=[0, 0])]) is None  # a tree's: not a prompt
+
+
 def test_chunked_whole_and_token_by_token_prefill_agree(model_dir):
     ids = [(7 * i + 3) % 90 for i in range(45)]  # 45 tokens over 3 blocks of 16
     whole = run_in_chunks(target_for(model_dir), ids, [45])
