@@ -28,14 +28,20 @@ def run_in_chunks(target, ids, sizes, seq_id=0):
     return torch.cat(rows)
 
 
-def test_a_prompts_tokens_as_one_step_of_decodes_equal_its_prefill(model_dir):
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_a_prompts_tokens_as_one_step_of_decodes_equal_its_prefill(model_dir, kernels):
     """``decode_tokens``: a prompt chunk's tokens as one-token sequences over its block table, in one
     step (how a CUDA graph of decodes runs a short prompt): the prefill's logits, hidden states and KV,
-    after an earlier chunk too (the window of token i is the cache up to its own index)."""
+    after an earlier chunk too (the window of token i is the cache up to its own index); with the
+    references and with the Triton kernels (the decode attention over one shared table)."""
+    from tiny_models import TRITON_DEVICE
     from verify_service.model_runner import decode_tokens
 
+    if kernels == "triton":
+        pytest.importorskip("triton")
+    kw = {"kernels": kernels, "device": TRITON_DEVICE, "enforce_eager": True} if kernels == "triton" else {}
     ids = [(5 * i + 2) % 90 for i in range(30)]
-    whole, split = target_for(model_dir), target_for(model_dir)
+    whole, split = target_for(model_dir, **kw), target_for(model_dir, **kw)
     for t in (whole, split):
         t.blocks.ensure_capacity(0, len(ids))
     table = whole.blocks.block_table(0)
