@@ -294,8 +294,12 @@ class StaticLayout:
         h["seq_lens"][n:] = 0
         tables = h["tables"]
         tables[:] = 0
-        for i, c in enumerate(chunks):
-            tables[i, :len(c.block_table)] = c.block_table
+        first = chunks[0].block_table if chunks else None
+        if n > 1 and all(c.block_table is first for c in chunks):  # one sequence's tokens as many (a prompt)
+            tables[:n, :len(first)] = first
+        else:
+            for i, c in enumerate(chunks):
+                tables[i, :len(c.block_table)] = c.block_table
         token_seq = np.repeat(np.arange(n), q_lens)
         q_idx = np.arange(T) - qsl[token_seq]
         kv_idx = starts[token_seq] + q_idx

@@ -141,6 +141,28 @@ def test_graphed_engine_gives_the_eager_tokens(tmp_path, dtype):
     assert runs[False] == runs[True]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_short_prompt_replays_a_decode_graph_with_the_eager_tokens(tmp_path):
+    """A prompt of at most as many tokens as the largest decode graph has sequences runs as that graph
+    (its tokens as one-token sequences): one replay, the eager engine's tokens. A longer one runs eagerly."""
+    model_dir = make_model_dir(tmp_path / "m", "llama3", seed=4, std=0.3)
+    prompts = [list(range(3, 9)), [5, 6, 7], list(range(20, 31))]  # 6, 3 and 11 tokens; graphs of 8 at most
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    eager = Engine(target_for(model_dir, device="cuda", dtype="float32", kernels="triton", enforce_eager=True))
+    target = target_for(model_dir, device="cuda", dtype="float32", kernels="triton", max_num_seqs=8)
+    target.runner.capture([b for b in target.runner._buckets() if not b.tree])
+    engine = Engine(target)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+        before = target.runner.graph_steps
+        first = engine.step()  # the whole prompt in one step, its first token drawn
+        assert first and first[0].token_ids
+        assert target.runner.graph_steps == before + (len(prompt) <= 8)
+        got = first[0].token_ids + [t for ev in engine.run_until_done() for t in ev.token_ids]
+        assert got == eager.generate([prompt], params)[0].token_ids
+
+
 def test_warm_up_does_nothing_on_a_cpu(tmp_path):
     target = target_for(make_model_dir(tmp_path / "m", "llama3", seed=4), device="cpu", dtype="float32")
     assert target.runner.warm_up(64) == 0.0

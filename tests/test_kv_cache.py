@@ -28,6 +28,74 @@ def run_in_chunks(target, ids, sizes, seq_id=0):
     return torch.cat(rows)
 
 
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_a_prompts_tokens_as_one_step_of_decodes_equal_its_prefill(model_dir, kernels):
+    """``decode_tokens``: a prompt chunk's tokens as one-token sequences over its block table, in one
+    step (how a CUDA graph of decodes runs a short prompt): the prefill's logits, hidden states and KV,
+    after an earlier chunk too (the window of token i is the cache up to its own index); with the
+    references and with the Triton kernels (the decode attention over one shared table)."""
+    from tiny_models import TRITON_DEVICE
+    from verify_service.model_runner import decode_tokens
+
+    if kernels == "triton":
+        pytest.importorskip("triton")
+    kw = {"kernels": kernels, "device": TRITON_DEVICE, "enforce_eager": True} if kernels == "triton" else {}
+    ids = [(5 * i + 2) % 90 for i in range(30)]
+    whole, split = target_for(model_dir, **kw), target_for(model_dir, **kw)
+    for t in (whole, split):
+        t.blocks.ensure_capacity(0, len(ids))
+    table = whole.blocks.block_table(0)
+    want = whole.runner.step([SeqChunk(ids, 0, table, logits_rows=tuple(range(30)))])
+    first = split.runner.step([SeqChunk(ids[:9], 0, table, logits_rows=tuple(range(9)))])
+    rest = split.runner.step(decode_tokens([SeqChunk(ids[9:], 9, table, logits_rows=(20,))]))
+    assert rest.logits.shape[0] == 21 and rest.query_start_loc == list(range(22))
+    torch.testing.assert_close(torch.cat([first.logits, rest.logits]), want.logits, **tolerance())
+    torch.testing.assert_close(rest.hidden, want.hidden[9:], **tolerance())
+    blocks = -(-len(ids) // whole.kv_cache.block_size)
+    torch.testing.assert_close(split.kv_cache.data[:, :, :blocks], whole.kv_cache.data[:, :, :blocks], **tolerance())
+    assert decode_tokens([SeqChunk([1, 2], 0, table, positions=[0, 0])]) is None  # a tree's: not a prompt
+
+
+def test_a_graphed_runner_answers_a_prompt_step_from_its_decode_graph(model_dir, monkeypatch):
+    """The runner's side of it (``_prefill_as_decodes``), on the CPU with the graph replay played by the
+    eager forward: a prompt chunk and a decode in one step go to the smallest captured decode graph
+    that holds their tokens, and come back in the step's own layout (the logits of the rows asked for,
+    in chunk order; each chunk's query range) equal to the eager step's; more tokens than any graph
+    holds: None (the step runs eagerly)."""
+    from runtime.step_layout import Bucket
+    from verify_service.model_runner import ModelRunner
+
+    graphed, ref = target_for(model_dir, max_num_seqs=8), target_for(model_dir, max_num_seqs=8)
+    runner = graphed.runner
+    replayed = []
+
+    def replay(graph, chunks):  # the graph's forward, eagerly (this CPU runner has no graphs)
+        replayed.append((graph, len(chunks)))
+        return ModelRunner.step(runner, chunks)
+
+    class Captured:
+        class layout:
+            @staticmethod
+            def fits(chunks):
+                return True
+
+    monkeypatch.setattr(runner, "_replay", replay)
+    runner._graphs = {Bucket(4, 1, False): None, Bucket(8, 1, False): Captured()}  # 4: not captured
+    for t in (graphed, ref):
+        t.blocks.ensure_capacity(0, 6)
+        t.blocks.ensure_capacity(1, 9)
+    chunks = [SeqChunk([3, 1, 4, 1, 5], 0, graphed.blocks.block_table(0), logits_rows=(4,)),
+              SeqChunk([7], 8, graphed.blocks.block_table(1), logits_rows=(0,))]
+    out = runner._prefill_as_decodes(chunks)
+    want = ref.runner.step(chunks)
+    assert replayed == [(runner._graphs[Bucket(8, 1, False)], 6)]
+    assert out.query_start_loc == want.query_start_loc == [0, 5, 6]
+    torch.testing.assert_close(out.logits, want.logits, **tolerance())
+    torch.testing.assert_close(out.hidden, want.hidden, **tolerance())
+    assert runner._prefill_as_decodes([SeqChunk(list(range(9)), 0, graphed.blocks.block_table(1))]) is None
+    assert len(replayed) == 1
+
+
 def test_chunked_whole_and_token_by_token_prefill_agree(model_dir):
     ids = [(7 * i + 3) % 90 for i in range(45)]  # 45 tokens over 3 blocks of 16
     whole = run_in_chunks(target_for(model_dir), ids, [45])

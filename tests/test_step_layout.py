@@ -43,14 +43,17 @@ def test_staging_buffers_alternate_and_grow():
 
 def test_a_graphs_static_layout_holds_what_layout_arrays_computes():
     """``StaticLayout.fill`` (a CUDA graph's inputs, here on the CPU) against ``layout_arrays``, for a
-    decode step (its fast path) and a step of trees, padding zeroed past the step's tokens."""
+    decode step (its fast path), a step of trees and a prompt's tokens as decodes (one table for all),
+    padding zeroed past the step's tokens."""
     from runtime.step_layout import Bucket, StaticLayout, layout_arrays
 
     tree_mask = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
     decode = [SeqChunk([9 + i], 5 + 7 * i, [4, i + 1, 7][:1 + (5 + 7 * i) // 16]) for i in range(5)]
     trees = [SeqChunk([1, 2, 3], 17, [1, 2], positions=[17, 18, 18], custom_mask=tree_mask),
              SeqChunk([4, 5, 6], 3, [6], positions=[3, 4, 4], custom_mask=tree_mask)]
-    for chunks, bucket in ((decode, Bucket(8, 1, False)), (trees, Bucket(4, 3, True))):
+    from verify_service.model_runner import decode_tokens
+    prompt = decode_tokens([SeqChunk([3, 4, 5, 6], 14, [2, 8], logits_rows=(3,))])  # one table, shared
+    for chunks, bucket in ((decode, Bucket(8, 1, False)), (trees, Bucket(4, 3, True)), (prompt, Bucket(4, 1, False))):
         lay = StaticLayout(bucket, 3, 64, 16, torch.device("cpu"))
         lay.fill_placeholder()
         qsl = lay.fill(chunks)

@@ -106,6 +106,10 @@ class ModelRunner:
         graph = self._graph(bucket) if bucket is not None else None
         if graph is not None and graph.layout.fits(chunks):
             return self._replay(graph, chunks)
+        if self.cuda_graphs and bucket is None:
+            graphed = self._prefill_as_decodes(chunks)
+            if graphed is not None:
+                return graphed
         lay = layout_step(chunks, self.kv_cache.block_size, self.device, self.kernels, self.staging)
         out = self.model(lay.input_ids, lay.meta, self.kv_cache, self.kernels, self.capture_layers)
         logits = self.model.compute_logits(out.hidden[lay.logits_rows], self.kernels.linear)
@@ -243,6 +247,28 @@ class ModelRunner:
             return meta
         return self.kernels.prepare_attention(dataclasses.replace(meta, custom_mask=unpack_mask(meta.custom_mask)))
 
+    def _prefill_as_decodes(self, chunks: list[SeqChunk]) -> StepOutput | None:
+        """A step of prompt chunks (and decodes) small enough for a captured decode graph, replayed as
+        one: every prompt token a one-token sequence of its own (``decode_tokens``). None when the step
+        holds a tree, or more tokens than the largest captured decode graph has sequences: it runs
+        eagerly, some ten kernel launches a layer from Python."""
+        single = decode_tokens(chunks)
+        if single is None:
+            return None
+        fitting = [b for b in self._fitting(False, len(single), 1) if self._graphs.get(b) is not None]
+        if not fitting or not self._graphs[fitting[0]].layout.fits(single):
+            return None
+        out = self._replay(self._graphs[fitting[0]], single)
+        qsl = np.concatenate(([0], np.cumsum([len(c.token_ids) for c in chunks])))
+        rows = [int(qsl[i]) + int(r) for i, c in enumerate(chunks) for r in c.logits_rows]  # increasing
+        if not rows:
+            logits = out.logits[:0]
+        elif rows[-1] - rows[0] + 1 == len(rows):  # consecutive (a prompt's last token): a view
+            logits = out.logits[rows[0]:rows[-1] + 1]
+        else:
+            logits = out.logits[torch.as_tensor(rows, device=out.logits.device)]
+        return StepOutput(logits, out.hidden, out.captured, qsl.tolist())
+
     def _replay(self, graph: _Graph, chunks: list[SeqChunk]) -> StepOutput:
         qsl = graph.layout.fill(chunks)
         graph.graph.replay()
@@ -250,6 +276,21 @@ class ModelRunner:
         T = int(qsl[-1])
         captured = graph.captured[:T].clone() if graph.captured is not None else None  # outlives the step
         return StepOutput(graph.logits[:T], graph.hidden[:T], captured, qsl.tolist())
+
+
+def decode_tokens(chunks: list[SeqChunk]) -> list[SeqChunk] | None:
+    """``chunks`` as one-token chunks, token by token in order, each with logits: token i of a chunk
+    a sequence whose KV ends at its own index, over the chunk's block table. A decode step computes
+    them exactly as the causal step would: every token's KV is written before any attention reads it
+    (a layer writes the step's KV, then attends), and token i reads indices 0 .. kv_start + i, which
+    is its causal window. None for a chunk with its own positions or mask (a tree)."""
+    out = []
+    for c in chunks:
+        if c.positions is not None or c.custom_mask is not None or c.mask_start is not None:
+            return None
+        ids = c.token_ids
+        out += [SeqChunk(ids[i:i + 1], c.kv_start + i, c.block_table, logits_rows=(0,)) for i in range(len(ids))]
+    return out
 
 
 def _chain_chunk(q: int, start: int, block_size: int) -> SeqChunk:
