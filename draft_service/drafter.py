@@ -247,10 +247,12 @@ class EagleDrafter:
             [self.blocks.block_table(i) for i in ids])
         for i in ids:  # drop the speculative rows; the next feed overwrites them
             self.blocks.truncate(i, self.rows[i])
-        deepest = depths.max(axis=1).tolist()  # one pass: most trees need no cut
-        return {r.seq_id: (CandidateTree(tokens[j], parents[j], depths[j], scores[j]) if deepest[j] <= r.max_depth else
-                           CandidateTree(tokens[j], parents[j], depths[j], scores[j]).prune_depth(r.max_depth))
-                for j, r in enumerate(requests)}
+        deepest = depths.max(axis=1).tolist()  # one pass for all: most trees need no cut
+        trees = {}
+        for j, r in enumerate(requests):
+            tree = CandidateTree(tokens[j], parents[j], depths[j], scores[j])
+            trees[r.seq_id] = tree if deepest[j] <= r.max_depth else tree.prune_depth(r.max_depth)
+        return trees
 
     def _proposal(self, settings: TreeSettings, n: int) -> DeviceProposal:
         """The device proposal of ``settings`` for ``n`` sequences (a padded batch), made on first use."""

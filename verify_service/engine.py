@@ -39,7 +39,7 @@ from verify_service.sampler import Sampler
 from verify_service.scheduler import Scheduler
 from verify_service.sequence import FinishReason, Sequence, SpeculationMetrics
 from verify_service.target import Target
-from verify_service.verification import TreeVerifier, tree_chunks
+from verify_service.verification import TreeVerifier, padded_trees, tree_chunks
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
@@ -159,7 +159,9 @@ class Engine:
         # What the policy learns from: a step of decodes and trees only, and its trees' size.
         decode_only = not any(s.prefilling for s, _ in plan)
         tree_nodes = max((s.tree.num_nodes for s, _ in plan if s.tree), default=0)
-        chunks = self._chunks(plan)
+        with_tree = [s for s, _ in plan if s.tree]
+        padded = padded_trees(with_tree) if with_tree else None  # for the layout and the acceptance
+        chunks = self._chunks(plan, with_tree, padded)
         out = self.target.runner.step(chunks)
         logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
         plain, trees = [], []
@@ -173,7 +175,7 @@ class Engine:
         sampled = self.sampler.sample(take_rows(out.logits, [int(logits_at[i]) for i, *_ in due]),
                                       [seq for _, seq, *_ in due]) if due else None
         pending = self.verifier.accept([seq for _, seq, _ in trees], [int(logits_at[i]) for i, *_ in trees],
-                                       [out.query_start_loc[i] for i, *_ in trees], out) if trees else None
+                                       [out.query_start_loc[i] for i, *_ in trees], out, padded) if trees else None
         parts = [t for t in (sampled, pending.device_values() if pending else None) if t is not None]
         host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
         events, decodes = [], []  # decodes: (chunk, sequence, token) whose one row goes in the batch
@@ -199,11 +201,11 @@ class Engine:
             self.policy.observe_step(len(plan), tree_nodes, context, (time.perf_counter() - t0 - draft_s) * 1e3)
         return events
 
-    def _chunks(self, plan: list[tuple[Sequence, int]]) -> list[SeqChunk]:
-        """The step's inputs in plan order: tree chunks (built together) and plain chunks."""
+    def _chunks(self, plan: list[tuple[Sequence, int]], with_tree: list[Sequence], padded) -> list[SeqChunk]:
+        """The step's inputs in plan order: tree chunks (``with_tree``, the plan's sequences with a
+        tree, built together from their ``padded`` arrays) and plain chunks."""
         tables = self.target.blocks.block_table
-        with_tree = [s for s, _ in plan if s.tree]
-        trees = iter(tree_chunks(with_tree, [tables(s.seq_id) for s in with_tree]) if with_tree else ())
+        trees = iter(tree_chunks(with_tree, [tables(s.seq_id) for s in with_tree], padded) if with_tree else ())
         return [next(trees) if s.tree else self._chunk(s, n) for s, n in plan]
 
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:

@@ -40,14 +40,14 @@ class Verified:
     accepted: list[int]  # its accepted nodes a_1..a_k (node indices, root excluded)
 
 
-def tree_chunks(seqs: list[Sequence], tables: list[list[int]]) -> list[SeqChunk]:
+def tree_chunks(seqs: list[Sequence], tables: list[list[int]], padded: tuple | None = None) -> list[SeqChunk]:
     """The verification inputs of ``seqs``: each newest token followed by its tree's nodes.
 
     The step layout is built on the host, so are the masks and positions: one batched pass each
     for every tree of the step (trees arrive validated: parents before children); the chunks'
-    arrays are views of the batch's.
+    arrays are views of the batch's. ``padded``: ``padded_trees(seqs)``, when the caller has it.
     """
-    tokens, parents, depths, num_nodes = padded_trees(seqs)  # (B, N+1), root in column 0
+    tokens, parents, depths, num_nodes = padded or padded_trees(seqs)  # (B, N+1), root in column 0
     masks = ancestor_masks(parents[:, 1:] - 1, num_nodes, int(depths.max()))  # (B, N+1, N+1)
     # tree_positions_ref's: the root at its KV index, node i at that + depths[i], padding as the root.
     positions = np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=len(seqs))[:, None] + depths
@@ -57,23 +57,13 @@ def tree_chunks(seqs: list[Sequence], tables: list[list[int]]) -> list[SeqChunk]
             for i, (s, n, table) in enumerate(zip(seqs, num_nodes.tolist(), tables))]
 
 
-_last_padded: list = [None]  # (trees (held: their ids stay theirs), roots, arrays), swapped whole
-
-
 def padded_trees(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The sequences' trees as [B, N+1] arrays with the root in column 0 (kernel convention):
     tokens (the root's: the newest token), parents (columns; -1 for the root and padding) and
-    depths (root 0), and the node counts [B] (root excluded). Read only: a step's layout and its
-    acceptance ask for the same trees in turn, and the second gets the first's arrays."""
-    trees = [s.tree for s in seqs]
-    roots = [s.output_ids[-1] for s in seqs]
-    last = _last_padded[0]
-    if last is not None and len(last[0]) == len(trees) and all(a is b for a, b in zip(last[0], trees)) \
-            and last[1] == roots:
-        return last[2]
-    tokens, parents, depths, num_nodes = pad_trees(trees, root_column=True)
-    tokens[:, 0] = roots
-    _last_padded[0] = (trees, roots, (tokens, parents, depths, num_nodes))
+    depths (root 0), and the node counts [B] (root excluded). A step computes them once, for its
+    layout (``tree_chunks``) and its acceptance (``TreeVerifier.accept``); both only read them."""
+    tokens, parents, depths, num_nodes = pad_trees([s.tree for s in seqs], root_column=True)
+    tokens[:, 0] = [s.output_ids[-1] for s in seqs]
     return tokens, parents, depths, num_nodes
 
 
@@ -101,12 +91,13 @@ class TreeVerifier:
         self.staging = Staging(target.device)  # the acceptance inputs: one host-to-device copy
 
     def accept(self, seqs: list[Sequence], logits_start: list[int], row_start: list[int],
-               out: StepOutput) -> PendingVerification:
+               out: StepOutput, padded: tuple | None = None) -> PendingVerification:
         """Launch acceptance, KV compaction and the gather of the draft's features, all on the
         device; nothing waits. ``logits_start[i]``/``row_start[i]``: where sequence i's rows begin
-        in ``out.logits`` and in the flat batch (``out.captured``)."""
+        in ``out.logits`` and in the flat batch (``out.captured``); ``padded``: ``padded_trees(seqs)``,
+        when the caller has it (the step's layout made it)."""
         eng = self.target
-        tokens, host_parents, depths, nodes = padded_trees(seqs)  # (B, N+1), root in column 0
+        tokens, host_parents, depths, nodes = padded or padded_trees(seqs)  # (B, N+1), root in column 0
         num_nodes = nodes + 1  # with the root
         cols = np.minimum(np.arange(tokens.shape[1])[None, :], nodes[:, None])
         idx = np.asarray(logits_start)[:, None] + cols  # (B, N+1); padding repeats a row
