@@ -135,20 +135,28 @@ def invalid_trees(trees: list[CandidateTree], vocab_size: int, max_nodes: list[i
 
 
 def _depths_from_parents(parents: np.ndarray) -> np.ndarray:
-    """Depth of every node by walking all ancestor chains at once (one pass per level).
+    """Depth of every node of one tree (``depths_of_rows`` of its one row)."""
+    return depths_of_rows(parents.reshape(1, -1))[0]
 
-    Bounded by N passes, so malformed input (cycles) terminates; ``validate`` rejects it.
-    """
-    n = parents.shape[0]
-    depths = np.ones(n, dtype=np.int64)
-    anc = np.where((parents >= 0) & (parents < n), parents, -1)
-    for _ in range(n):
+
+def depths_of_rows(parents: np.ndarray) -> np.ndarray:
+    """[S, W] depths of trees given as rows of parent indices (-1: a child of the root): every node's
+    ancestor chain walked for every node of every row at once, one step per level. Bounded by W steps,
+    so rows that are not trees (cycles, a parent past the row: malformed input) end too, with depths
+    that ``validate`` then refuses. A row's entries past a tree's own nodes are never read by them."""
+    s, w = parents.shape
+    depths = np.ones((s, w), dtype=np.int64)
+    if not w:
+        return depths
+    rows = np.arange(s)[:, None]
+    anc = np.where((parents >= 0) & (parents < w), parents, -1)
+    for _ in range(w):
         live = anc >= 0
         if not live.any():
             break
-        depths[live] += 1
-        anc[live] = parents[anc[live]]
-        anc = np.where((anc >= 0) & (anc < n), anc, -1)
+        depths += live
+        anc = np.where(live, parents[rows, np.maximum(anc, 0)], -1)
+        anc = np.where((anc >= 0) & (anc < w), anc, -1)
     return depths
 
 

@@ -485,24 +485,25 @@ def test_batched_validation_agrees_with_each_trees_own():
     assert invalid_trees(trees, vocab, max_nodes, max_depths) == want
 
 
-def test_the_links_batched_depths_equal_the_trees_own():
-    """The verify side computes the depths of every tree slot of a step at once
-    (``draft_link._depths_of_rows``): a tree's own depths for well-formed rows, and an end, with
-    depths the checks refuse, for rows that are not trees (cycles, parents out of range)."""
-    from runtime.tree import CandidateTree, InvalidTreeError, _depths_from_parents
-    from verify_service.draft_link import _depths_of_rows
+def test_depths_of_many_rows_at_once_equal_each_trees_own():
+    """``depths_of_rows`` (the link's trees of a step, every slot at once) against one tree at a time
+    (the old per-tree walk, written out here), and an end, with depths ``validate`` refuses, for rows
+    that are not trees (a cycle, a parent past the row)."""
+    from runtime.tree import CandidateTree, InvalidTreeError, depths_of_rows
+
+    def one_tree(parents):  # each node: 1 + its parent's depth, parents before children
+        d = np.ones(len(parents), dtype=np.int64)
+        for i, p in enumerate(parents):
+            d[i] = 1 if p < 0 else d[p] + 1
+        return d
 
     rng = np.random.default_rng(4)
-    rows = []
-    for _ in range(20):
-        n = 12
-        parents = np.array([-1 if i < 3 else int(rng.integers(-1, i)) for i in range(n)])
-        rows.append(parents)
+    rows = [np.array([-1 if i < 3 else int(rng.integers(-1, i)) for i in range(12)]) for _ in range(20)]
     rows.append(np.array([1, 2, 0, -1, 40, -1, 5, 6, 7, 8, 9, 10]))  # a cycle, a parent past the row
     parents = np.stack(rows)
-    got = _depths_of_rows(parents)
+    got = depths_of_rows(parents)
     for r in range(len(rows) - 1):
-        np.testing.assert_array_equal(got[r], _depths_from_parents(parents[r]))
+        np.testing.assert_array_equal(got[r], one_tree(parents[r]))
     bad = got[-1]
     assert bad.shape == (12,) and bad[3] == 1 and bad[5] == 1 and bad[6] == 2
     tree = CandidateTree(np.arange(12), parents[-1], bad, np.zeros(12, dtype=np.float32))

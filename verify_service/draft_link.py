@@ -44,7 +44,7 @@ from link.shared_buffers import BufferExporter
 from link.step_frames import FrameLimits, StepFrames
 from link.step_socket import StepListener, StepSocket, remove_stale
 from protos.eagle3.v1 import draft_link_pb2 as pb
-from runtime.tree import CandidateTree
+from runtime.tree import CandidateTree, depths_of_rows
 
 log = logging.getLogger(__name__)
 ACCEPT_TIMEOUT_S = 5.0  # the draft connects to its step socket before it opens the stream
@@ -290,7 +290,7 @@ class RemoteDraft:
         parents = self.buffers["tree_parents"][:n].cpu().numpy().astype(np.int64, copy=False)
         log_probs = self.buffers["tree_log_probs"][:n].cpu().numpy().astype(np.float32, copy=False)
         width = tokens.shape[1]
-        depths = _depths_of_rows(parents)  # every slot's at once: a pass per level, not per tree
+        depths = depths_of_rows(parents)  # every slot's at once: a pass per level, not per tree
         trees = {}
         for ref in reply.trees:
             slot, k = ref.tree_slot, ref.num_nodes
@@ -301,24 +301,3 @@ class RemoteDraft:
             trees[ref.seq_id] = CandidateTree(tokens[slot, :k].astype(np.int64, copy=False), parents[slot, :k],
                                               depths[slot, :k], log_probs[slot, :k])
         return trees
-
-
-def _depths_of_rows(parents: np.ndarray) -> np.ndarray:
-    """[S, W] depths of trees given as rows of parent indices (-1: a child of the root): each node's
-    ancestor chain walked for every node of every row at once, one step per level. Bounded by W steps,
-    so rows that are not trees (cycles, a parent past the row: a peer's word is not trusted) end too,
-    with depths that the tree checks then refuse. Entries past a tree's own nodes are never read."""
-    s, w = parents.shape
-    depths = np.ones((s, w), dtype=np.int64)
-    if not w:
-        return depths
-    rows = np.arange(s)[:, None]
-    anc = np.where((parents >= 0) & (parents < w), parents, -1)
-    for _ in range(w):
-        live = anc >= 0
-        if not live.any():
-            break
-        depths += live
-        anc = np.where(live, parents[rows, np.maximum(anc, 0)], -1)
-        anc = np.where((anc >= 0) & (anc < w), anc, -1)
-    return depths
