@@ -122,10 +122,10 @@ def main() -> None:
         return profile_backlog(engine, args, sync)
     for _ in range(5):
         engine.step()
+    header = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": args.model,
+              "mode": args.mode, "config": args.config, "batch": args.batch, "context": args.context}
     if args.timeline:
-        result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": args.model,
-                  "mode": args.mode, "config": args.config, "batch": args.batch, "context": args.context,
-                  "host_ms_by_phase_unprofiled": host_phases(engine, args.steps, sync),
+        result = {**header, "host_ms_by_phase_unprofiled": host_phases(engine, args.steps, sync),
                   **timeline(engine, args.steps, sync)}
         print(json.dumps(result, indent=1))
         if args.out:
@@ -153,9 +153,7 @@ def main() -> None:
         sync()
     kernels = tprof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=15)
     launches = sum(e.count for e in tprof.key_averages() if e.device_type.name == "CUDA") / 5
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": args.model,
-              "mode": args.mode, "config": args.config,
-              "batch": args.batch, "context": args.context, "step_ms_median": round(statistics.median(times), 3),
+    result = {**header, "step_ms_median": round(statistics.median(times), 3),
               "step_ms": [round(x, 3) for x in times], "device_kernels_per_step": launches}
     print(json.dumps({k: v for k, v in result.items() if k != "step_ms"}))
     print(text.getvalue())
