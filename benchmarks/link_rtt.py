@@ -13,6 +13,7 @@ the step less the draft's reported compute, from just before the send). The tran
 turns of 250 steps, so a shared machine's background load falls on both alike.
 
     python benchmarks/link_rtt.py --steps 5000 --batch 1 --batch 8 --out benchmarks/results/link_rtt_cpu.json
+    python benchmarks/link_rtt.py --device cuda ...     # the features through CUDA IPC, as on a GPU host
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class InstantDrafter:
         pass
 
 
-def draft_process(head_dir: str, internal: str, transport: str) -> None:
+def draft_process(head_dir: str, internal: str, transport: str, device: str) -> None:
     """The draft service's worker, its drafter replaced by one that answers at once."""
     import logging
 
@@ -73,13 +74,14 @@ def draft_process(head_dir: str, internal: str, transport: str) -> None:
     from draft_service.spec_config import SpecConfig
 
     logging.basicConfig(level=logging.WARNING)
-    cfg = DraftServerConfig(SpecConfig(head_dir, tree="chain", depth=CHAIN), verify=internal, device="cpu",
+    cfg = DraftServerConfig(SpecConfig(head_dir, tree="chain", depth=CHAIN), verify=internal, device=device,
                             step_transport=transport)
-    DraftWorker(cfg, health.HealthServicer(), make_drafter=lambda *args: InstantDrafter()).run()
+    DraftWorker(cfg, health.HealthServicer(), make_drafter=lambda *args, **kwargs: InstantDrafter()).run()
 
 
-def verify_side(model_dir: Path, internal: str):
-    """The verify service's link (RemoteDraft + DraftLinkServicer on ``internal``) without a model."""
+def verify_side(model_dir: Path, internal: str, device: str):
+    """The verify service's link (RemoteDraft + DraftLinkServicer on ``internal``) without a model, its
+    buffers placed as the service places them (features and embedding on ``device``, trees on the host)."""
     import grpc
     import torch
 
@@ -95,17 +97,18 @@ def verify_side(model_dir: Path, internal: str):
 
     config = ModelConfig.from_dir(str(model_dir))
     capture = config.default_capture_layers()
-    exporter = BufferExporter(torch.device("cpu"))
-    embedding = torch.zeros(config.vocab_size, config.hidden_size)
+    exporter = BufferExporter(torch.device(device))
+    embedding = torch.zeros(config.vocab_size, config.hidden_size, device=device)
+    trees = (MAX_SEQS, MAX_NODES)
     buffers = {"features": exporter.allocate("features", (2048, len(capture) * config.hidden_size), torch.float32),
-               "tree_tokens": exporter.allocate("tree_tokens", (MAX_SEQS, MAX_NODES), torch.int64),
-               "tree_parents": exporter.allocate("tree_parents", (MAX_SEQS, MAX_NODES), torch.int64),
-               "tree_log_probs": exporter.allocate("tree_log_probs", (MAX_SEQS, MAX_NODES), torch.float32),
+               "tree_tokens": exporter.allocate("tree_tokens", trees, torch.int64, host=True),
+               "tree_parents": exporter.allocate("tree_parents", trees, torch.int64, host=True),
+               "tree_log_probs": exporter.allocate("tree_log_probs", trees, torch.float32, host=True),
                "embedding": exporter.share("embedding", embedding)}
     remote = RemoteDraft(exporter, buffers, capture, timeout_s=10.0,
                          step_socket_folder=unix_socket_path(internal).parent if step_socket.supported() else None)
     model = SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=embedding)))
-    target = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, max_model_len=4096, model_config=config,
+    target = SimpleNamespace(device=torch.device(device), dtype=torch.float32, max_model_len=4096, model_config=config,
                              model=model)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[NO_PORT_SHARING])
     servicer = DraftLinkServicer(remote, target, TreeSettings("chain", depth=CHAIN), str(model_dir))
@@ -125,14 +128,14 @@ class Sampler:
     """Steps of ``batch`` sequences through one link, timed: the link itself (whichever transport
     carries the step), the whole ``RemoteDraft.step``, and the service's overhead figure."""
 
-    def __init__(self, remote, capture, batch: int):
+    def __init__(self, remote, capture, batch: int, device: str):
         import numpy as np
         import torch
 
         from link.protocol import ProposeRequest
 
         self.remote, self.batch, self.position = remote, batch, 0
-        self.features = torch.randn(ROWS_PER_FEED, len(capture) * TARGET["hidden_size"])
+        self.features = torch.randn(ROWS_PER_FEED, len(capture) * TARGET["hidden_size"], device=device)
         self.tokens = np.arange(ROWS_PER_FEED, dtype=np.int64)
         self.asks = [ProposeRequest(seq_id, max_depth=CHAIN) for seq_id in range(1, batch + 1)]
         self.links, self.steps, self.overhead = [], [], []
@@ -177,11 +180,12 @@ def timed(exchange, into: list[int]):
 class Link:
     """One verify side and its draft process, on a socket folder of its own."""
 
-    def __init__(self, transport: str, tmp: Path, model_dir: Path, head_dir: Path):
+    def __init__(self, transport: str, tmp: Path, model_dir: Path, head_dir: Path, device: str):
         internal = f"unix:{tmp}/{transport}/draft.sock"
-        self.server, self.remote, self.exporter, self.capture = verify_side(model_dir, internal)
-        self.child = mp.get_context("spawn").Process(target=draft_process, args=(str(head_dir), internal, transport),
-                                                     daemon=True)
+        self.device = device
+        self.server, self.remote, self.exporter, self.capture = verify_side(model_dir, internal, device)
+        self.child = mp.get_context("spawn").Process(target=draft_process, daemon=True,
+                                                     args=(str(head_dir), internal, transport, device))
         self.child.start()
         deadline = time.monotonic() + 120
         while not self.remote.connected:
@@ -199,7 +203,7 @@ class Link:
 
 def compare(links: list[Link], batch: int, steps: int, warmup: int, chunk: int = 250) -> list[dict]:
     """``steps`` per link, in turns of ``chunk``: a shared machine's load falls on each link alike."""
-    samplers = [Sampler(link.remote, link.capture, batch) for link in links]
+    samplers = [Sampler(link.remote, link.capture, batch, link.device) for link in links]
     for sampler in samplers:
         sampler.run(warmup, keep=False)
     for _ in range(0, steps, chunk):
@@ -220,9 +224,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, action="append", help="sequences per step, repeatable (default: 1)")
     ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--device", default="cpu", help="cpu (shared host memory) or cuda (CUDA IPC features)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.transport, args.batch = args.transport or ["stream", "socket"], args.batch or [1]
+
+    import torch
 
     from draft_service.eagle_init import write_random_head
 
@@ -234,12 +241,13 @@ def main() -> None:
     load_before = os.getloadavg()  # on a shared machine the tails move with the neighbours' load
     links = []
     try:
-        links = [Link(transport, tmp, model_dir, head_dir) for transport in args.transport]
+        links = [Link(transport, tmp, model_dir, head_dir, args.device) for transport in args.transport]
         rows = [row for batch in args.batch for row in compare(links, batch, args.steps, args.warmup)]
     finally:
         for link in links:
             link.close()
     report = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "load_average_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
               "steps": args.steps, "rows_per_feed": ROWS_PER_FEED, "tree_nodes": CHAIN, "results": rows}
     if args.out:

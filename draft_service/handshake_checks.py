@@ -14,7 +14,7 @@ from common.config import ModelConfig
 from common.errors import EagleError, LinkProtocolError
 from draft_service.eagle_config import DraftConfig
 from link.convert import descriptor_from_proto
-from link.shared_buffers import BufferDescriptor
+from link.shared_buffers import SHM, BufferDescriptor
 from protos.eagle3.v1 import draft_link_pb2 as pb
 
 # Sanity bounds far above any real deployment (a step of 64 sequences, 60-node trees, 128K context).
@@ -48,6 +48,8 @@ def checked_handshake(hello: pb.HandshakeResponse, head: DraftConfig) -> tuple[M
     for d in descs:
         if d.name not in expected or d.name in by_name:
             raise LinkProtocolError(f"handshake: unexpected or repeated buffer {d.name[:64]!r}")
+        if d.name.startswith("tree_") and d.backend != SHM:  # written and read on the host by both sides
+            raise LinkProtocolError(f"handshake: buffer {d.name!r} is {d.backend} memory, expected shared host memory")
         shape, dtypes = expected[d.name]
         if d.shape != shape or d.dtype not in dtypes:
             raise LinkProtocolError(f"handshake: buffer {d.name!r} is {d.dtype} {list(d.shape)[:8]}, "

@@ -14,14 +14,13 @@ TREE_BUFFERS = ("tree_tokens", "tree_parents", "tree_log_probs")
 
 
 class StepAnswerer:
-    """Answers one session's steps. Trees are staged in host arrays allocated once, then copied to
-    the shared buffers in one copy per buffer (not three small copies per tree)."""
+    """Answers one session's steps. The tree buffers are shared host memory: each tree is written
+    straight into its slot, with no device copy and no sync."""
 
     def __init__(self, bufs: dict[str, torch.Tensor], drafter: DraftProvider):
         self.bufs, self.drafter = bufs, drafter
         self.width = bufs["tree_tokens"].shape[1]
-        self._staged = {name: torch.zeros(bufs[name].shape, dtype=bufs[name].dtype) for name in TREE_BUFFERS}
-        self._host = {name: t.numpy() for name, t in self._staged.items()}  # views of the staging tensors
+        self._host = {name: bufs[name].numpy() for name in TREE_BUFFERS}  # views of the shared memory
 
     def answer(self, call: StepCall) -> StepReply:
         """Release finished sequences, extend the draft with the fed rows, grow the trees asked for.
@@ -37,7 +36,7 @@ class StepAnswerer:
         trees = self.drafter.step(feeds, call.proposals)
         refs = []
         tokens, parents, log_probs = (self._host[name] for name in TREE_BUFFERS)
-        for slot, p in enumerate(call.proposals):
+        for slot, p in enumerate(call.proposals):  # slots without a tree keep stale values: unread
             tree = trees.get(p.seq_id)
             if tree is None or not tree.num_nodes:
                 continue
@@ -45,10 +44,4 @@ class StepAnswerer:
             tokens[slot, :n], parents[slot, :n], log_probs[slot, :n] = tree.tokens[:n], tree.parents[:n], \
                 tree.log_probs[:n]
             refs.append(TreeRef(p.seq_id, slot, tree.num_nodes))
-        if refs:  # rows of slots without a tree carry stale values: the verifier reads only what refs name
-            rows = refs[-1].tree_slot + 1
-            for name in TREE_BUFFERS:
-                self.bufs[name][:rows].copy_(self._staged[name][:rows])
-        if self.bufs["tree_tokens"].is_cuda:
-            torch.cuda.synchronize()  # the verify process reads the trees right after our answer
         return StepReply(call.step_id, refs, time.perf_counter_ns() - start)

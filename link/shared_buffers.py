@@ -9,10 +9,12 @@ small ``BufferDescriptor`` of each::
               |            descriptors() --- gRPC handshake ---> desc      |
               +--------------- the same physical memory -------------------+
 
-Backends, chosen once from the device, never a fallback from one to the other:
+Backends, chosen per buffer from the device, never a fallback from one to the other:
   cuda_ipc  CUDA device: one cudaMalloc per buffer, mapped by the peer through its IPC
             handle (the rules are in ``link.cuda_ipc``); both peers on one GPU.
-  shm       CPU device: one POSIX shared-memory segment per buffer, mapped by name.
+  shm       CPU device, or a buffer both sides use on the host (``allocate(..., host=True)``:
+            the candidate trees, which the verify side lays out on the host): one POSIX
+            shared-memory segment per buffer, mapped by name.
 
 Lifetime: the exporter keeps every buffer alive until ``close()``, which the owner calls
 only after importers detached. Neither ``close()`` ever unmaps under a live tensor: memory
@@ -191,14 +193,16 @@ class BufferExporter:
         self._descriptors: dict[str, BufferDescriptor] = {}
         self._owners: list = []  # _ShmSegment | cuda_ipc.ExportedAllocation
 
-    def allocate(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
-        """A zero-filled tensor in shareable memory, published under ``name``."""
+    def allocate(self, name: str, shape, dtype: torch.dtype, host: bool = False) -> torch.Tensor:
+        """A zero-filled tensor in shareable memory, published under ``name``. ``host``: in shared
+        host memory whatever the device (for data both sides read and write on the host)."""
         assert name not in self._descriptors, f"buffer {name!r} allocated twice"
         shape = tuple(int(s) for s in shape)
-        desc = BufferDescriptor(name=name, backend=self.backend, shape=shape,
+        backend = SHM if host else self.backend
+        desc = BufferDescriptor(name=name, backend=backend, shape=shape,
                                 dtype=str(dtype).removeprefix("torch."), generation=self.generation,
-                                device_uuid=self._device_uuid, host_id=self._host_id)
-        if self.backend == SHM:
+                                device_uuid="" if backend == SHM else self._device_uuid, host_id=self._host_id)
+        if backend == SHM:
             owner = _ShmSegment.create(f"eagle3-{os.getpid()}-{self.generation:x}-{name}", desc.nbytes)
             data, desc = owner.data(0, desc.nbytes), replace(desc, shm_name=owner.name)
         else:
@@ -281,15 +285,15 @@ class BufferImporter:
             raise SharedBufferError(
                 f"{where} was exported on host {desc.host_id!r}, this is {self._host_id!r}: "
                 "shared buffers only work between processes on one host")
-        if desc.backend != self.backend:
+        if desc.backend not in (self.backend, SHM):  # host memory maps on any device
             raise SharedBufferError(
                 f"{where} is a {desc.backend} buffer but this importer on {self.device} uses "
                 f"{self.backend}: both services must run on the same device kind (one GPU, or the CPU)")
-        if self.backend == CUDA_IPC and desc.device_uuid != self._device_uuid:
+        if desc.backend == CUDA_IPC and desc.device_uuid != self._device_uuid:
             raise SharedBufferError(
                 f"{where} lives on GPU {desc.device_uuid}, this importer's {self.device} is GPU "
                 f"{self._device_uuid}: peers must share one GPU (check CUDA_VISIBLE_DEVICES and --device)")
-        if self.backend == CUDA_IPC and len(desc.handle) != cuda_ipc.HANDLE_BYTES:
+        if desc.backend == CUDA_IPC and len(desc.handle) != cuda_ipc.HANDLE_BYTES:
             raise SharedBufferError(f"{where}: IPC handle has {len(desc.handle)} bytes, expected 64")
         if desc.offset_bytes % dtype_from_name(desc.dtype).itemsize:
             raise SharedBufferError(f"{where}: offset {desc.offset_bytes} is not aligned to {desc.dtype}")

@@ -168,6 +168,7 @@ def fake_hello(draft: DraftConfig, target_cfg: dict, **sizes) -> pb.HandshakeRes
     ({"max_tree_nodes": 0}, "max_tree_nodes"), ({"drop": "tree_parents"}, "missing: tree_parents"),
     ({"duplicate": "features"}, "repeated buffer"), ({"reshape": "embedding"}, "buffer 'embedding'"),
     ({"dtype": "tree_tokens"}, "buffer 'tree_tokens'"), ({"config": "{not json"}, "does not parse"),
+    ({"device_memory": "tree_parents"}, "'tree_parents' is cuda_ipc memory, expected shared host memory"),
 ])
 def test_the_draft_checks_the_handshake_before_allocating(dirs, change, message):
     _, draft_dir = dirs
@@ -184,6 +185,8 @@ def test_the_draft_checks_the_handshake_before_allocating(dirs, change, message)
         next(b for b in bufs if b.name == change["reshape"]).shape[0] += 1
     if "dtype" in change:
         next(b for b in bufs if b.name == change["dtype"]).dtype = "float64"
+    if "device_memory" in change:
+        next(b for b in bufs if b.name == change["device_memory"]).backend = pb.BUFFER_BACKEND_CUDA_IPC
     del hello.buffers[:]
     hello.buffers.extend(bufs)
     if "config" in change:

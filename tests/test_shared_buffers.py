@@ -174,15 +174,29 @@ def test_cuda_ipc_round_trip_through_a_spawned_process():
 
 
 @pytest.mark.gpu
-def test_cuda_ipc_refuses_another_gpu_and_shm_descriptors():
+def test_cuda_ipc_refuses_another_gpu():
     with BufferExporter(torch.device("cuda")) as exporter, BufferImporter(torch.device("cuda")) as importer:
         exporter.share("table", table_values().cuda())
         (desc,) = exporter.descriptors()
         assert desc.backend == CUDA_IPC and len(desc.handle) == 64 and desc.device_uuid
         with pytest.raises(SharedBufferError, match="peers must share one GPU"):
             importer.open(replace(desc, device_uuid="GPU-00000000-0000-0000-0000-000000000000"))
-        with pytest.raises(SharedBufferError, match="is a shm buffer but this importer on cuda uses cuda_ipc"):
-            importer.open(replace(desc, backend=SHM, shm_name="eagle3-0-0-table"))
+
+
+@pytest.mark.gpu
+def test_a_cuda_exporter_shares_host_buffers_as_shared_memory():
+    """The tree buffers: host memory beside the CUDA IPC buffers, mapped by a CUDA importer too."""
+    with BufferExporter(torch.device("cuda")) as exporter, BufferImporter(torch.device("cuda")) as importer:
+        host = exporter.allocate("trees", (3, 4), torch.int64, host=True)
+        exporter.share("table", table_values().cuda())
+        trees, table = sorted(exporter.descriptors(), key=lambda d: d.name != "trees")
+        assert (trees.backend, table.backend) == (SHM, CUDA_IPC) and trees.shm_name and not trees.device_uuid
+        mapped = importer.open(trees)
+        assert mapped.device.type == "cpu" and host.device.type == "cpu"
+        mapped[1, 2] = 7
+        assert host[1, 2] == 7  # one memory
+        with pytest.raises(SharedBufferError, match="does not exist"):
+            importer.open(replace(trees, shm_name="eagle3-0-0-gone"))
 
 
 @pytest.mark.gpu

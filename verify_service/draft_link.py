@@ -15,8 +15,8 @@ Shared buffers, exported once::
     features        [max_feature_rows, k * hidden]   target features of committed rows
     embedding       [vocab, hidden]                  the target's table (the model uses it too)
     tree_tokens     [max_trees, max_nodes] int64      written by the draft, slot per proposal
-    tree_parents    [max_trees, max_nodes] int64
-    tree_log_probs  [max_trees, max_nodes] float32
+    tree_parents    [max_trees, max_nodes] int64      (the three tree buffers: host memory on
+    tree_log_probs  [max_trees, max_nodes] float32     every device, built and read on the host)
 
 Without a session (no draft, or it died) ``step`` returns no trees: sequences decode one
 token per step with exactly the same output. A new session only speculates for sequences
@@ -286,9 +286,10 @@ class RemoteDraft:
         if not reply.trees:
             return {}
         n = len(asked)
-        tokens = self.buffers["tree_tokens"][:n].cpu().numpy()  # one copy of each tree buffer per step
-        parents = self.buffers["tree_parents"][:n].cpu().numpy().astype(np.int64, copy=False)
-        log_probs = self.buffers["tree_log_probs"][:n].cpu().numpy().astype(np.float32, copy=False)
+        # Host memory the draft process writes: copied out once (the trees checked and used later
+        # must be the ones read here, whatever the peer writes meanwhile).
+        tokens, parents, log_probs = (np.array(self.buffers[name][:n].numpy())
+                                      for name in ("tree_tokens", "tree_parents", "tree_log_probs"))
         width = tokens.shape[1]
         depths = depths_of_rows(parents)  # every slot's at once: a pass per level, not per tree
         trees = {}

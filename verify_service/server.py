@@ -102,16 +102,18 @@ def _public_server(cfg: VerifyServerConfig) -> tuple[grpc.Server, int]:
 def _export_buffers(target: Target, cfg: VerifyServerConfig, capture_layers) -> tuple[BufferExporter, dict]:
     """Allocate the shared buffers. The draft gets a COPY of the embedding table: the target keeps
     its own, so no write through shared memory (a faulty or hostile peer) can change the target's
-    output; at worst it spoils the draft's proposals, which verification then rejects."""
+    output; at worst it spoils the draft's proposals, which verification then rejects. The tree
+    buffers are host memory on every device: the draft builds its trees on the host and this side
+    lays them out there, so a tree crosses no PCIe copy and no device sync on either side."""
     lim, e = cfg.limits, cfg.engine
     exporter = BufferExporter(target.device)
     width = len(capture_layers) * target.model_config.hidden_size
     rows, nodes = lim.feature_rows(e.max_batch_tokens, e.max_num_seqs), lim.max_tree_nodes
     buffers = {
         "features": exporter.allocate("features", (rows, width), target.dtype),
-        "tree_tokens": exporter.allocate("tree_tokens", (e.max_num_seqs, nodes), torch.int64),
-        "tree_parents": exporter.allocate("tree_parents", (e.max_num_seqs, nodes), torch.int64),
-        "tree_log_probs": exporter.allocate("tree_log_probs", (e.max_num_seqs, nodes), torch.float32),
+        "tree_tokens": exporter.allocate("tree_tokens", (e.max_num_seqs, nodes), torch.int64, host=True),
+        "tree_parents": exporter.allocate("tree_parents", (e.max_num_seqs, nodes), torch.int64, host=True),
+        "tree_log_probs": exporter.allocate("tree_log_probs", (e.max_num_seqs, nodes), torch.float32, host=True),
     }
     buffers["embedding"] = exporter.share("embedding", target.model.model.embed_tokens.weight.data)
     return exporter, buffers
