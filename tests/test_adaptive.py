@@ -157,16 +157,29 @@ def test_probes_try_the_next_size_up_now_and_then():
 
 def test_probes_stay_within_their_share_of_the_time():
     """A probe costs a 20 ms step against 10 ms plain ones: with a 10% share, the first probe waits
-    until the plain steps' time covers it (decision 8, not 3), and each later one as long again."""
+    until the plain steps' time covers it (decision 9, not 3), and each later one as long again."""
     policy = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4),
                             PolicyConfig(probe_every=4, probe_share=0.1, draft_prior_fraction=0.0))
     seen(policy, accepted=0)
     choices = [policy.choose(1, 1024, [0], [4]) for _ in range(40)]
     probes = [i for i, c in enumerate(choices) if c]
-    assert probes == [8, 17, 26, 35], probes
+    assert probes == [9, 18, 27, 36], probes
     diag = policy.diagnostics()
     assert policy.probes == len(probes) and diag["probes"] == len(probes)
     assert 0 < diag["probe_share_modelled"] <= 0.1
+
+
+def test_the_probes_budget_counts_recent_steps_not_the_time_since_start():
+    """A long stretch at batch 1 where the largest tree is best (no probes) leaves no slack to batch 64,
+    where a probe's tree step costs 74 ms against 10 ms plain ones: its probes stay within their share
+    of its own time (counted since start, the stretch would fund a probe at every 4th decision)."""
+    policy = AdaptivePolicy(table(per_token_ms=1.0), TreeSettings("chain", 4),
+                            PolicyConfig(probe_every=4, probe_share=0.1, probe_window=64, draft_prior_fraction=0.0))
+    seen(policy, accepted=4, seq_id=1, nodes=4)  # every node accepted: the 4-node chain pays at batch 1
+    assert {policy.choose(1, 1024, [1], [4]) for _ in range(2000)} == {4}
+    choices = [policy.choose(64, 1024, [1], [4]) for _ in range(400)]
+    probes = [i for i, c in enumerate(choices) if c]
+    assert 1 <= len(probes) <= 8, probes  # 64 ms extra per 576 ms of plain steps: ~6 in 400 decisions
 
 
 def test_a_decision_is_held_while_nothing_it_rests_on_changes():
