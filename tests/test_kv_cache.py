@@ -92,8 +92,11 @@ def test_a_graphed_runner_answers_a_prompt_step_from_its_decode_graph(model_dir,
     assert out.query_start_loc == want.query_start_loc == [0, 5, 6]
     torch.testing.assert_close(out.logits, want.logits, **tolerance())
     torch.testing.assert_close(out.hidden, want.hidden, **tolerance())
+    import verify_service.model_runner as model_runner
+    built = []  # a step larger than every graph is refused before a chunk per token is built (5,000
+    monkeypatch.setattr(model_runner, "decode_tokens", lambda c: built.append(c))  # tokens: 30 ms)
     assert runner._prefill_as_decodes([SeqChunk(list(range(9)), 0, graphed.blocks.block_table(1))]) is None
-    assert len(replayed) == 1
+    assert len(replayed) == 1 and built == []
 
 
 def test_chunked_whole_and_token_by_token_prefill_agree(model_dir):

@@ -252,11 +252,10 @@ class ModelRunner:
         one: every prompt token a one-token sequence of its own (``decode_tokens``). None when the step
         holds a tree, or more tokens than the largest captured decode graph has sequences: it runs
         eagerly, some ten kernel launches a layer from Python."""
-        single = decode_tokens(chunks)
-        if single is None:
-            return None
-        fitting = [b for b in self._fitting(False, len(single), 1) if self._graphs.get(b) is not None]
-        if not fitting or not self._graphs[fitting[0]].layout.fits(single):
+        tokens = sum(len(c.token_ids) for c in chunks)  # first: a big prompt step builds no chunk per token
+        fitting = [b for b in self._fitting(False, tokens, 1) if self._graphs.get(b) is not None]
+        single = decode_tokens(chunks) if fitting else None
+        if single is None or not self._graphs[fitting[0]].layout.fits(single):
             return None
         out = self._replay(self._graphs[fitting[0]], single)
         qsl = np.concatenate(([0], np.cumsum([len(c.token_ids) for c in chunks])))
