@@ -200,7 +200,10 @@ def profile_ab(args, spec, target_a, target_b, sync) -> None:
 
 
 def profile_requests(engine: Engine, args, sync) -> None:
-    """Whole requests at batch 1: wall time, time to the first token, steps, and the mean step time."""
+    """Whole requests at batch 1: wall time, time to the first token, steps, and the mean step time.
+    The engine is warmed up first as the services warm theirs (kernels, decode, prompt and tree graphs)."""
+    engine.target.runner.warm_up(engine.target.cfg.max_batch_tokens,
+                                 (engine.limits.node_budget + 1,) if engine.limits else ())
     gen = torch.Generator().manual_seed(0)
     vocab = engine.target.model_config.vocab_size
     rows, prof = [], cProfile.Profile()

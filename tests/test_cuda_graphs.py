@@ -70,11 +70,13 @@ def test_static_layout_packs_every_chunks_mask_in_its_rows():
 
 
 def test_graph_buckets():
-    buckets = graph_buckets(max_num_seqs=20, max_tree_tokens=24)
+    buckets = graph_buckets(max_num_seqs=20, max_tree_tokens=24, prompt_tokens=300)
     decode = [b.seqs for b in buckets if not b.tree]
-    assert decode == [1, 2, 4, 8, 16, 20]
+    assert decode == [1, 2, 4, 8, 16, 20, 64, 128, 256]  # the last three: prompt steps only
     assert {b.tokens for b in buckets if b.tree} == {2, 4, 8, 16, 24}
+    assert max(b.seqs for b in buckets if b.tree) == 20
     assert all(b.num_tokens <= MAX_GRAPH_TOKENS for b in buckets)
+    assert [b.seqs for b in graph_buckets(128, 24, 512) if not b.tree][-4:] == [120, 128, 256, 512]
 
 
 def test_bucket_choice_is_the_smallest_fitting_one_captured_first(tmp_path):
@@ -90,7 +92,7 @@ def test_bucket_choice_is_the_smallest_fitting_one_captured_first(tmp_path):
                            custom_mask=np.ones((n, n), bool) if tree else None) for n in sizes]
         runner._graphs = {b: (object() if gen.random() < 0.3 else None) for b in buckets if gen.random() < 0.5}
         most = max(sizes) if tree else 1
-        fitting = [b for b in buckets if b.tree == tree and b.seqs >= len(chunks) and b.tokens >= most]
+        fitting = [b for b in buckets if b.tree == tree and len(chunks) <= b.seqs <= 20 and b.tokens >= most]
         captured = [b for b in fitting if runner._graphs.get(b) is not None]
         want = min(captured or fitting, key=lambda b: (b.num_tokens, b.tokens)) if fitting else None
         assert runner._bucket(chunks) == want
@@ -144,23 +146,25 @@ def test_graphed_engine_gives_the_eager_tokens(tmp_path, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_a_short_prompt_replays_a_decode_graph_with_the_eager_tokens(tmp_path):
-    """A prompt of at most as many tokens as the largest decode graph has sequences runs as that graph
-    (its tokens as one-token sequences): one replay, the eager engine's tokens. A longer one runs eagerly."""
+    """A prompt of at most as many tokens as the largest decode or prompt graph has sequences runs as
+    that graph (its tokens as one-token sequences): one replay, the eager engine's tokens. Without the
+    prompt graphs, a prompt longer than the largest decode graph runs eagerly."""
     model_dir = make_model_dir(tmp_path / "m", "llama3", seed=4, std=0.3)
-    prompts = [list(range(3, 9)), [5, 6, 7], list(range(20, 31))]  # 6, 3 and 11 tokens; graphs of 8 at most
+    prompts = [list(range(3, 9)), [5, 6, 7], list(range(20, 31)), [(7 * i) % 90 for i in range(100)]]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     eager = Engine(target_for(model_dir, device="cuda", dtype="float32", kernels="triton", enforce_eager=True))
-    target = target_for(model_dir, device="cuda", dtype="float32", kernels="triton", max_num_seqs=8)
-    target.runner.capture([b for b in target.runner._buckets() if not b.tree])
-    engine = Engine(target)
-    for prompt in prompts:
-        engine.add_request(prompt, params)
-        before = target.runner.graph_steps
-        first = engine.step()  # the whole prompt in one step, its first token drawn
-        assert first and first[0].token_ids
-        assert target.runner.graph_steps == before + (len(prompt) <= 8)
-        got = first[0].token_ids + [t for ev in engine.run_until_done() for t in ev.token_ids]
-        assert got == eager.generate([prompt], params)[0].token_ids
+    for prompt_graphs in (True, False):  # decode graphs of 8 at most; prompt graphs of 64, 128 and 256
+        target = target_for(model_dir, device="cuda", dtype="float32", kernels="triton", max_num_seqs=8)
+        target.runner.capture([b for b in target.runner._buckets() if not b.tree and (prompt_graphs or b.seqs <= 8)])
+        engine = Engine(target)
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+            before = target.runner.graph_steps
+            first = engine.step()  # the whole prompt in one step, its first token drawn
+            assert first and first[0].token_ids
+            assert target.runner.graph_steps == before + (prompt_graphs or len(prompt) <= 8)
+            got = first[0].token_ids + [t for ev in engine.run_until_done() for t in ev.token_ids]
+            assert got == eager.generate([prompt], params)[0].token_ids
 
 
 def test_warm_up_does_nothing_on_a_cpu(tmp_path):

@@ -20,7 +20,8 @@ def build_engine(cfg: EngineConfig, spec: SpecConfig | None = None, adaptive: bo
     the cost table is read from ``cost_table`` when it exists, else measured now and written there).
     """
     target = Target.from_config(cfg)
-    if spec is None:
+    if spec is None:  # warmed up as the speculative engines below are: the same graphs (prompt ones too)
+        target.runner.warm_up(cfg.max_batch_tokens)
         return Engine(target)
     drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                            cfg.max_num_seqs, target.max_model_len, cfg.kernels)

@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 
 # Most tokens a graphed step holds: its logits ([tokens, vocab] float32) live in the graph pool.
 MAX_GRAPH_TOKENS = 2048
+# Prompt steps of up to this many tokens (prompt chunks and decodes) replay a decode graph of as
+# many one-token sequences, beyond the decode graphs' max_num_seqs: an eager prompt step launches
+# some 300 kernels from Python (9.4 ms for an 80-token prompt on the H200, 0.9 ms of kernels) ...
+PROMPT_GRAPH_TOKENS = 512
+PROMPT_GRAPH_CONTEXT = 4096  # ... when it ends within this many tokens (those graphs' table width)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +54,14 @@ class StepOutput:
     query_start_loc: list[int]  # chunk i owns rows query_start_loc[i]:query_start_loc[i+1]
 
 
-def graph_buckets(max_num_seqs: int, max_tree_tokens: int) -> list[Bucket]:
-    """Decode buckets for 1, 2, 4, 8, then every multiple of 8 sequences up to ``max_num_seqs``;
-    tree buckets for 2, 4, 8, ... tokens per sequence up to ``max_tree_tokens``, as far as
-    ``MAX_GRAPH_TOKENS`` allows."""
+def graph_buckets(max_num_seqs: int, max_tree_tokens: int, prompt_tokens: int = 0) -> list[Bucket]:
+    """Decode buckets for 1, 2, 4, 8, then every multiple of 8 sequences up to ``max_num_seqs``,
+    and prompt buckets (decode buckets used only by prompt steps) of 64, 128, 256 and 512 sequences
+    above ``max_num_seqs`` up to ``prompt_tokens``; tree buckets for 2, 4, 8, ... tokens per
+    sequence up to ``max_tree_tokens``, as far as ``MAX_GRAPH_TOKENS`` allows."""
     seqs = sorted({n for n in (1, 2, 4, 8) if n < max_num_seqs} | set(range(8, max_num_seqs, 8)) | {max_num_seqs})
-    out = [Bucket(b, 1, False) for b in seqs if b <= MAX_GRAPH_TOKENS]
+    prompts = [n for n in (64, 128, 256, 512) if max_num_seqs < n <= prompt_tokens]
+    out = [Bucket(b, 1, False) for b in seqs + prompts if b <= MAX_GRAPH_TOKENS]
     tokens, q = [], 2
     while q < 2 * max_tree_tokens:
         tokens.append(min(q, max_tree_tokens))
@@ -191,18 +198,21 @@ class ModelRunner:
         # in the middle of serving (trees shrink near a request's end; adaptive sizes vary).
         return next((b for b in fitting if self._graphs.get(b) is not None), fitting[0] if fitting else None)
 
-    def _fitting(self, tree: bool, seqs: int, tokens: int) -> list[Bucket]:
+    def _fitting(self, tree: bool, seqs: int, tokens: int, prompt: bool = False) -> list[Bucket]:
         """The buckets that hold ``seqs`` sequences of up to ``tokens`` tokens, smallest first (by
         tokens, then tokens per sequence; ties in ``_buckets`` order). Cached: a step asks for the
-        same few shapes again and again, and the bucket list is fixed by the runner's sizes."""
-        key = (tree, seqs, tokens, self.max_num_seqs, self.max_model_len)
+        same few shapes again and again, and the bucket list is fixed by the runner's sizes. ``prompt``:
+        the prompt buckets too (a decode step never takes one: it would never capture its own)."""
+        key = (tree, seqs, tokens, prompt, self.max_num_seqs, self.max_model_len)
         if key not in self._fits:
-            fitting = [b for b in self._buckets() if b.tree == tree and b.seqs >= seqs and b.tokens >= tokens]
+            fitting = [b for b in self._buckets() if b.tree == tree and b.seqs >= seqs and b.tokens >= tokens
+                       and (prompt or b.seqs <= self.max_num_seqs)]
             self._fits[key] = sorted(fitting, key=lambda b: (b.num_tokens, b.tokens))
         return self._fits[key]
 
     def _buckets(self) -> list[Bucket]:
-        return graph_buckets(self.max_num_seqs, min(MAX_GRAPH_TOKENS, self.max_model_len))
+        return graph_buckets(self.max_num_seqs, min(MAX_GRAPH_TOKENS, self.max_model_len),
+                             min(PROMPT_GRAPH_TOKENS, self.max_model_len))
 
     def _graph(self, bucket: Bucket) -> _Graph | None:
         if bucket not in self._graphs:
@@ -215,8 +225,10 @@ class ModelRunner:
         return self._graphs[bucket]
 
     def _capture(self, bucket: Bucket) -> _Graph:
-        # A tree's nodes sit past the sequence's committed tokens: the table holds those too.
-        width = blocks_for(self.max_model_len + bucket.tokens, self.kv_cache.block_size)
+        # A tree's nodes sit past the sequence's committed tokens: the table holds those too. A prompt
+        # bucket's table is narrower (its every row is filled, sent and read each prompt step).
+        span = self.max_model_len if bucket.seqs <= self.max_num_seqs else min(self.max_model_len, PROMPT_GRAPH_CONTEXT)
+        width = blocks_for(span + bucket.tokens, self.kv_cache.block_size)
         layout = StaticLayout(bucket, width, self.max_model_len, self.kv_cache.block_size, self.device)
 
         def forward():
@@ -253,7 +265,7 @@ class ModelRunner:
         holds a tree, or more tokens than the largest captured decode graph has sequences: it runs
         eagerly, some ten kernel launches a layer from Python."""
         tokens = sum(len(c.token_ids) for c in chunks)  # first: a big prompt step builds no chunk per token
-        fitting = [b for b in self._fitting(False, tokens, 1) if self._graphs.get(b) is not None]
+        fitting = [b for b in self._fitting(False, tokens, 1, prompt=True) if self._graphs.get(b) is not None]
         single = decode_tokens(chunks) if fitting else None
         if single is None or not self._graphs[fitting[0]].layout.fits(single):
             return None
