@@ -169,6 +169,23 @@ def test_probes_stay_within_their_share_of_the_time():
     assert 0 < diag["probe_share_modelled"] <= 0.1
 
 
+def test_a_probe_from_plain_decoding_tries_the_size_the_global_estimate_picks():
+    """A sequence whose own trees accepted nothing decodes plainly; its probes try the size the batch's
+    trees show pays (the largest here), which alone can bring its estimate of that size back: a probe
+    of the smallest tree updates no larger size. Where the global estimate says plain decoding too,
+    the probe is the smallest tree."""
+    policy = AdaptivePolicy(table(per_token_ms=1.0), TreeSettings("chain", 4),
+                            PolicyConfig(probe_every=4, probe_share=1.0, draft_prior_fraction=0.0))
+    seen(policy, accepted=4, seq_id=1, nodes=4)  # the batch's trees: every node accepted
+    seen(policy, accepted=0, seq_id=2, nodes=4, times=5)  # this sequence's: nothing
+    choices = [policy.choose(1, 1024, [2], [4]) for _ in range(8)]
+    assert choices == [0, 0, 0, 4, 0, 0, 0, 4]
+    low = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4),
+                         PolicyConfig(probe_every=4, probe_share=1.0, draft_prior_fraction=0.0))
+    seen(low, accepted=0, seq_id=1, nodes=4)
+    assert [low.choose(1, 1024, [1], [4]) for _ in range(4)] == [0, 0, 0, 1]
+
+
 def test_the_probes_budget_counts_recent_steps_not_the_time_since_start():
     """A long stretch at batch 1 where the largest tree is best (no probes) leaves no slack to batch 64,
     where a probe's tree step costs 74 ms against 10 ms plain ones: its probes stay within their share
