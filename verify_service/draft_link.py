@@ -266,7 +266,7 @@ class RemoteDraft:
 
     def _write_feeds(self, s: Session, feeds: list[DraftFeed]) -> list[FeedRows]:
         features = self.buffers["features"]
-        rows, row = [], 0
+        rows, parts, row = [], [], 0
         for f in feeds:
             if f.start == 0:
                 s.known.add(f.seq_id)
@@ -277,9 +277,13 @@ class RemoteDraft:
                 s.known.discard(f.seq_id)
                 log.error("features buffer full; sequence %d stops speculating", f.seq_id)
                 continue
-            features[row:row + n].copy_(f.features)
+            parts.append(f.features)
             rows.append(FeedRows(f.seq_id, f.start, row, np.asarray(f.next_tokens)))
             row += n
+        if len(parts) > 1:
+            torch.cat(parts, out=features[:row])  # one copy for the step's rows, not one per sequence
+        elif parts:
+            features[:row].copy_(parts[0])
         return rows
 
     def _read_trees(self, reply: StepReply, asked: list[ProposeRequest]) -> dict[int, CandidateTree]:
