@@ -163,3 +163,14 @@ def tree_settings_from_args(args, device_type: str) -> TreeSettings:
     if all(v is None for v in given.values()):
         return default_tree(device_type)
     return TreeSettings(**{k: v for k, v in given.items() if v is not None})
+
+
+def tree_sizes(limits: TreeSettings) -> tuple[int, ...]:
+    """Node counts the policy picks from: every chain length; 1, 2, 4, ... and the budget of a
+    dynamic tree; a static tree whole (the draft's file cannot be cut)."""
+    budget = limits.node_budget
+    if limits.tree == "chain":
+        return tuple(range(1, budget + 1))
+    if limits.tree == "static":
+        return (budget,)
+    return tuple(sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n < budget} | {budget}))

@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.listen import NO_PORT_SHARING, bind, unix_socket_path
 from common.reflection import enable_reflection
 from common.metrics_http import metrics_host
+from common.tree_settings import tree_sizes
 from draft_service.drafter import EagleDrafter
 from draft_service.eagle_config import DraftConfig
 from draft_service.metrics import DraftMetrics
@@ -185,7 +186,10 @@ class DraftWorker:
                                             hello.max_model_len, cuda_graphs=not self.cfg.enforce_eager)
                 # Before the session opens (the verify side decodes plainly meanwhile):
                 warm_up = getattr(drafter, "warm_up", None)
-                if warm_up is not None and warm_up(prompt_rows=hello.max_feature_rows) and not self._watching:
+                # Every size adaptive speculation may ask for (the verify side's choice, not known here):
+                # a shape's first proposal would otherwise capture its graphs in the middle of serving.
+                shapes = [self.cfg.spec.settings.capped(n) for n in tree_sizes(self.cfg.spec.settings)]
+                if warm_up is not None and warm_up(shapes, prompt_rows=hello.max_feature_rows) and not self._watching:
                     self._watching = CompileWatch(log, "the draft service's warm-up").start()
                 self._stream(stub, hello, bufs, drafter)
 

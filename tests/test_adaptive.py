@@ -137,7 +137,11 @@ def test_measured_draft_and_step_costs_change_the_choice():
                                                                                          cost_weight=1.0))
     seen(policy, accepted=3, nodes=3)
     assert policy.best(1, 1024, [0], [3]) == 3
-    policy.observe_draft(1, 3, 200.0)  # the draft turns out slow: 50 ms a level
+    for _ in range(3):  # a stall (50 ms a level, 1,000x the prior): not the draft's cost
+        policy.observe_draft(1, 3, 200.0)
+        assert policy.best(1, 1024, [0], [3]) == 3
+    assert policy.outliers == 3
+    policy.observe_draft(1, 3, 200.0)  # the fourth in a row: the draft turns out slow
     assert policy.best(1, 1024, [0], [3]) == 0
     policy.observe_draft(1, 3, 0.4)
     policy.observe_step(1, 3, 1024, 500.0)  # tree steps cost far more than the table says

@@ -48,11 +48,15 @@ from pathlib import Path
 
 import numpy as np
 
-from common.tree_settings import TreeSettings
+from common.tree_settings import TreeSettings, tree_sizes  # noqa: F401 (tree_sizes: imported from here too)
 from runtime.tree import CandidateTree
 from verify_service.cost_table import CostGrid, CostTable, calibrate, describe
 
 log = logging.getLogger(__name__)
+
+
+OUTLIER_FACTOR = 10.0  # a draft call this many times its expected cost is a stall, not its cost ...
+OUTLIER_RUN = 3  # ... unless this many come in a row
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,17 +71,6 @@ class PolicyConfig:
     probe_window: int = 256  # ... over about this many recent decisions (an exponential window)
     hold_steps: int = 8  # a decision is reused this many steps while nothing but step times was learned
     draft_prior_fraction: float = 0.15  # draft cost per level before one is measured, x a decode forward
-
-
-def tree_sizes(limits: TreeSettings) -> tuple[int, ...]:
-    """Node counts the policy picks from: every chain length; 1, 2, 4, ... and the budget of a
-    dynamic tree; a static tree whole (the draft's file cannot be cut)."""
-    budget = limits.node_budget
-    if limits.tree == "chain":
-        return tuple(range(1, budget + 1))
-    if limits.tree == "static":
-        return (budget,)
-    return tuple(sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n < budget} | {budget}))
 
 
 def accepted_within(tree: CandidateTree, accepted: list[int], sizes) -> np.ndarray:
@@ -221,6 +214,8 @@ class AdaptivePolicy:
         self._nodes = np.array(self.sizes, dtype=np.float64)  # nodes the trees of each size really held
         self._residual: dict[bool, dict[int, float]] = {False: {}, True: {}}  # tree step? -> bucket -> ms
         self._draft: dict[int, DraftCost] = {}  # per batch bucket
+        self._outliers: dict[int, int] = {}  # per batch bucket: draft calls not learned from, in a row
+        self.outliers = 0  # draft calls not learned from (stalls)
         self._forward_cache: dict[tuple[int, int, int], float] = {}
         self.decisions: Counter[int] = Counter()  # steps per choice (0: plain decoding)
         self.choice = 0
@@ -413,8 +408,18 @@ class AdaptivePolicy:
         seen[2] += backlog
         if not self.cfg.cost_weight or backlog:
             return
+        bucket = _bucket(speculating)
+        expected = self.draft_ms(speculating, levels, 1024.0)  # the learned cost, or the prior before one
+        if ms > OUTLIER_FACTOR * expected and self._outliers.get(bucket, 0) < OUTLIER_RUN:
+            # A stall (a graph captured or a kernel compiled in the draft, a hiccup of the link), not the
+            # draft's cost: learned, it would stop every later tree (and the probes that could correct
+            # it). As many in a row as OUTLIER_RUN are a real change, and learned.
+            self._outliers[bucket] = self._outliers.get(bucket, 0) + 1
+            self.outliers += 1
+            return
+        self._outliers[bucket] = 0
         self._version += 1
-        self._draft.setdefault(_bucket(speculating), DraftCost(self.cfg.cost_weight)).update(1 + levels, ms)
+        self._draft.setdefault(bucket, DraftCost(self.cfg.cost_weight)).update(1 + levels, ms)
 
     def release(self, seq_id: int) -> None:
         self._seq.pop(seq_id, None)
@@ -423,6 +428,7 @@ class AdaptivePolicy:
     def diagnostics(self) -> dict:
         """What the policy learned and how its model compares with the steps measured (for benchmarks)."""
         return {"decisions": {str(k): v for k, v in sorted(self.decisions.items())}, "probes": self.probes,
+                "draft_outliers": self.outliers,
                 "probe_share_modelled": round(float(self._probe_ms / self._spent_ms), 4) if self._spent_ms else 0.0,
                 "residual_ms": {f"{'tree' if t else 'plain'} b{b}": round(float(v), 4)
                                 for t, by_bucket in self._residual.items() for b, v in by_bucket.items()},
