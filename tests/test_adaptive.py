@@ -203,6 +203,20 @@ def test_the_probes_budget_counts_recent_steps_not_the_time_since_start():
     assert 1 <= len(probes) <= 8, probes  # 64 ms extra per 576 ms of plain steps: ~6 in 400 decisions
 
 
+def test_a_probe_the_budget_holds_back_leaves_plain_decoding_held():
+    """Where the probes' budget holds a due probe back, plain decoding stays held between attempts (a
+    quarter of ``probe_every`` apart): the whole decision is not taken again at every step."""
+    policy = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4),
+                            PolicyConfig(probe_every=32, probe_share=0.001, hold_steps=8, draft_prior_fraction=0.0))
+    seen(policy, accepted=0)
+    full = 0
+    for _ in range(400):
+        if not policy.choose_held((1, 1)):
+            full += 1
+            assert policy.choose(1, 1024, [0], [4], quick_key=(1, 1)) == 0
+    assert policy.decisions == {0: 400} and full <= 400 // 8 + 400 // 8, full
+
+
 def test_a_decision_is_held_while_nothing_it_rests_on_changes():
     policy = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4),
                             PolicyConfig(probe_every=0, hold_steps=8))
