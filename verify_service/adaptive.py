@@ -62,8 +62,7 @@ OUTLIER_RUN = 3  # ... unless this many come in a row
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     prior_acceptance: float = 0.6  # before any tree is seen: node at depth d accepted with p^d
-    seq_weight: float = 0.2  # EWMA weight of one tree in a sequence's own estimate ...
-    seq_prior_mass: float = 0.8  # ... which starts from the global estimate weighing this much (7 trees)
+    seq_weight: float = 0.2  # EWMA weight of one tree in a sequence's own estimate
     global_weight: float = 0.02  # ... in the global estimate (the prior of new sequences)
     cost_weight: float = 0.05  # EWMA weight of one measured step in the learned costs (0: the table alone)
     margin: float = 0.02  # a tree must beat plain decoding by this fraction (noise in the estimates)
@@ -96,12 +95,11 @@ class Acceptance:
     the guess says it pays, and that tree corrects it. A tree holds every smaller one (the best m
     nodes), so the curve never decreases."""
 
-    def __init__(self, prior: np.ndarray, weight: float, wider: Acceptance | None = None, prior_mass: float = 0.0):
-        """``prior_mass``: the prior counts as trees of this much weight (0: the first tree replaces it)."""
+    def __init__(self, prior: np.ndarray, weight: float, wider: Acceptance | None = None):
         self.prior, self.weight = prior, weight
         self.wider = wider  # a sequence's: the global estimate, whose gains carry it above its own sizes
-        self._sum = prior * prior_mass  # EWMA from the prior's share ...
-        self._mass = np.full_like(prior, prior_mass)  # ... and the weight gathered: mean = sum / mass
+        self._sum = np.zeros_like(prior)  # EWMA from zero ...
+        self._mass = np.zeros_like(prior)  # ... and the weight it has gathered: mean = sum / mass
         self.seen = -1  # index of the largest size seen
         self.updates = 0
         self._curve: tuple | None = None  # (the wider one's updates, curve), until the next update
@@ -378,18 +376,12 @@ class AdaptivePolicy:
         if not seen:
             return
         acc = accepted_within(tree, accepted, [self.sizes[j] for j in seen])
-        self._global.update(acc)  # first: a fresh engine's first tree replaces the global prior
         own = self._seq.get(seq_id)
-        if own is None:
-            # A sequence's own estimate starts from the global one, weighing seq_prior_mass (about 7
-            # trees): one tree's acceptance varies too much (0 to 7 nodes, std ~2, MT-bench) for its
-            # first trees alone to send a sequence to plain decoding. In a model over the recorded
-            # acceptance trace (benchmarks/adaptive_trace_sim.py: batch 1, the H200's step costs), a
-            # first tree counting fully left 68% of the steps plain, 1.38x against 1.47x for the tree
-            # every step; this, 58% and 1.42x.
+        if own is None:  # a sequence's own estimate starts from the global one, as its prior
             own = self._seq[seq_id] = Acceptance(self._global.curve(self.sizes, self._levels), self.cfg.seq_weight,
-                                                 wider=self._global, prior_mass=self.cfg.seq_prior_mass)
+                                                 wider=self._global)
         own.update(acc)
+        self._global.update(acc)
         self._version += 1
         j = seen[-1]
         self._nodes[j] += self.cfg.cost_weight * (min(tree.num_nodes, self.sizes[j]) - self._nodes[j])
