@@ -39,7 +39,8 @@ from draft_service.drafter import EagleDrafter  # noqa: E402
 from draft_service.eagle_init import write_random_head  # noqa: E402
 from runtime.block_manager import blocks_for  # noqa: E402
 from tools.evaluate import parse_config  # noqa: E402
-from verify_service.adaptive import AdaptivePolicy, tree_sizes  # noqa: E402
+from common.tree_settings import tree_sizes  # noqa: E402
+from verify_service.adaptive import AdaptivePolicy  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
 from verify_service.cost_table import CostGrid, calibrate  # noqa: E402
 from verify_service.engine import Engine  # noqa: E402

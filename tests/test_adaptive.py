@@ -17,8 +17,8 @@ from link.protocol import DraftFeed
 from runtime.tree import CandidateTree
 from tiny_eagle import make_eagle_dir
 from tiny_models import make_model_dir, target_for, tiny_config
-from verify_service.adaptive import (AdaptivePolicy, DraftCost, PolicyConfig, _learned, accepted_within, policy_for,
-                                     tree_sizes)
+from common.tree_settings import tree_sizes
+from verify_service.adaptive import AdaptivePolicy, DraftCost, PolicyConfig, _learned, accepted_within, policy_for
 from verify_service.cost_table import CostGrid, CostTable, calibrate, interp1
 from verify_service.engine import Engine
 from verify_service.feed_buffer import FeedBuffer, FeedRows

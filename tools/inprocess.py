@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from draft_service.drafter import EagleDrafter
 from draft_service.spec_config import SpecConfig
-from verify_service.adaptive import policy_for, tree_sizes
+from common.tree_settings import tree_sizes
+from verify_service.adaptive import policy_for
 from verify_service.config import EngineConfig
 from verify_service.engine import Engine
 from verify_service.target import Target

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.tree_settings import TreeSettings, tree_sizes  # noqa: F401 (tree_sizes: imported from here too)
+from common.tree_settings import TreeSettings, tree_sizes
 from runtime.tree import CandidateTree
 from verify_service.cost_table import CostGrid, CostTable, calibrate, describe
 
@@ -268,11 +268,15 @@ class AdaptivePolicy:
         """argmax over {0} + sizes of expected tokens per ms (no probing, no counting)."""
         if not seq_ids:
             return 0
-        plain = batch / self.step_ms(batch, context, 0, len(seq_ids))
         tokens = batch + self._accepted(seq_ids, budgets).sum(axis=0)  # [len(sizes)]
-        rates = [t / self.step_ms(batch, context, m, len(seq_ids)) for t, m in zip(tokens, self.sizes)]
+        return self._fastest(batch, context, len(seq_ids), tokens, self.cfg.margin)
+
+    def _fastest(self, batch: int, context: float, speculating: int, tokens, margin: float) -> int:
+        """The size whose expected ``tokens`` [len(sizes)] per ms beat plain decoding's by ``margin``
+        most; 0 where none does."""
+        rates = [t / self.step_ms(batch, context, m, speculating) for t, m in zip(tokens, self.sizes)]
         i = int(np.argmax(rates))
-        return self.sizes[i] if rates[i] > plain * (1 + self.cfg.margin) else 0
+        return self.sizes[i] if rates[i] > batch / self.step_ms(batch, context, 0, speculating) * (1 + margin) else 0
 
     def expected_tokens(self, batch: int, seq_ids: list[int], budgets: list[int], nodes: int) -> float:
         """tokens(n): every decoding sequence commits one, a speculating one its expected accepted too."""
@@ -357,10 +361,8 @@ class AdaptivePolicy:
     def _global_best(self, batch: int, context: float, speculating: int) -> int:
         """The size the global estimate picks for ``speculating`` of ``batch`` sequences; the smallest
         where that is plain decoding."""
-        g = self._global.curve(self.sizes, self._levels)
-        rates = [(batch + speculating * a) / self.step_ms(batch, context, m, speculating) for a, m in zip(g, self.sizes)]
-        i = int(np.argmax(rates))
-        return self.sizes[i] if rates[i] > batch / self.step_ms(batch, context, 0, speculating) else self.sizes[0]
+        tokens = batch + speculating * self._global.curve(self.sizes, self._levels)
+        return self._fastest(batch, context, speculating, tokens, 0.0) or self.sizes[0]
 
     def settings(self, seq_settings: TreeSettings, nodes: int) -> TreeSettings:
         """A sequence's tree for a choice of ``nodes`` (> 0)."""

@@ -26,10 +26,11 @@ from common.listen import NO_PORT_SHARING, bind, unix_socket_path
 from common.parsed_servicer import add_health_servicer, add_parsed_servicer
 from common.reflection import enable_reflection
 from common.metrics_http import metrics_host
+from common.tree_settings import tree_sizes
 from kernels.compile_watch import CompileWatch
 from link import step_socket
 from link.shared_buffers import BufferExporter
-from verify_service.adaptive import policy_for, tree_sizes
+from verify_service.adaptive import policy_for
 from protos.eagle3.v1 import draft_link_pb2, generation_pb2
 from verify_service.draft_link import RemoteDraft
 from verify_service.engine import Engine
