@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode_baseline import copy_bandwidth_gbs  # noqa: E402
 from kernels.attention_exact import ancestor_table, paged_attention_exact  # noqa: E402
-from kernels.attention_triton import AttentionConfig, attention_config, pack_mask, paged_attention_triton  # noqa: E402
+from kernels.attention_triton import (AttentionConfig, _attention_kernel, _num_splits, _slots, attention_config,  # noqa: E402
+                                      pack_mask, paged_attention_triton)
 from kernels.metadata import AttentionMetadata  # noqa: E402
 
 SWEEP = [AttentionConfig(m, n, w, s) for m in (16, 64, 128) for n in (32, 64) for w in (4, 8) for s in (2, 3)] + \
@@ -71,6 +72,28 @@ def time_us(fn, reps: int = 20, calls: int = 10) -> float:
     return statistics.median(times)
 
 
+def splits_of(cfg: AttentionConfig, meta: AttentionMetadata, group: int, kv_heads: int) -> int:
+    """The key splits ``paged_attention_triton`` picked for ``cfg`` (its programs per SM are known
+    once it ran)."""
+    programs = meta.num_seqs * -(-meta.max_query_len // max(1, cfg.block_m // group)) * kv_heads
+    slots = [n for key, n in _slots.items() if dict(key[2]).get("BLOCK_M") == cfg.block_m and
+             dict(key[2]).get("BLOCK_N") == cfg.block_n and dict(key[2]).get("num_warps") == cfg.num_warps and
+             dict(key[2]).get("num_stages") == cfg.num_stages]
+    return _num_splits(programs, meta.max_seq_len, cfg.block_n, slots[-1]) if slots else 0
+
+
+def compiled_resources() -> list[dict]:
+    """Registers a thread and shared memory a program of each compiled attention variant: how
+    many programs one SM holds at once (the launch's waves)."""
+    rows = []
+    for kernel_cache, *_ in _attention_kernel.device_caches.values():
+        for kernel in kernel_cache.values():
+            meta = kernel.metadata
+            rows.append({"num_warps": meta.num_warps, "num_stages": meta.num_stages, "n_regs": kernel.n_regs,
+                         "shared_bytes": meta.shared})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--context", type=int, action="append", required=True)
@@ -79,6 +102,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--sweep", action="store_true", help="time every config of the sweep, not just the default")
+    ap.add_argument("--splits", type=int, action="append", default=[],
+                    help="also time the default tiles with this many key splits (repeatable)")
     ap.add_argument("--exact", action="store_true", help="also time the batch-invariant kernel (--exact)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -89,20 +114,24 @@ def main() -> None:
         for tokens in args.tokens:
             q, k, v, meta = setup(context, tokens, args.heads, args.kv_heads, args.head_dim)
             read_us = 2 * k[:, :, :, :].numel() * k.element_size() / (bw * 1e9) * 1e6
-            default = attention_config(tokens, g, args.head_dim, context + tokens)
-            configs = [default] + ([c for c in SWEEP if c != default and c.block_m >= g] if args.sweep else [])
+            default = attention_config(tokens, g, args.head_dim)
+            auto = splits_of(default, meta, g, args.kv_heads)
+            configs = [default] + [dataclasses.replace(default, splits=n) for n in args.splits if n != auto] + \
+                ([c for c in SWEEP if c != default and c.block_m >= g] if args.sweep else [])
             for cfg in configs:
                 try:
                     us = time_us(lambda: paged_attention_triton(q, k, v, meta, args.head_dim ** -0.5, cfg))
                 except Exception as exc:  # a config the compiler refuses (e.g. out of shared memory)
                     print(f"ctx {context} tokens {tokens} {cfg}: {type(exc).__name__}", flush=True)
                     continue
+                splits = cfg.splits or splits_of(cfg, meta, g, args.kv_heads)
                 r = {"context": context, "tokens": tokens, "config": [cfg.block_m, cfg.block_n, cfg.num_warps,
-                                                                      cfg.num_stages],
+                                                                      cfg.num_stages], "splits": splits,
                      "default": cfg == default, "us": round(us, 1), "kv_read_us": round(read_us, 1)}
                 results["cases"].append(r)
                 print(f"ctx {context:>6} tokens {tokens:>3} m{cfg.block_m:>3} n{cfg.block_n:>3} w{cfg.num_warps} "
-                      f"s{cfg.num_stages}{' *' if r['default'] else '  '}: {us:8.1f} us  (KV read {read_us:.1f} us)",
+                      f"s{cfg.num_stages} x{splits:<2}{' *' if r['default'] else '  '}: {us:8.1f} us  "
+                      f"(KV read {read_us:.1f} us)",
                       flush=True)
             if args.exact:
                 tree = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=q.device))
@@ -111,6 +140,9 @@ def main() -> None:
                 results["cases"].append({"context": context, "tokens": tokens, "config": "exact", "us": round(us, 1),
                                          "kv_read_us": round(read_us, 1)})
                 print(f"ctx {context:>6} tokens {tokens:>3} exact (batch-invariant): {us:8.1f} us", flush=True)
+    results["compiled"] = compiled_resources()
+    for row in results["compiled"]:
+        print("compiled:", row)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -85,18 +85,32 @@ def prepare_attention_triton(meta: AttentionMetadata) -> AttentionMetadata:
 
 
 MAX_SPLITS = 64  # key splits of one launch at most
+_CPU_SLOTS = 8  # programs "at once" under the CPU interpreter (only the split logic is exercised there)
+_slots: dict[tuple, int] = {}  # a compiled variant's resources -> programs the GPU runs at once
 
 
-def _num_splits(meta: AttentionMetadata, kv_heads: int, q_tiles: int, block_n: int) -> int:
-    """Enough programs to fill the GPU when few (sequence, tile, head) triples exist.
+def _num_splits(programs: int, max_seq_len: int, block_n: int, slots: int) -> int:
+    """Key splits for a launch of ``programs`` (sequence, tile, head) programs when the GPU runs
+    ``slots`` of them at once: as many as still fit one wave, at least 4 key tiles each. A
+    launch just over a wave costs two (on an H200, a 64-token tree at 32K keys, 16 programs of
+    132 slots: 17 splits 172 us, 8 splits 150 us, 16 splits 168 us, 32 splits 210 us; more
+    splits, more programs' fixed costs and a longer combine). Launches that fill the GPU are not
+    split. Depends only on host-side sizes (a graphed step passes its bucket's capacity as
+    ``max_seq_len``): each sequence divides its own length among the splits, in the kernel."""
+    cap = max(1, min(triton.cdiv(max_seq_len, 4 * block_n), MAX_SPLITS))
+    return max(1, min(slots // programs, cap))
 
-    Depends only on host-side sizes (a graphed step passes its bucket's capacity as
-    ``max_seq_len``); each sequence divides its own length among the splits, in the kernel."""
-    programs = meta.num_seqs * q_tiles * kv_heads
-    sms = torch.cuda.get_device_properties(meta.seq_lens.device).multi_processor_count \
-        if meta.seq_lens.is_cuda else 8
-    by_length = triton.cdiv(meta.max_seq_len, 4 * block_n)  # at least 4 key tiles a split
-    return max(1, min(triton.cdiv(2 * sms, programs), by_length, MAX_SPLITS))
+
+def _programs_per_sm(kernel, num_warps: int, device: torch.device) -> int:
+    """Programs of a compiled kernel one SM holds at once: its registers (allocated per warp in
+    units of 256), shared memory (1 KiB reserved a program) and threads."""
+    props = torch.cuda.get_device_properties(device)
+    kernel._init_handles()  # loads the binary: n_regs is known from then on
+    regs_per_warp = triton.cdiv(max(kernel.n_regs, 1) * 32, 256) * 256
+    by_regs = props.regs_per_multiprocessor // (regs_per_warp * num_warps)
+    by_shared = props.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024)
+    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
+    return max(1, min(by_regs, by_shared, by_threads))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,24 +121,20 @@ class AttentionConfig:
     block_n: int  # keys per loop iteration
     num_warps: int = 4
     num_stages: int = 2
+    splits: int = 0  # key splits of the launch; 0: ``_num_splits`` picks
 
 
-def attention_config(max_query_len: int, group: int, head_dim: int, max_seq_len: int = 0,
-                     elem_bytes: int = 2) -> AttentionConfig:
-    """Decode-sized steps take small row tiles; tree and prefill steps large ones, so fewer tiles
-    re-read each sequence's KV. From ``benchmarks/attention_kernel.py --sweep`` on an H100
-    (Llama-3-8B geometry, 4K and 32K keys, 1, 8 and 64 new tokens, after the unmasked key loop):
-    one token at 32K keys 66 -> 58 us with 64-key steps and 3 stages; 8 tokens 64-row tiles
-    with 64-key steps; 64 tokens at 32K keys 167 -> 157 us with 128 x 128 tiles, at 4K keys 50 -> 35 us
-    with 64 x 64 tiles (128-row tiles leave too few programs there). ``max_seq_len`` is the
-    longest sequence the launch may see (a graphed step: the cache's capacity); float32 caches
-    (``elem_bytes`` 4) keep 64-row tiles, as 128 x 128 tiles of them overflow shared memory."""
+def attention_config(max_query_len: int, group: int, head_dim: int, elem_bytes: int = 2) -> AttentionConfig:
+    """Decode-sized steps take small row tiles, tree and prefill steps 64 x 64 tiles. From
+    ``benchmarks/attention_kernel.py --sweep`` on an H200 (Llama-3-8B geometry, splits filling one
+    wave, ``benchmarks/results/attention/``): a 64-token tree at 32K keys 151 us with 128 x 128 tiles,
+    120 us with 64 x 64 tiles and 3 stages (two programs an SM); at 4K keys 27 us either way with 64
+    x 64. One token at 32K keys 47 us with 64-key steps and 3 stages. Float32 caches (``elem_bytes``
+    4) keep 2 stages (shared memory)."""
     rows = max_query_len * group
     if rows <= 16:
         return AttentionConfig(16, 64, num_warps=4, num_stages=3 if head_dim >= 128 else 2)
-    if rows <= 64 or head_dim * elem_bytes > 256 or max_seq_len < 8192:
-        return AttentionConfig(64, 64)
-    return AttentionConfig(128, 128, num_warps=8, num_stages=2)
+    return AttentionConfig(64, 64, num_warps=4, num_stages=3 if head_dim * elem_bytes <= 256 else 2)
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -139,33 +149,49 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     g = H // kvh
     assert all(t is None or t.is_contiguous() for t in (meta.query_start_loc, meta.seq_lens, meta.mask_start)), \
         "step metadata: contiguous arrays"
-    cfg = config or attention_config(meta.max_query_len, g, D, meta.max_seq_len, k_cache.element_size())
+    cfg = config or attention_config(meta.max_query_len, g, D, k_cache.element_size())
     block_q = cfg.block_m // g  # tokens per tile: g rows each
     assert block_q >= 1, f"{g} query heads per KV head exceed a tile of {cfg.block_m} rows"
     q_tiles = triton.cdiv(meta.max_query_len, block_q)
-    splits = _num_splits(meta, kvh, q_tiles, cfg.block_n)
-    out = torch.empty_like(q)
-    if splits == 1:
-        part, lse = out, out  # written directly, normalised; no log-sum-exp needed
-    else:
-        part = torch.empty(splits, T, H, D, dtype=torch.float32, device=q.device)
-        lse = torch.empty(splits, T, H, dtype=torch.float32, device=q.device)
     has_mask = meta.custom_mask is not None
     mask = meta.custom_mask if has_mask else meta.seq_lens  # any tensor: never read without a mask
     mask_start = meta.mask_start if has_mask else meta.seq_lens
-    _attention_kernel[(meta.num_seqs * q_tiles, kvh, splits)](
-        q, k_cache, v_cache, part, lse, meta.query_start_loc, meta.seq_lens, meta.block_tables, mask, mask_start,
-        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        meta.block_tables.stride(0), mask.stride(0) if has_mask else 0, mask.shape[1] if has_mask else 0,
-        part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
-        lse.stride(0) if splits > 1 else 0, lse.stride(-2) if splits > 1 else 0,
-        q_tiles, splits,
-        G=g, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=splits > 1,
-        EVEN_D=triton.next_power_of_2(D) == D and D >= 16,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    constants = dict(G=g, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
+                     BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask,
+                     EVEN_D=triton.next_power_of_2(D) == D and D >= 16,
+                     PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                     DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32),
+                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def launch(grid, part, lse, splits, warmup=False):
+        run = _attention_kernel.warmup if warmup else _attention_kernel[grid]
+        extra = {"grid": grid} if warmup else {}
+        return run(
+            q, k_cache, v_cache, part, lse, meta.query_start_loc, meta.seq_lens, meta.block_tables, mask, mask_start,
+            scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            meta.block_tables.stride(0), mask.stride(0) if has_mask else 0, mask.shape[1] if has_mask else 0,
+            part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
+            lse.stride(0) if splits > 1 else 0, lse.stride(-2) if splits > 1 else 0,
+            q_tiles, splits, SPLIT=splits > 1, **constants, **extra)
+
+    def partials(splits):
+        return (torch.empty(splits, T, H, D, dtype=torch.float32, device=q.device),
+                torch.empty(splits, T, H, dtype=torch.float32, device=q.device))
+
+    splits = cfg.splits
+    if not splits:
+        slots = _CPU_SLOTS
+        if q.is_cuda:  # the split variant's resources decide how many programs run at once
+            key = (q.device.index, k_cache.dtype, tuple(sorted(constants.items())))
+            if key not in _slots:
+                kernel = launch((1, 1, 1), *partials(2), 2, warmup=True)
+                _slots[key] = _programs_per_sm(kernel, cfg.num_warps, q.device) * \
+                    torch.cuda.get_device_properties(q.device).multi_processor_count
+            slots = _slots[key]
+        splits = _num_splits(meta.num_seqs * q_tiles * kvh, meta.max_seq_len, cfg.block_n, slots)
+    out = torch.empty_like(q)
+    part, lse = partials(splits) if splits > 1 else (out, out)  # one split: written directly, normalised
+    launch((meta.num_seqs * q_tiles, kvh, splits), part, lse, splits)
     if splits > 1:
         _combine_kernel[(T, H)](part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2),
                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), D,

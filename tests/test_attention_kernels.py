@@ -106,10 +106,24 @@ def test_every_tile_config_matches_reference(block_m, block_n, dtype):
 
 def test_long_decode_uses_several_splits():
     """The flash-decoding path (partials + combine) is what the long case above exercised."""
-    from kernels.attention_triton import _num_splits
+    from kernels.attention_triton import _CPU_SLOTS, _num_splits
     k_cache, v_cache, chunks = build([(700, 1, None, None)], 2, 16, torch.float32, seed=0)
     meta = layout_step(chunks, BLOCK, torch.device(DEVICE), TRITON_SET).meta
-    assert _num_splits(meta, kv_heads=2, q_tiles=1, block_n=64) > 1
+    assert _num_splits(meta.num_seqs * 2, meta.max_seq_len, 64, _CPU_SLOTS) > 1
+
+
+@pytest.mark.parametrize("programs, max_seq_len, block_n, slots, want", [
+    (16, 32768, 128, 132, 8),  # a 64-token tree at 32K keys on an H200: one full wave (17 splits: 2.06 waves)
+    (32, 4096, 64, 264, 8),  # the same tree at 4K keys, two programs an SM
+    (8, 4096, 64, 396, 16),  # one-token decode at 4K: as many splits as 4 key tiles each allow
+    (512, 4096, 64, 396, 1),  # batch-64 decode fills the GPU: no split
+    (100, 4096, 64, 132, 1),  # 2 splits of 100 programs would take 2 waves
+    (8, 32768, 64, 396, 49),
+    (3, 100, 64, 132, 1),  # too short to split
+])
+def test_splits_fill_whole_waves(programs, max_seq_len, block_n, slots, want):
+    from kernels.attention_triton import _num_splits
+    assert _num_splits(programs, max_seq_len, block_n, slots) == want
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
