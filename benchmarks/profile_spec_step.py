@@ -92,6 +92,8 @@ def main() -> None:
                     help="instead of steps: this many whole requests one after another (a --context-token "
                          "prompt, --steps new tokens each; the first a warm-up): their time against their steps' "
                          "(what a request costs outside its steps), and cProfile by own time")
+    ap.add_argument("--unchained", action="store_true",
+                    help="call the draft after the step's sync, not chained behind acceptance on the device")
     ap.add_argument("--timeline", action="store_true",
                     help="instead of the profiles: the host phases against the device's busy and idle time "
                          "(benchmarks/step_timeline.py)")
@@ -115,6 +117,7 @@ def main() -> None:
         drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                                args.batch, target.max_model_len, "auto")
         engine = Engine(target, drafter, spec.settings, _AlwaysPlain() if args.mode in ("plain", "backlog") else None)
+        engine.speculation.chain = not args.unchained
     if args.requests:
         return profile_requests(engine, args, sync)
     prefilled(engine, args)
@@ -123,7 +126,7 @@ def main() -> None:
     for _ in range(5):
         engine.step()
     header = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": args.model,
-              "mode": args.mode, "config": args.config, "batch": args.batch, "context": args.context}
+              "mode": args.mode, "chained": not args.unchained, "config": args.config, "batch": args.batch, "context": args.context}
     if args.timeline:
         result = {**header, "host_ms_by_phase_unprofiled": host_phases(engine, args.steps, sync),
                   **timeline(engine, args.steps, sync)}

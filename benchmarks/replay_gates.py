@@ -119,14 +119,17 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
     for name, spec in specs.items():
         drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                                batch, target.max_model_len, args.kernels)
-        runs = [("replay", None)]
+        drafter.warm_up(chained=True)  # as a server does: no graph captured while timed (batches shrink at the end)
+        runs = [("replay", None)] + ([("replay, unchained", None)] if args.unchained else [])
         if args.adaptive:
             grid = CostGrid(tuple(sorted({1, batch})), tuple(sorted({1, *(n + 1 for n in tree_sizes(spec.settings))})),
                             (context,), reps=3)
             runs.append(("replay+adaptive", AdaptivePolicy(calibrate(target, grid), spec.settings)))
         for mode, policy in runs:
             replay = AcceptanceReplay(traces[name]["traces"])
-            r = timed_run(Engine(target, drafter, spec.settings, policy, replay), prompts, args.steps)
+            engine = Engine(target, drafter, spec.settings, policy, replay)
+            engine.speculation.chain = mode != "replay, unchained"
+            r = timed_run(engine, prompts, args.steps)
             row = {"context": context, "batch": batch, "config": f"{name} ({mode})", **r,
                    "speedup": round(r["tok_s"] / base["tok_s"], 3), "trace_tau": traces[name]["tau"]}
             if "tau" in r:
@@ -156,6 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=128, help="timed new tokens per sequence")
     ap.add_argument("--draft-vocab", type=int, default=32000, help="the random head's draft vocabulary")
     ap.add_argument("--adaptive", action="store_true", help="also run the adaptive policy (cost table measured first)")
+    ap.add_argument("--unchained", action="store_true",
+                    help="also run each tree with the draft called after the step's sync (not chained behind "
+                         "acceptance on the device): the two side by side")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", default="auto", choices=["auto", "triton", "reference"])

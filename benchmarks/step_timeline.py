@@ -56,17 +56,18 @@ def patched(engine, clock: dict | None = None):
                   (engine.target.runner, "step", "target_forward"), (engine.sampler, "sample", "sample")]
         if engine.drafter is not None:
             phases += [(engine.verifier, "accept", "accept"), (engine.verifier, "finish", "finish"),
-                       (engine.speculation, "draft", "draft_call")]
+                       (engine.speculation, "draft", "draft_call"),
+                       (engine.speculation, "draft_on_device", "draft_chained")]
             inner = getattr(engine.drafter, "_extend", None)
             if inner is not None:  # an in-process drafter: its two halves
-                phases += [(engine.drafter, "_extend", "draft_extend"), (engine.drafter, "_propose", "draft_propose")]
+                phases += [(engine.drafter, "_extend", "draft_extend"), (engine.drafter, "_propose_on_device", "draft_propose")]
         # Finer: the graphs' host sides, the tree checks, and the waits on the device.
         import verify_service.draft_coordinator as coordinator
         phases += [(engine.target.runner, "_replay", "target_graph"), (coordinator, "invalid_trees", "tree_checks"),
                    (torch.Tensor, "cpu", "wait_cpu"), (torch.Tensor, "tolist", "wait_tolist")]
         graphs = getattr(engine.drafter, "graphs", None)
         if graphs is not None:
-            phases.append((graphs, "run_extend", "extend_graph"))
+            phases += [(graphs, "run_extend", "extend_graph"), (graphs, "run_extend_on_device", "extend_graph")]
         for proposal in getattr(engine.drafter, "_proposals", {}).values():
             phases.append((proposal, "run", "proposal_run"))
         for obj, name, label in phases:

@@ -54,6 +54,9 @@ class _Graph:
     views: dict[str, tuple[int, tuple[int, ...]]]  # field -> (offset, shape) in meta_buffer
     last: torch.Tensor  # [B, H]: each sequence's last row's output
     logp: torch.Tensor  # float32 [B, draft vocab], each sequence's last row
+    # "extend_rows" only: rows still on the device, packed by the graph: counts [B], tokens [B, F],
+    # features [B, F, k * H] (the meta buffer's counts and ids are then unused)
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def extend_layout(starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor, block_size: int,
@@ -76,6 +79,24 @@ def extend_layout(starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tens
     return {"qsl": qsl, "seq_lens": starts + counts, "slots": torch.where(valid, block * block_size + kv % block_size, -1),
             "positions": torch.where(valid, kv, zero), "token_seq": torch.where(valid, seq, zero),
             "q_idx": torch.where(valid, q_idx, zero), "rows": (qsl[1:] - 1).clamp(min=0)}
+
+
+def pack_rows(counts: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, rows: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences' rows packed front to back, as an extend lays them out: ``counts`` [B] rows of
+    ``tokens`` [B, D] and ``features`` [B, D, width] -> token ids [rows] and features [rows, width],
+    zero past the last row. A gather per packed row (its sequence by a search of the row starts),
+    on the device, with no host sync."""
+    B, D = tokens.shape
+    ends = counts.cumsum(0)
+    r = torch.arange(rows, device=counts.device)
+    seq = torch.searchsorted(ends, r, right=True).clamp(max=B - 1)
+    col = (r - (ends[seq] - counts[seq])).clamp(0, D - 1)
+    valid = r < ends[-1]
+    flat = seq * D + col
+    ids = torch.where(valid, tokens.reshape(-1)[flat], 0)
+    hidden = features.reshape(B * D, -1)[flat] * valid[:, None].to(features.dtype)
+    return ids, hidden
 
 
 class DraftGraphs:
@@ -133,11 +154,45 @@ class DraftGraphs:
         self.replays += 1
         return g.last, g.logp
 
-    def capture_extend(self, batch: int, hidden_size: int) -> None:
-        """Capture the extend graphs (a step's rows, a backlog's) of a padded ``batch`` now (start-up)
-        rather than on first use."""
+    def run_extend_on_device(self, chunks: list[SeqChunk], counts: torch.Tensor, tokens: torch.Tensor,
+                             features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``run_extend`` of rows still on the device: sequence i (``chunks[i]``: its first row and block
+        table) brings ``counts[i]`` rows, the features ``features[i]`` [D, width] paired with the tokens
+        ``tokens[i]`` [D] (columns past the count: padding). The host sends what it knows (first rows,
+        tables); the rows are packed on the device (``pack_rows``); nothing waits. None when D exceeds
+        ``extend_tokens``."""
+        B, D = padded_batch(len(chunks)), tokens.shape[1]
+        if D > self.extend_tokens:
+            return None
+        g = self._graph("extend_rows", B, self.extend_tokens, features.shape[2])
+        if g is None:
+            return None
+        buf, turn, v = self._pinned(g)
+        k = len(chunks)
+        v["starts"][:k] = [c.kv_start for c in chunks]
+        v["starts"][k:] = 0
+        tables = v["tables"]
+        tables[:] = 0
+        for i, c in enumerate(chunks):
+            tables[i, :len(c.block_table)] = c.block_table
+        self._send(g, buf, turn)
+        g_counts, g_tokens, g_features = g.rows
+        g_counts.zero_()  # padding sequences: no rows
+        g_counts[:k].copy_(counts)
+        g_tokens[:k, :D].copy_(tokens)
+        g_features[:k, :D].copy_(features)
+        g.graph.replay()
+        self.replays += 1
+        return g.last, g.logp
+
+    def capture_extend(self, batch: int, hidden_size: int, chained: bool = False) -> None:
+        """Capture the extend graphs (a step's rows, a backlog's; ``chained``: also a step's rows fed
+        from the device, ``run_extend_on_device``) of a padded ``batch`` now (start-up) rather than on
+        first use."""
         for rows in sorted({self.extend_tokens, self.backlog_rows(batch)}):
             self._graph("extend", padded_batch(batch), rows, hidden_size)
+        if chained:
+            self._graph("extend_rows", padded_batch(batch), self.extend_tokens, hidden_size)
 
     def _send(self, g: _Graph, buf: torch.Tensor, turn: int) -> None:
         """The filled ring buffer ``buf`` to the graph's metadata buffer: one copy."""
@@ -188,7 +243,7 @@ class DraftGraphs:
         return self._graphs[key]
 
     def _capture(self, kind: str, B: int, F: int, hidden_size: int) -> _Graph:
-        assert kind == "extend", kind
+        assert kind in ("extend", "extend_rows"), kind
         T, dev = B * F, self.device
         shapes = {"starts": (B,), "counts": (B,), "tables": (B, self.table_width), "ids": (T,)}
         views, at = {}, 0
@@ -198,15 +253,21 @@ class DraftGraphs:
         meta_buffer = torch.zeros(at, dtype=torch.int64, device=dev)
         field = {name: meta_buffer[o:o + int(np.prod(s))].view(s) for name, (o, s) in views.items()}
         # Placeholder inputs for the capture: every sequence without rows (counts 0), writing nothing.
-        hidden = torch.zeros(T, hidden_size, dtype=self.net.norm.weight.dtype, device=dev)
+        dtype = self.net.norm.weight.dtype
+        hidden = torch.zeros(T, hidden_size, dtype=dtype, device=dev)
+        rows = None if kind == "extend" else (torch.zeros(B, dtype=torch.int64, device=dev),
+                                              torch.zeros(B, F, dtype=torch.int64, device=dev),
+                                              torch.zeros(B, F, hidden_size, dtype=dtype, device=dev))
 
         def forward():
-            lay = extend_layout(field["starts"], field["counts"], field["tables"], self.kv.block_size, F)
+            counts, ids, feats = (field["counts"], field["ids"], hidden) if rows is None else \
+                (rows[0], *pack_rows(*rows, T))
+            lay = extend_layout(field["starts"], counts, field["tables"], self.kv.block_size, F)
             meta = AttentionMetadata(query_start_loc=lay["qsl"], seq_lens=lay["seq_lens"], block_tables=field["tables"],
                                      slot_mapping=lay["slots"], positions=lay["positions"],
                                      token_seq=lay["token_seq"], token_q_idx=lay["q_idx"], max_query_len=F,
                                      max_seq_len=self.max_seq_len)
-            out = self.net(field["ids"], hidden, self.kernels.prepare_attention(meta), self.kv, self.kernels)
+            out = self.net(ids, feats, self.kernels.prepare_attention(meta), self.kv, self.kernels)
             last = out[lay["rows"]]
             return last, torch.log_softmax(self.net.compute_logits(last, self.kernels), dim=-1)
 
@@ -219,4 +280,4 @@ class DraftGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             last, logp = forward()
         self._grow_ring(meta_buffer.numel())
-        return _Graph(graph, hidden, meta_buffer, views, last, logp)
+        return _Graph(graph, hidden, meta_buffer, views, last, logp, rows)

@@ -93,13 +93,15 @@ class EagleDrafter:
                    max_num_seqs, max_model_len, cuda_graphs=cuda_graphs)
 
     @torch.inference_mode()
-    def warm_up(self, shapes: list[TreeSettings] | None = None, prompt_rows: int = 2048) -> float:
+    def warm_up(self, shapes: list[TreeSettings] | None = None, prompt_rows: int = 2048,
+                chained: bool = False) -> float:
         """Capture the CUDA graphs of the tree ``shapes`` (default: the default tree) before the first
         proposal: the whole proposal and the draft extend, for every padded batch up to
         ``max_num_seqs`` (a capture in the middle of serving stalls its step by tens of
         milliseconds, and batches change as sequences finish); and compile the eager extend of
         prompt pieces up to ``prompt_rows`` rows (a kernel compilation stalls its step as long).
-        Returns the seconds it took (0 without graphs)."""
+        ``chained``: also the extend fed from the device (``step_on_device``: an engine in this
+        process without a policy). Returns the seconds it took (0 without graphs)."""
         if self.graphs is None:
             return 0.0
         t0 = time.perf_counter()
@@ -109,7 +111,7 @@ class EagleDrafter:
             b = min(batch, self.max_num_seqs)
             for settings in shapes or [self.spec.settings]:
                 self._proposal(settings, b)
-            self.graphs.capture_extend(b, len(self.capture_layers) * self.net.config.target_hidden_size)
+            self.graphs.capture_extend(b, len(self.capture_layers) * self.net.config.target_hidden_size, chained)
             if b >= self.max_num_seqs:
                 break
             batch *= 2
@@ -142,6 +144,47 @@ class EagleDrafter:
         if feeds:
             self._extend(feeds)
         return self._propose(proposals) if proposals else {}
+
+    @torch.inference_mode()
+    def step_on_device(self, seq_ids: list[int], starts: list[int], counts: torch.Tensor, tokens: torch.Tensor,
+                       features: torch.Tensor, settings: TreeSettings) -> dict[int, CandidateTree]:
+        """``step`` for feeds whose rows are still on the device (in this process: right after the
+        target's acceptance, before the verify step waits for it): sequence i's rows
+        ``starts[i] ..`` are ``counts[i]`` target features ``features[i]`` [D, width] paired with the
+        tokens ``tokens[i]`` [D] that follow them (columns past the count: padding). Then a tree of
+        ``settings``, full depth, for each. With graphs nothing here waits for the device but the
+        proposal's copy of the trees; ``settle`` must follow once the counts are known on the host."""
+        D = tokens.shape[1]
+        graphed = None
+        if self.graphs is not None and D <= self.graphs.extend_tokens:
+            chunks = []
+            for seq_id, start in zip(seq_ids, starts):
+                assert start == self.rows.get(seq_id, 0), f"sequence {seq_id}: fed from {start}, not its newest row"
+                self.blocks.ensure_capacity(seq_id, start + D + settings.draft_tree_rows)
+                chunks.append(SeqChunk(np.zeros(0, np.int64), start, self.blocks.block_table(seq_id)))
+            graphed = self.graphs.run_extend_on_device(chunks, counts, tokens, features.to(self.dtype))
+        if graphed is None:  # eagerly (a CPU, no graph for the shape): the host needs the counts
+            n = counts.tolist()
+            self._extend([DraftFeed(i, start, features[j, :n[j]], tokens[j, :n[j]].cpu().numpy())
+                          for j, (i, start) in enumerate(zip(seq_ids, starts))])
+            return self._propose_on_device([ProposeRequest(i, settings.depth, settings) for i in seq_ids], settings)
+        # Copies: the graph's outputs are overwritten by its next replay.
+        last, logp = graphed[0][:len(seq_ids)].clone(), graphed[1][:len(seq_ids)].clone()
+        proposal, rows, more = self._proposal(settings, len(seq_ids)), np.asarray(starts, dtype=np.int64), counts
+        if proposal.graph is None:  # an eager proposal lays its levels out from the host's rows: a wait
+            rows, more = rows + np.asarray(counts.tolist(), dtype=np.int64), None
+        tokens_out, parents, depths, scores = proposal.run(logp, last, rows, [self.blocks.block_table(i) for i in seq_ids],
+                                                           more_rows=more)
+        for j, i in enumerate(seq_ids):
+            self.last_out[i], self.last_logp[i] = last[j], logp[j]
+        return {i: CandidateTree(tokens_out[j], parents[j], depths[j], scores[j]) for j, i in enumerate(seq_ids)}
+
+    def settle(self, rows: dict[int, int]) -> None:
+        """The committed rows of the sequences ``step_on_device`` fed, now known on the host: the
+        proposal's speculative rows are dropped past them."""
+        for seq_id, n in rows.items():
+            self.rows[seq_id] = n
+            self.blocks.truncate(seq_id, n)
 
     def tree_rejected(self, seq_id: int, reason: str) -> None:
         log.error("sequence %d: the verify side refused a tree: %s", seq_id, reason)

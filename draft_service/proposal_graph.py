@@ -132,10 +132,13 @@ class DeviceProposal:
             self._capture(pool)
 
     def run(self, root_logp: torch.Tensor, root_out: torch.Tensor, rows: np.ndarray,
-            tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            tables: list[list[int]], more_rows: torch.Tensor | None = None
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Trees of ``len(rows)`` sequences (root log-probs [n, Vd], root outputs [n, H], committed draft
         rows, block tables covering the rows the levels write): host arrays tokens, parents, depths,
-        scores, each [n, nodes]."""
+        scores, each [n, nodes]. ``more_rows`` [n]: rows committed on top of ``rows`` that only the
+        device knows yet (a graph only: an eager proposal lays its levels out from the host's rows)."""
+        assert more_rows is None or self.graph is not None, "an eager proposal lays out from host rows"
         n = len(rows)
         assert n <= self.batch, (n, self.batch)
         host = self._host_view
@@ -147,6 +150,8 @@ class DeviceProposal:
         for i, t in enumerate(tables):
             table_block[i, :len(t)] = t
         self._meta.copy_(self._host, non_blocking=True)
+        if more_rows is not None:
+            self.rows[:n].add_(more_rows)
         self.root_logp[:n].copy_(root_logp)
         self.root_out[:n].copy_(root_out)
         if self.graph is not None:

@@ -49,12 +49,36 @@ def test_graphed_levels_give_the_eager_output(dirs, tree):
     assert [r.speculation.accepted_tokens for r in got_eager] == [r.speculation.accepted_tokens for r in got_graphed]
 
 
+@pytest.mark.parametrize("tree", ["dynamic", "chain"])
+def test_the_chained_draft_replays_its_graphs_and_gives_the_unchained_steps(dirs, tree):
+    """The draft chained after acceptance on the device (graphed extend fed from device rows, the
+    proposal laid out from device rows) gives every step's tokens and next trees the unchained
+    draft gives, with finishing sequences among them."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 16, 9)]
+    runs = []
+    for chain in (True, False):
+        eng = engine(dirs, True, tree)
+        eng.speculation.chain = chain
+        for p, sp in zip(PROMPTS, params):
+            eng.add_request(p, sp)
+        steps = []
+        while eng.has_work:
+            events = eng.step()
+            steps.append(([(e.seq_id, e.token_ids) for e in events],
+                          sorted((s.seq_id, s.tree.tokens.tolist(), s.tree.parents.tolist())
+                                 for s in eng.sequences.values() if s.tree is not None)))
+        runs.append((steps, eng.speculation.chained_steps, eng.drafter.graphs.replays,
+                     eng.drafter.blocks.num_used_blocks))
+    (chained, n_chained, replays, used), (unchained, n_unchained, _, _) = runs
+    assert n_chained > 5 and n_unchained == 0 and replays >= n_chained and used == 0
+    assert chained == unchained
+
 
 def test_warm_up_captures_what_generation_replays(dirs):
     """After the drafter's warm-up (every padded batch of the default tree) and the target's (its
     verification buckets), generating for a shrinking batch captures no graph."""
     eng = engine(dirs, True)
-    assert eng.drafter.warm_up() > 0
+    assert eng.drafter.warm_up(chained=True) > 0
     assert eng.target.runner.warm_up(64, (eng.limits.node_budget + 1,)) > 0
     proposals, draft_graphs = len(eng.drafter._proposals), set(eng.drafter.graphs._graphs)
     target_graphs = set(eng.target.runner._graphs)
@@ -63,7 +87,7 @@ def test_warm_up_captures_what_generation_replays(dirs):
     want = [r.token_ids for r in Engine(target_for(dirs[0], device="cuda", dtype="float32")).generate(prompts, params)]
     assert [r.token_ids for r in eng.generate(prompts, params)] == want
     assert len(eng.drafter._proposals) == proposals
-    assert {k for k in eng.drafter.graphs._graphs if k[0] == "extend"} <= draft_graphs
+    assert {k for k in eng.drafter.graphs._graphs if k[0].startswith("extend")} <= draft_graphs
     assert set(eng.target.runner._graphs) == target_graphs
 
 

@@ -145,3 +145,47 @@ def test_the_in_process_drafters_trees_skip_the_structural_checks(dirs, monkeypa
     engine.drafter.trusted_trees = False  # the same trees, from a provider not trusted: checked
     engine.generate(PROMPTS[:1], params)
     assert calls
+
+
+@pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_draft_chained_after_acceptance_gives_the_unchained_steps(dirs, tree, sampled):
+    """Steps of trees alone hand the draft its rows on the device before the step's one wait
+    (``DraftCoordinator.draft_on_device``); the tokens, acceptance and trees are the ones the
+    draft gets after the host commits, through a stop token mid-tree and max_tokens cut short."""
+    free_run = target_only(dirs[0], [PROMPTS[1]], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    extra = dict(temperature=0.8, seed=3) if sampled else {}
+    params = [SamplingParams(max_tokens=n, stop_token_ids=(free_run[9],), **extra) for n in (9, 30, 14, 2, 25)]
+    runs = []
+    for chain in (True, False):
+        engine = eagle_engine(dirs, tree, max_batch_tokens=32)
+        engine.speculation.chain = chain
+        for p, sp in zip(PROMPTS, params):
+            engine.add_request(p, sp)
+        steps = []  # per step: the tokens committed, then every live sequence's next tree
+        while engine.has_work:
+            events = engine.step()
+            steps.append(([(e.seq_id, e.token_ids) for e in events],
+                          sorted((s.seq_id, s.tree.tokens.tolist(), s.tree.parents.tolist())
+                                 for s in engine.sequences.values() if s.tree is not None)))
+        runs.append((steps, engine.speculation.chained_steps, engine.drafter.blocks.num_used_blocks,
+                     engine.released_speculation.accepted_tokens))
+    (chained, n_chained, used, accepted), (unchained, n_unchained, _, want_accepted) = runs
+    assert n_chained > 5 and n_unchained == 0
+    assert chained == unchained and accepted == want_accepted and used == 0
+
+
+def test_rows_packed_on_the_device_are_the_hosts_concatenation():
+    """``pack_rows`` (what a graphed chained extend is fed) lays rows out as the host does: each
+    sequence's first ``counts`` columns, back to back, zero past the last."""
+    import torch
+    from draft_service.draft_graphs import pack_rows
+    counts = torch.tensor([2, 0, 3, 1])
+    tokens = torch.arange(16).view(4, 4)
+    features = torch.randn(4, 4, 5)
+    ids, hidden = pack_rows(counts, tokens, features, 12)
+    n = counts.tolist()
+    want_ids = torch.cat([tokens[i, :n[i]] for i in range(4)])
+    want_hidden = torch.cat([features[i, :n[i]] for i in range(4)])
+    assert ids[:6].tolist() == want_ids.tolist() and not ids[6:].any()
+    assert torch.equal(hidden[:6], want_hidden) and not hidden[6:].any()

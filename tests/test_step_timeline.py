@@ -45,19 +45,22 @@ def dirs(tmp_path_factory):
     return make_target_and_head(tmp_path_factory.mktemp("timeline"))
 
 
-def test_host_phases_time_a_speculative_step_and_leave_the_engine_as_it_was(dirs):
+@pytest.mark.parametrize("chain", [False, True])
+def test_host_phases_time_a_speculative_step_and_leave_the_engine_as_it_was(dirs, chain):
     spec = SpecConfig(str(dirs[1]), tree="dynamic", depth=3, top_k=2, max_nodes=6)
     target = target_for(dirs[0])
     drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                            target.cfg.max_num_seqs, target.max_model_len)
     engine = Engine(target, drafter, spec.settings)
+    engine.speculation.chain = chain  # the draft behind acceptance (a step of trees), or after the sync
     engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(3):
         engine.step()
     phases = host_phases(engine, 4, lambda: None)
-    for name in ("step", "target_forward", "accept", "draft_call", "draft_extend", "draft_propose"):
+    call = "draft_chained" if chain else "draft_call"
+    for name in ("step", "target_forward", "accept", call, "draft_extend", "draft_propose"):
         assert phases[name] > 0, name
-    assert phases["step"] >= phases["draft_call"] >= phases["draft_propose"]
+    assert phases["step"] >= phases[call] >= phases["draft_propose"]
     assert "step" not in engine.__dict__ and "accept" not in engine.verifier.__dict__  # unpatched again
     with patched(engine):
         assert "step" in engine.__dict__

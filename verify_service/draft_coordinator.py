@@ -20,12 +20,13 @@ import numpy as np
 import torch
 
 from link.protocol import DraftFeed, DraftProvider, ProposeRequest
-from runtime.tree import InvalidTreeError, invalid_trees
+from runtime.tree import CandidateTree, InvalidTreeError, invalid_trees
 from verify_service.adaptive import AdaptivePolicy
 from verify_service.feed_buffer import FEED_BUFFER_BYTES, FeedBuffer, FeedRows
 from verify_service.model_runner import StepOutput
 from verify_service.scheduler import Scheduler
 from verify_service.sequence import Sequence
+from verify_service.verification import PendingVerification, Verified
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class DraftCoordinator:
         self.feed_buffer = FeedBuffer(feature_rows, FEED_BUFFER_BYTES // feature_bytes if policy else None)
         self._asked: dict[int, int] = {}  # seq_id -> node cap its pending tree was asked with (0: pruned)
         self.draft_errors = 0  # invalid trees refused (each fell back to one plain step)
+        self.chain = True  # chain the draft after acceptance where it can (``chains``); False: tests' A/B
+        self.chained_steps = 0  # steps whose draft work went in behind acceptance (``draft_on_device``)
 
     def release(self, seq: Sequence) -> None:
         """A finished or cancelled sequence: its waiting rows, its draft state, its policy estimates."""
@@ -130,6 +133,43 @@ class DraftCoordinator:
             self.sequences[req.seq_id].tree = tree
             self._asked[req.seq_id] = req.settings.node_budget if req.max_depth >= req.settings.depth else 0
         return seconds
+
+    # --- the draft chained after acceptance, on the device ---------------------------------
+
+    def chains(self, seqs: list[Sequence]) -> bool:
+        """Whether a step of these tree sequences alone may hand the draft its rows before the step
+        waits for the device (``draft_on_device``): a drafter in this process that takes them there,
+        no policy (trees of the requests' own size, asked for by every sequence), nothing waiting
+        in the feed buffer, one tree shape."""
+        return (self.chain and self.policy is None and hasattr(self.drafter, "step_on_device")
+                and not self.feed_buffer.rows and len({s.tree_settings for s in seqs}) == 1)
+
+    def draft_on_device(self, pending: PendingVerification) -> dict[int, CandidateTree]:
+        """Feed the draft what acceptance chose, still on the device, and grow every sequence's next
+        tree (its full depth): the draft's work queues behind the target's with no wait between
+        them; the trees' copy to the host is the step's one wait. ``settle`` and ``attach`` follow
+        once the step's tokens are committed."""
+        counts, tokens = pending.feeds_on_device()
+        seqs = pending.seqs
+        self.chained_steps += 1
+        return self.drafter.step_on_device([s.seq_id for s in seqs], [s.num_cached for s in seqs], counts, tokens,
+                                           pending.features, seqs[0].tree_settings)
+
+    def settle(self, verified: list[Verified]) -> None:
+        """The draft's committed rows of the sequences ``draft_on_device`` fed, before any of them
+        finishes (a finished one's draft state is then freed as usual)."""
+        self.drafter.settle({v.seq.seq_id: v.feed.start + len(v.tokens) for v in verified})
+
+    def attach(self, trees: dict[int, CandidateTree]) -> None:
+        """Give the live sequences their chained trees, cut to the depth their context and
+        ``max_tokens`` now leave (none where they leave none)."""
+        for seq_id, tree in trees.items():
+            seq = self.sequences.get(seq_id)
+            depth = self._max_depth(seq) if seq is not None and not seq.finished else 0
+            if depth <= 0 or not tree.num_nodes:
+                continue
+            seq.tree = tree.prune_depth(depth)
+            self._asked[seq_id] = seq.tree_settings.node_budget if depth >= seq.tree_settings.depth else 0
 
     def _send(self, feeds: list[DraftFeed], requests: list[ProposeRequest]) -> dict:
         """Feed the draft (in calls of at most the feed buffer's ``max_rows``), then ask for trees with

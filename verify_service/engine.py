@@ -176,6 +176,10 @@ class Engine:
                                       [seq for _, seq, *_ in due]) if due else None
         pending = self.verifier.accept([seq for _, seq, _ in trees], [int(logits_at[i]) for i, *_ in trees],
                                        [out.query_start_loc[i] for i, *_ in trees], out, padded) if trees else None
+        # A step of trees alone queues the draft's extend and next trees behind acceptance on the
+        # device: the trees' copy to the host is then the step's one wait, and the copy below is done.
+        chained = self.speculation.draft_on_device(pending) \
+            if pending and not plain and self.speculation.chains(pending.seqs) else None
         parts = [t for t in (sampled, pending.device_values() if pending else None) if t is not None]
         host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
         events, decodes = [], []  # decodes: (chunk, sequence, token) whose one row goes in the batch
@@ -190,11 +194,16 @@ class Engine:
         rows = DraftCoordinator.decode_rows([s for _, s, _ in decodes], out, [i for i, *_ in decodes],
                                             [t for *_, t in decodes]) if decodes else None
         if pending:
-            for v in self.verifier.finish(pending, host[len(due):]):
+            verified = self.verifier.finish(pending, host[len(due):])
+            if chained is not None:
+                self.speculation.settle(verified)
+            for v in verified:
                 self.speculation.observe(v)
                 feeds[v.seq.seq_id] = v.feed
                 events.append(self._commit(v.seq, v.tokens))
-        draft_s = self.speculation.draft(feeds, rows) if self.speculation else 0.0
+        if chained is not None:
+            self.speculation.attach(chained)
+        draft_s = self.speculation.draft(feeds, rows) if self.speculation and chained is None else 0.0
         if self.policy is not None and decode_only and not (self.policy.last_held and not tree_nodes):
             # (plain steps are measured when the policy looks, not while it holds: a few per hold)
             context = float(np.mean([s.num_cached for s, _ in plan]))

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kernels.acceptance import AcceptResult
+from runtime.step_layout import Staging
 
 
 class AcceptanceReplay:
@@ -40,6 +41,7 @@ class AcceptanceReplay:
         self._next_seq = itertools.count()
         self._cursor: dict[int, int] = {}  # seq_id -> position in the pool
         self.replayed_steps = 0
+        self._staging: Staging | None = None  # pinned: the real acceptance's inputs make no sync either
 
     def start_of(self, j: int) -> int:
         """Where the j-th sequence of a run starts in the pool."""
@@ -62,12 +64,13 @@ class AcceptanceReplay:
         path = np.full((len(paths), width), -1, dtype=np.int64)
         for i, p in enumerate(paths):
             path[i, :len(p)] = p
-        dev = logits.device
-        path_t = torch.from_numpy(path).to(dev)
-        last = torch.tensor([p[-1] for p in paths], device=dev)
-        bonus = logits[torch.arange(len(paths), device=dev), last].argmax(dim=-1)
+        if self._staging is None:
+            self._staging = Staging(logits.device)
+        lengths = np.fromiter((len(p) for p in paths), dtype=np.int64, count=len(paths))
+        path_t, last, accepted = self._staging.upload([path, path[np.arange(len(paths)), lengths - 1], lengths - 1])
+        bonus = logits[torch.arange(len(paths), device=logits.device), last].argmax(dim=-1)
         self.replayed_steps += 1
-        return AcceptResult(path_t, torch.tensor([len(p) - 1 for p in paths], device=dev), bonus)
+        return AcceptResult(path_t, accepted, bonus)
 
     @staticmethod
     def _path(parents: np.ndarray, size: int, k: int) -> list[int]:

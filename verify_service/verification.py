@@ -74,6 +74,17 @@ class PendingVerification:
     seqs: list[Sequence]
     result: object  # kernels.acceptance.AcceptResult
     features: torch.Tensor  # [B, max_depth + 1, k * hidden]: the captured rows along each accepted path
+    tokens: torch.Tensor  # int64 [B, N+1]: the trees' tokens on the device, the root's in column 0
+
+    def feeds_on_device(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's feed of each sequence, before the host knows it: the counts k + 1 [B] and the
+        tokens [B, D] that follow the features along the path (the accepted nodes', then the bonus
+        token; columns past k: padding). No host sync."""
+        r = self.result
+        along = torch.gather(self.tokens, 1, r.path.clamp(min=0))  # column j: path node j's token
+        following = torch.cat([along[:, 1:], along[:, :1]], dim=1)
+        following.scatter_(1, r.num_accepted[:, None].long(), r.bonus[:, None].to(following.dtype))
+        return r.num_accepted.long() + 1, following
 
     def device_values(self) -> torch.Tensor:
         """What the host needs, flat: every path, then the accepted counts, then the bonus tokens."""
@@ -115,7 +126,7 @@ class TreeVerifier:
                                                  eng.kv_cache.block_size)
         self.kernels.compact_kv(eng.kv_cache.data, src, dst)
         features = out.captured[rows[:, None] + result.path.clamp(min=0)] if out.captured is not None else None
-        return PendingVerification(seqs, result, features)
+        return PendingVerification(seqs, result, features, tokens)
 
     def finish(self, pending: PendingVerification, host: list[int]) -> list[Verified]:
         """Commit what acceptance chose; ``host`` is ``pending.device_values()`` on the host."""
