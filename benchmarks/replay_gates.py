@@ -21,7 +21,9 @@ efficiency = speed-up / tau.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import tempfile
 import time
@@ -73,8 +75,9 @@ def build_target(raw: dict, context: int, batch: int, new_tokens: int, device: s
     return Target(cfg, model, tokenizer=None)
 
 
-def timed_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Prefill, WARMUP_TOKENS untimed, then time until every sequence has ``new_tokens`` more."""
+def timed_run(engine: Engine, prompts: list[list[int]], new_tokens: int, profile_slowest: bool = False) -> dict:
+    """Prefill, WARMUP_TOKENS untimed, then time until every sequence has ``new_tokens`` more.
+    ``profile_slowest``: every timed step under cProfile (slower), the slowest step's printed."""
     params = SamplingParams(max_tokens=WARMUP_TOKENS + new_tokens, ignore_eos=True)
     seqs = [engine.sequences[engine.add_request(p, params)] for p in prompts]
     while any(len(s.output_ids) < WARMUP_TOKENS for s in seqs):
@@ -84,17 +87,29 @@ def timed_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict
     steps, step_ms = 0, []
     sync(engine)
     start = time.perf_counter()
+    slowest = (0.0, None)
     while engine.has_work:
+        prof = cProfile.Profile() if profile_slowest else None
         t = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         engine.step()  # ends in the step's device-to-host copy
+        if prof is not None:
+            prof.disable()
         step_ms.append((time.perf_counter() - t) * 1e3)
+        if step_ms[-1] > slowest[0]:
+            slowest = (step_ms[-1], prof)
         steps += 1
+    if slowest[1] is not None:
+        print(f"the slowest step ({slowest[0]:.2f} ms, step {int(np.argmax(step_ms))}), by cumulative time:")
+        pstats.Stats(slowest[1]).sort_stats("cumulative").print_stats(25)
     seconds = time.perf_counter() - start
     tokens = sum(len(s.output_ids) for s in seqs) - before
     spec = engine.speculation_totals()
     trees, accepted = spec.steps - spec_before.steps, spec.accepted_tokens - spec_before.accepted_tokens
     out = {"tokens": tokens, "steps": steps, "seconds": round(seconds, 4), "tok_s": round(tokens / seconds, 2),
-           "step_ms_median": round(float(np.median(step_ms)), 3), "step_ms_max": round(max(step_ms), 3)}
+           "step_ms_median": round(float(np.median(step_ms)), 3), "step_ms_max": round(max(step_ms), 3),
+           "step_max_at": int(np.argmax(step_ms))}  # which step (0: the first timed): a stall's place
     if trees:
         out["tau"] = round(1 + accepted / trees, 3)
     return out
@@ -112,6 +127,10 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
     target = build_target(raw, context, batch, args.steps, args.device, args.dtype, args.kernels, slots)
     g = torch.Generator().manual_seed(context + batch)
     prompts = [torch.randint(0, raw["vocab_size"] - 1, (context,), generator=g).tolist() for _ in range(batch)]
+    # As a server starts: every graph either engine replays is captured before anything is timed (a
+    # batch that shrinks as its sequences finish would otherwise capture in the first timed run).
+    trees = tuple(sorted({s.settings.node_budget + 1 for s in specs.values()}))
+    target.runner.warm_up(target.cfg.max_batch_tokens, trees)
     base = timed_run(Engine(target), prompts, args.steps)
     rows = [{"context": context, "batch": batch, "config": "target-only", **base}]
     print(f"ctx {context:>6} batch {batch:>3} target-only      {base['tok_s']:9.1f} tok/s  step median "
@@ -129,7 +148,11 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
             replay = AcceptanceReplay(traces[name]["traces"])
             engine = Engine(target, drafter, spec.settings, policy, replay)
             engine.speculation.chain = mode != "replay, unchained"
-            r = timed_run(engine, prompts, args.steps)
+            target.runner.warm_up(target.cfg.max_batch_tokens, trees)  # a drafter's capture layers: new graphs
+            warm = set(target.runner._graphs)
+            r = timed_run(engine, prompts, args.steps, args.profile_slowest)
+            if set(target.runner._graphs) - warm:  # a capture while timed: the warm-up missed a shape
+                print(f"graphs captured while timed: {sorted(map(str, set(target.runner._graphs) - warm))}")
             row = {"context": context, "batch": batch, "config": f"{name} ({mode})", **r,
                    "speedup": round(r["tok_s"] / base["tok_s"], 3), "trace_tau": traces[name]["tau"]}
             if "tau" in r:
@@ -142,7 +165,7 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
             rows.append(row)
             print(f"ctx {context:>6} batch {batch:>3} {row['config']:<28} {r['tok_s']:9.1f} tok/s  x{row['speedup']:<6} "
                   f"tau {r.get('tau', '-')}  efficiency {row.get('efficiency', '-')}  step median {r['step_ms_median']} ms, "
-                  f"max {r['step_ms_max']} ms", flush=True)
+                  f"max {r['step_ms_max']} ms (step {r['step_max_at']} of {r['steps']})", flush=True)
         del drafter
     del target
     if args.device.startswith("cuda"):
@@ -162,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--unchained", action="store_true",
                     help="also run each tree with the draft called after the step's sync (not chained behind "
                          "acceptance on the device): the two side by side")
+    ap.add_argument("--profile-slowest", action="store_true",
+                    help="time the speculative runs' steps under cProfile and print the slowest step's profile")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", default="auto", choices=["auto", "triton", "reference"])
