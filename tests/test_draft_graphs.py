@@ -12,7 +12,7 @@ import torch
 from common.sampling_params import SamplingParams
 from draft_service.drafter import EagleDrafter
 from draft_service.spec_config import SpecConfig
-from tiny_eagle import make_target_and_head
+from tiny_eagle import make_target_and_head, run_steps
 from tiny_models import target_for
 from verify_service.engine import Engine
 
@@ -59,15 +59,7 @@ def test_the_chained_draft_replays_its_graphs_and_gives_the_unchained_steps(dirs
     for chain in (True, False):
         eng = engine(dirs, True, tree)
         eng.speculation.chain = chain
-        for p, sp in zip(PROMPTS, params):
-            eng.add_request(p, sp)
-        steps = []
-        while eng.has_work:
-            events = eng.step()
-            steps.append(([(e.seq_id, e.token_ids) for e in events],
-                          sorted((s.seq_id, s.tree.tokens.tolist(), s.tree.parents.tolist())
-                                 for s in eng.sequences.values() if s.tree is not None)))
-        runs.append((steps, eng.speculation.chained_steps, eng.drafter.graphs.replays,
+        runs.append((run_steps(eng, PROMPTS, params), eng.speculation.chained_steps, eng.drafter.graphs.replays,
                      eng.drafter.blocks.num_used_blocks))
     (chained, n_chained, replays, used), (unchained, n_unchained, _, _) = runs
     assert n_chained > 5 and n_unchained == 0 and replays >= n_chained and used == 0

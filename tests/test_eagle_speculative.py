@@ -8,7 +8,7 @@ import pytest
 from common.sampling_params import SamplingParams
 from draft_service.spec_config import SpecConfig
 from draft_service.drafter import EagleDrafter
-from tiny_eagle import make_eagle_dir
+from tiny_eagle import make_eagle_dir, run_steps
 from tiny_models import TRITON_DEVICE, target_for, make_model_dir, tiny_config
 from verify_service.engine import Engine
 
@@ -160,15 +160,8 @@ def test_the_draft_chained_after_acceptance_gives_the_unchained_steps(dirs, tree
     for chain in (True, False):
         engine = eagle_engine(dirs, tree, max_batch_tokens=32)
         engine.speculation.chain = chain
-        for p, sp in zip(PROMPTS, params):
-            engine.add_request(p, sp)
-        steps = []  # per step: the tokens committed, then every live sequence's next tree
-        while engine.has_work:
-            events = engine.step()
-            steps.append(([(e.seq_id, e.token_ids) for e in events],
-                          sorted((s.seq_id, s.tree.tokens.tolist(), s.tree.parents.tolist())
-                                 for s in engine.sequences.values() if s.tree is not None)))
-        runs.append((steps, engine.speculation.chained_steps, engine.drafter.blocks.num_used_blocks,
+        runs.append((run_steps(engine, PROMPTS, params), engine.speculation.chained_steps,
+                     engine.drafter.blocks.num_used_blocks,
                      engine.released_speculation.accepted_tokens))
     (chained, n_chained, used, accepted), (unchained, n_unchained, _, want_accepted) = runs
     assert n_chained > 5 and n_unchained == 0

@@ -31,3 +31,18 @@ def make_target_and_head(root: Path, **overrides) -> tuple[Path, Path]:
 
     return (make_model_dir(root / "target", "llama3", seed=5, std=0.3, **overrides),
             make_eagle_dir(root / "draft", tiny_config("llama3", **overrides), draft_vocab=64, seed=1))
+
+
+def run_steps(engine, prompts: list[list[int]], params: list) -> list[tuple[list, list]]:
+    """Run ``prompts`` to the end, step by step: per step, the tokens each sequence committed, then
+    every live sequence's next tree (tokens and parents). Two engines that draft alike give equal
+    lists."""
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    steps = []
+    while engine.has_work:
+        events = engine.step()
+        steps.append(([(e.seq_id, e.token_ids) for e in events],
+                      sorted((s.seq_id, s.tree.tokens.tolist(), s.tree.parents.tolist())
+                             for s in engine.sequences.values() if s.tree is not None)))
+    return steps
