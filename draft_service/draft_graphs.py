@@ -139,13 +139,9 @@ class DraftGraphs:
             return None
         buf, turn, v = self._pinned(g)
         k, T = len(chunks), sum(n)
-        v["starts"][:k] = [c.kv_start for c in chunks]
+        self._fill(v, chunks)
         v["counts"][:k] = n
-        v["starts"][k:] = v["counts"][k:] = 0
-        tables = v["tables"]
-        tables[:] = 0
-        for i, c in enumerate(chunks):
-            tables[i, :len(c.block_table)] = c.block_table
+        v["counts"][k:] = 0
         v["ids"][:T] = np.concatenate([c.token_ids for c in chunks]) if k > 1 else chunks[0].token_ids
         v["ids"][T:] = 0  # the rows past the last: valid ids all the same (they are embedded, then dropped)
         self._send(g, buf, turn)
@@ -169,13 +165,8 @@ class DraftGraphs:
             return None
         buf, turn, v = self._pinned(g)
         k = len(chunks)
-        v["starts"][:k] = [c.kv_start for c in chunks]
-        v["starts"][k:] = 0
-        tables = v["tables"]
-        tables[:] = 0
-        for i, c in enumerate(chunks):
-            tables[i, :len(c.block_table)] = c.block_table
-        self._send(g, buf, turn)
+        self._fill(v, chunks)
+        self._send(g, buf, turn)  # then the counts, tokens and features, from the device
         g_counts, g_tokens, g_features = g.rows
         g_counts.zero_()  # padding sequences: no rows
         g_counts[:k].copy_(counts)
@@ -193,6 +184,17 @@ class DraftGraphs:
             self._graph("extend", padded_batch(batch), rows, hidden_size)
         if chained:
             self._graph("extend_rows", padded_batch(batch), self.extend_tokens, hidden_size)
+
+    @staticmethod
+    def _fill(v: dict[str, np.ndarray], chunks: list[SeqChunk]) -> None:
+        """Each sequence's first row and block table into the pinned fields ``v`` (padding: zeros)."""
+        k = len(chunks)
+        v["starts"][:k] = [c.kv_start for c in chunks]
+        v["starts"][k:] = 0
+        tables = v["tables"]
+        tables[:] = 0
+        for i, c in enumerate(chunks):
+            tables[i, :len(c.block_table)] = c.block_table
 
     def _send(self, g: _Graph, buf: torch.Tensor, turn: int) -> None:
         """The filled ring buffer ``buf`` to the graph's metadata buffer: one copy."""

@@ -105,8 +105,13 @@ def _programs_per_sm(kernel, num_warps: int, device: torch.device) -> int:
     """Programs of a compiled kernel one SM holds at once: its registers (allocated per warp in
     units of 256), shared memory (1 KiB reserved a program) and threads."""
     props = torch.cuda.get_device_properties(device)
-    kernel._init_handles()  # loads the binary: n_regs is known from then on
-    regs_per_warp = triton.cdiv(max(kernel.n_regs, 1) * 32, 256) * 256
+    load = getattr(kernel, "_init_handles", None)  # loads the binary: n_regs is known from then on
+    if load is not None:
+        load()
+    n_regs = getattr(kernel, "n_regs", None)
+    if not n_regs:  # a Triton that keeps them elsewhere: one program an SM (fewer splits, same results)
+        return 1
+    regs_per_warp = triton.cdiv(n_regs * 32, 256) * 256
     by_regs = props.regs_per_multiprocessor // (regs_per_warp * num_warps)
     by_shared = props.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024)
     by_threads = props.max_threads_per_multi_processor // (32 * num_warps)

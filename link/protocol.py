@@ -44,6 +44,8 @@ class DraftProvider(Protocol):
     # Optional, False when absent: True only for a provider in this process whose trees are valid by
     # construction (the verify side then skips its structural checks of them).
     trusted_trees: bool
+    # Optional too: ``step_on_device`` and ``settle`` (``EagleDrafter``), a provider in this process that
+    # takes a step's feeds still on the device, chained behind acceptance (``DraftCoordinator.chains``).
 
     def step(self, feeds: list[DraftFeed], proposals: list[ProposeRequest]) -> dict[int, CandidateTree]:
         """Extend the draft's cache with ``feeds``, then propose a tree for each request.
