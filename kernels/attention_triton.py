@@ -101,21 +101,27 @@ def _num_splits(programs: int, max_seq_len: int, block_n: int, slots: int) -> in
     return max(1, min(slots // programs, cap))
 
 
-def _programs_per_sm(kernel, num_warps: int, device: torch.device) -> int:
-    """Programs of a compiled kernel one SM holds at once: its registers (allocated per warp in
-    units of 256), shared memory (1 KiB reserved a program) and threads."""
+def _programs_per_sm(n_regs: int, shared_bytes: int, num_warps: int, props) -> int:
+    """Programs of a compiled kernel (``n_regs`` registers a thread, ``shared_bytes`` of shared
+    memory) one SM of ``props`` (a device's properties) holds at once: registers are allocated per
+    warp in units of 256, 1 KiB of shared memory is reserved a program; threads limit too."""
+    regs_per_warp = triton.cdiv(max(n_regs, 1) * 32, 256) * 256
+    by_regs = props.regs_per_multiprocessor // (regs_per_warp * num_warps)
+    by_shared = props.shared_memory_per_multiprocessor // (shared_bytes + 1024)
+    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
+    return max(1, min(by_regs, by_shared, by_threads))
+
+
+def _slots_of(kernel, num_warps: int, device: torch.device) -> int:
+    """Programs of a compiled kernel the whole device holds at once."""
     props = torch.cuda.get_device_properties(device)
     load = getattr(kernel, "_init_handles", None)  # loads the binary: n_regs is known from then on
     if load is not None:
         load()
     n_regs = getattr(kernel, "n_regs", None)
-    if not n_regs:  # a Triton that keeps them elsewhere: one program an SM (fewer splits, same results)
-        return 1
-    regs_per_warp = triton.cdiv(n_regs * 32, 256) * 256
-    by_regs = props.regs_per_multiprocessor // (regs_per_warp * num_warps)
-    by_shared = props.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024)
-    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
-    return max(1, min(by_regs, by_shared, by_threads))
+    # A Triton that keeps the register count elsewhere: one program an SM (fewer splits, same results).
+    per_sm = _programs_per_sm(n_regs, kernel.metadata.shared, num_warps, props) if n_regs else 1
+    return per_sm * props.multi_processor_count
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -190,8 +196,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             key = (q.device.index, k_cache.dtype, tuple(sorted(constants.items())))
             if key not in _slots:
                 kernel = launch((1, 1, 1), *partials(2), 2, warmup=True)
-                _slots[key] = _programs_per_sm(kernel, cfg.num_warps, q.device) * \
-                    torch.cuda.get_device_properties(q.device).multi_processor_count
+                _slots[key] = _slots_of(kernel, cfg.num_warps, q.device)
             slots = _slots[key]
         splits = _num_splits(meta.num_seqs * q_tiles * kvh, meta.max_seq_len, cfg.block_n, slots)
     out = torch.empty_like(q)

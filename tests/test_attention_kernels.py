@@ -112,6 +112,20 @@ def test_long_decode_uses_several_splits():
     assert _num_splits(meta.num_seqs * 2, meta.max_seq_len, 64, _CPU_SLOTS) > 1
 
 
+@pytest.mark.parametrize("n_regs, shared, warps, want", [
+    (255, 229376, 8, 1),  # 128 x 128 tiles, 2 stages (an H200's compiled variant): one program an SM
+    (255, 98816, 4, 2),  # 64 x 64, 3 stages: two, by registers and by shared memory alike
+    (145, 39424, 4, 3),  # the decode tile, 16 x 64: three, by registers (152 rounded up: 4864 a warp)
+    (32, 0, 4, 16),  # small: threads (2048 an SM) limit it
+])
+def test_programs_per_sm_from_a_compiled_variants_resources(n_regs, shared, warps, want):
+    from types import SimpleNamespace
+    from kernels.attention_triton import _programs_per_sm
+    h200 = SimpleNamespace(regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=233472,
+                           max_threads_per_multi_processor=2048)
+    assert _programs_per_sm(n_regs, shared, warps, h200) == want
+
+
 @pytest.mark.parametrize("programs, max_seq_len, block_n, slots, want", [
     (16, 32768, 128, 132, 8),  # a 64-token tree at 32K keys on an H200: one full wave (17 splits: 2.06 waves)
     (32, 4096, 64, 264, 8),  # the same tree at 4K keys, two programs an SM
