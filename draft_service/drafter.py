@@ -146,22 +146,24 @@ class EagleDrafter:
         return self._propose(proposals) if proposals else {}
 
     @torch.inference_mode()
-    def step_on_device(self, seq_ids: list[int], starts: list[int], counts: torch.Tensor, tokens: torch.Tensor,
-                       features: torch.Tensor, settings: TreeSettings) -> dict[int, CandidateTree]:
+    def step_on_device(self, seq_ids: list[int], starts: list[int], most: list[int], counts: torch.Tensor,
+                       tokens: torch.Tensor, features: torch.Tensor, settings: TreeSettings) -> dict[int, CandidateTree]:
         """``step`` for feeds whose rows are still on the device (in this process: right after the
         target's acceptance, before the verify step waits for it): sequence i's rows
-        ``starts[i] ..`` are ``counts[i]`` target features ``features[i]`` [D, width] paired with the
-        tokens ``tokens[i]`` [D] that follow them (columns past the count: padding). Then a tree of
-        ``settings``, full depth, for each. With graphs nothing here waits for the device but the
-        proposal's copy of the trees; ``settle`` must follow once the counts are known on the host."""
+        ``starts[i] ..`` are ``counts[i]`` (at most ``most[i]``) target features ``features[i]`` [D,
+        width] paired with the tokens ``tokens[i]`` [D] that follow them (columns past the count:
+        padding). Then a tree of ``settings``, full depth, for each. With graphs nothing here waits
+        for the device but the proposal's copy of the trees; ``settle`` must follow once the counts
+        are known on the host."""
         D = tokens.shape[1]
+        for seq_id, start, m in zip(seq_ids, starts, most):
+            assert start == self.rows.get(seq_id, 0), f"sequence {seq_id}: fed from {start}, not its newest row"
+            # Its own most rows, not the batch's widest, and never past the context: a sequence at its
+            # end brings fewer rows than the others (its tree was cut), and its table must fit the graphs'.
+            self.blocks.ensure_capacity(seq_id, min(start + min(D, m) + settings.draft_tree_rows, self._capacity))
         graphed = None
         if self.graphs is not None and D <= self.graphs.extend_tokens:
-            chunks = []
-            for seq_id, start in zip(seq_ids, starts):
-                assert start == self.rows.get(seq_id, 0), f"sequence {seq_id}: fed from {start}, not its newest row"
-                self.blocks.ensure_capacity(seq_id, start + D + settings.draft_tree_rows)
-                chunks.append(SeqChunk(np.zeros(0, np.int64), start, self.blocks.block_table(seq_id)))
+            chunks = [SeqChunk(np.zeros(0, np.int64), start, self.blocks.block_table(i)) for i, start in zip(seq_ids, starts)]
             graphed = self.graphs.run_extend_on_device(chunks, counts, tokens, features.to(self.dtype))
         if graphed is None:  # eagerly (a CPU, no graph for the shape): the host needs the counts
             n = counts.tolist()

@@ -182,3 +182,28 @@ def test_rows_packed_on_the_device_are_the_hosts_concatenation():
     want_hidden = torch.cat([features[i, :n[i]] for i in range(4)])
     assert ids[:6].tolist() == want_ids.tolist() and not ids[6:].any()
     assert torch.equal(hidden[:6], want_hidden) and not hidden[6:].any()
+
+
+def test_the_chained_draft_reserves_no_row_past_its_capacity(dirs, monkeypatch):
+    """``step_on_device`` with a sequence at the end of its context beside one bringing the step's
+    widest feed (5 rows): each reserves its own rows, never past the drafter's capacity (its block
+    table must fit the extend graph's)."""
+    import numpy as np
+    import torch
+    from link.protocol import DraftFeed
+    target_dir, draft, _ = dirs
+    spec = SpecConfig(str(draft), tree="dynamic", depth=4, top_k=3, max_nodes=10)
+    target = target_for(target_dir, max_model_len=64)
+    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                           target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels)
+    width = len(drafter.capture_layers) * target.model_config.hidden_size
+    for seq, n in ((0, 63), (1, 3)):
+        drafter.step([DraftFeed(seq, 0, torch.zeros(n, width), np.arange(n) % 50 + 1)], [])
+    asked = []
+    real = drafter.blocks.ensure_capacity
+    monkeypatch.setattr(drafter.blocks, "ensure_capacity", lambda s, n: asked.append(n) or real(s, n))
+    D = 5
+    trees = drafter.step_on_device([0, 1], [63, 3], [2, 11], torch.tensor([1, 5]), torch.ones(2, D, dtype=torch.long),
+                                   torch.zeros(2, D, width), spec.settings)
+    assert set(trees) == {0, 1} and asked and max(asked) <= drafter._capacity
+    assert drafter.rows[0] == 64 and drafter.rows[1] == 8  # the eager path settles as it feeds
