@@ -16,6 +16,8 @@ show what a plain step costs because a draft is attached. ``--mode backlog`` tim
 extending what ``--steps`` plain steps left waiting (what a tree after a plain stretch pays first).
 ``--mode ab`` loads both plain engines (target-only, and draft attached) in one process and
 alternates them, 10 steps at a time for ``--steps`` rounds: their median step times side by side.
+``--mode chain-ab`` alternates one speculative engine between the draft chained behind acceptance
+and the draft called after the step's sync, the same way.
 ``--timeline``: the host phases of ``--steps`` steps against the device's busy and idle time
 (``step_timeline.py``): what the device waits for.
 """
@@ -84,7 +86,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--mode", choices=("spec", "plain", "target", "backlog", "ab"), default="spec",
+    ap.add_argument("--mode", choices=("spec", "plain", "target", "backlog", "ab", "chain-ab"), default="spec",
                     help="spec: a tree every step; plain: draft attached, plain decoding; target: no draft; "
                          "backlog: the draft's extend after --steps plain steps")
     ap.add_argument("--out", default=None)
@@ -107,7 +109,9 @@ def main() -> None:
         head = str(write_random_head(tempfile.mkdtemp(prefix="eagle3-profile-head-"), raw,
                                      min(args.draft_vocab, raw["vocab_size"])))
     spec = parse_config(args.config, head)
-    target = make_engine(args.model, args.batch, args.context, 16 * args.steps + 128, device)  # + tree room
+    # New tokens a sequence may take (chain-ab: 20 steps a round, up to 8 tokens a step) + tree room.
+    args.max_tokens = 8 * (20 * args.steps + 5) if args.mode == "chain-ab" else 16 * args.steps
+    target = make_engine(args.model, args.batch, args.context, args.max_tokens + 128, device)
     if args.mode == "ab":
         return profile_ab(args, spec, target, make_engine(args.model, args.batch, args.context, 16 * args.steps + 128,
                                                           device), sync)
@@ -123,6 +127,8 @@ def main() -> None:
     prefilled(engine, args)
     if args.mode == "backlog":
         return profile_backlog(engine, args, sync)
+    if args.mode == "chain-ab":
+        return profile_chain_ab(engine, args, sync)
     for _ in range(5):
         engine.step()
     header = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": args.model,
@@ -170,7 +176,8 @@ def prefilled(engine: Engine, args) -> None:
     gen = torch.Generator().manual_seed(0)
     for _ in range(args.batch):
         prompt = torch.randint(1, engine.target.model_config.vocab_size, (args.context,), generator=gen).tolist()
-        engine.add_request(prompt, SamplingParams(max_tokens=16 * args.steps, ignore_eos=True))
+        engine.add_request(prompt, SamplingParams(max_tokens=getattr(args, "max_tokens", 16 * args.steps),
+                                                  ignore_eos=True))
     while any(s.prefilling for s in engine.sequences.values()):
         engine.step()
 
@@ -196,6 +203,33 @@ def profile_ab(args, spec, target_a, target_b, sync) -> None:
     med = {name: round(statistics.median(v), 4) for name, v in times.items()}
     result = {"mode": "ab", "model": args.model, "batch": args.batch, "context": args.context,
               "step_ms_median": med, "plain_over_target": round(med["plain"] / med["target"], 4),
+              "step_ms": {name: [round(x, 4) for x in v] for name, v in times.items()}}
+    print(json.dumps(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def profile_chain_ab(engine: Engine, args, sync) -> None:
+    """One speculative engine, the draft chained behind acceptance and called after the sync in turn,
+    10 steps at a time for ``--steps`` rounds (the same sequences: both give the same steps): their
+    median step times side by side, free of the drift between runs and machines."""
+    for _ in range(5):
+        engine.step()
+    times = {"chained": [], "unchained": []}
+    for r in range(args.steps):
+        for name in (("chained", "unchained") if r % 2 == 0 else ("unchained", "chained")):
+            engine.speculation.chain = name == "chained"
+            sync()
+            t = time.perf_counter()
+            for _ in range(10):
+                engine.step()
+            sync()
+            times[name].append((time.perf_counter() - t) * 100)  # ms a step
+    assert engine.has_work and len(engine.sequences) == args.batch, "a sequence finished inside the timing"
+    med = {name: round(statistics.median(v), 4) for name, v in times.items()}
+    result = {"mode": "chain-ab", "model": args.model, "config": args.config, "batch": args.batch,
+              "context": args.context, "step_ms_median": med, "chained_over_unchained":
+              round(med["chained"] / med["unchained"], 4), "chained_steps": engine.speculation.chained_steps,
               "step_ms": {name: [round(x, 4) for x in v] for name, v in times.items()}}
     print(json.dumps(result))
     if args.out:
