@@ -1,4 +1,5 @@
-"""The README's Python API example runs as written (on a tiny target with SmolLM2's tokenizer)."""
+"""The README's Python API example runs as written (on a tiny target with SmolLM2's tokenizer), and
+its table of targets is the one ``benchmarks/results/targets.json`` gives."""
 
 import json
 import re
@@ -28,3 +29,11 @@ def test_python_api_example_runs(tmp_path, capsys):
     exec(compile(code, "README.md (Python API)", "exec"), {})
     out = capsys.readouterr().out
     assert re.search(r"\b(stop|length)\b", out)  # result.finish_reason was printed
+
+
+def test_the_readmes_targets_table_is_targets_json():
+    from benchmarks.targets_table import TARGETS, table
+    text = README.read_text()
+    start = text.index("<!-- targets table: python benchmarks/targets_table.py -->\n")
+    shown = text[start:text.index("\n<!-- end of the targets table -->")].split("\n", 1)[1]
+    assert shown == table(json.loads(TARGETS.read_text()))
