@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -30,7 +31,9 @@ def table(targets: dict) -> str:
 
 
 def main() -> None:
-    print(table(json.loads(TARGETS.read_text())))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default=str(TARGETS), help="the targets file (default: the project's)")
+    print(table(json.loads(Path(ap.parse_args().targets).read_text())))
 
 
 if __name__ == "__main__":
