@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from runtime.step_layout import Readback
+
 STEP = "step"
 
 
@@ -57,14 +59,16 @@ def patched(engine, clock: dict | None = None):
         if engine.drafter is not None:
             phases += [(engine.verifier, "accept", "accept"), (engine.verifier, "finish", "finish"),
                        (engine.speculation, "draft", "draft_call"),
-                       (engine.speculation, "draft_on_device", "draft_chained")]
+                       (engine.speculation, "draft_on_device", "draft_chained"),
+                       (engine, "attach_trees", "attach_trees")]
             inner = getattr(engine.drafter, "_extend", None)
             if inner is not None:  # an in-process drafter: its two halves
                 phases += [(engine.drafter, "_extend", "draft_extend"), (engine.drafter, "_propose_on_device", "draft_propose")]
         # Finer: the graphs' host sides, the tree checks, and the waits on the device.
         import verify_service.draft_coordinator as coordinator
         phases += [(engine.target.runner, "_replay", "target_graph"), (coordinator, "invalid_trees", "tree_checks"),
-                   (torch.Tensor, "cpu", "wait_cpu"), (torch.Tensor, "tolist", "wait_tolist")]
+                   (torch.Tensor, "cpu", "wait_cpu"), (torch.Tensor, "tolist", "wait_tolist"),
+                   (Readback, "wait", "wait_readback")]
         graphs = getattr(engine.drafter, "graphs", None)
         if graphs is not None:
             phases += [(graphs, "run_extend", "extend_graph"), (graphs, "run_extend_on_device", "extend_graph")]

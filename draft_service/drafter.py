@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -41,6 +42,28 @@ from runtime.step_layout import SeqChunk, Staging, layout_step
 from runtime.tree import CandidateTree
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PendingTrees:
+    """The trees of ``EagleDrafter.step_on_device``, on their way to the host: ``collect`` waits for
+    their copy (only what is left of it) and returns them by sequence. Collect before the drafter's
+    next proposal of the same shape starts: it reuses the copy's buffer. ``on_device``: the same
+    trees where the proposal left them on the device (a graph's outputs: read them before its next
+    replay), which the next verification may lay out from without waiting for the copy."""
+
+    seq_ids: list[int] = field(default_factory=list)
+    proposal: DeviceProposal | None = None
+    ticket: int = 0
+    on_device: torch.Tensor | None = None  # int64 [4, n, nodes]: tokens | parents | depths | score bits
+    trees: dict[int, CandidateTree] | None = None  # once collected (or made eagerly)
+
+    def collect(self) -> dict[int, CandidateTree]:
+        if self.trees is None:
+            tokens, parents, depths, scores = self.proposal.collect(self.ticket)
+            self.trees = {i: CandidateTree(tokens[j], parents[j], depths[j], scores[j])
+                          for j, i in enumerate(self.seq_ids)}
+        return self.trees
 
 
 class EagleDrafter:
@@ -147,14 +170,14 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def step_on_device(self, seq_ids: list[int], starts: list[int], most: list[int], counts: torch.Tensor,
-                       tokens: torch.Tensor, features: torch.Tensor, settings: TreeSettings) -> dict[int, CandidateTree]:
+                       tokens: torch.Tensor, features: torch.Tensor, settings: TreeSettings) -> PendingTrees:
         """``step`` for feeds whose rows are still on the device (in this process: right after the
         target's acceptance, before the verify step waits for it): sequence i's rows
         ``starts[i] ..`` are ``counts[i]`` (at most ``most[i]``) target features ``features[i]`` [D,
         width] paired with the tokens ``tokens[i]`` [D] that follow them (columns past the count:
         padding). Then a tree of ``settings``, full depth, for each. With graphs nothing here waits
-        for the device but the proposal's copy of the trees; ``settle`` must follow once the counts
-        are known on the host."""
+        for the device: the trees come to the host while the caller commits (``PendingTrees.collect``
+        waits for them); ``settle`` must follow once the counts are known on the host."""
         D = tokens.shape[1]
         for seq_id, start, m in zip(seq_ids, starts, most):
             assert start == self.rows.get(seq_id, 0), f"sequence {seq_id}: fed from {start}, not its newest row"
@@ -169,17 +192,18 @@ class EagleDrafter:
             n = counts.tolist()
             self._extend([DraftFeed(i, start, features[j, :n[j]], tokens[j, :n[j]].cpu().numpy())
                           for j, (i, start) in enumerate(zip(seq_ids, starts))])
-            return self._propose_on_device([ProposeRequest(i, settings.depth, settings) for i in seq_ids], settings)
+            return PendingTrees(trees=self._propose_on_device([ProposeRequest(i, settings.depth, settings)
+                                                               for i in seq_ids], settings))
         # Copies: the graph's outputs are overwritten by its next replay.
         last, logp = graphed[0][:len(seq_ids)].clone(), graphed[1][:len(seq_ids)].clone()
         proposal, rows, more = self._proposal(settings, len(seq_ids)), np.asarray(starts, dtype=np.int64), counts
         if proposal.graph is None:  # an eager proposal lays its levels out from the host's rows: a wait
             rows, more = rows + np.asarray(counts.tolist(), dtype=np.int64), None
-        tokens_out, parents, depths, scores = proposal.run(logp, last, rows, [self.blocks.block_table(i) for i in seq_ids],
-                                                           more_rows=more)
+        ticket, on_device = proposal.launch(logp, last, rows, [self.blocks.block_table(i) for i in seq_ids],
+                                            more_rows=more)
         for j, i in enumerate(seq_ids):
             self.last_out[i], self.last_logp[i] = last[j], logp[j]
-        return {i: CandidateTree(tokens_out[j], parents[j], depths[j], scores[j]) for j, i in enumerate(seq_ids)}
+        return PendingTrees(seq_ids, proposal, ticket, on_device)
 
     def settle(self, rows: dict[int, int]) -> None:
         """The committed rows of the sequences ``step_on_device`` fed, now known on the host: the

@@ -15,7 +15,8 @@ computed from them on the device::
                         parents' outputs -> draft forward -> logits -> builder.expand
              builder.finish (re-rank the final nodes, parents first)
              -> tokens | parents | depths | score bits, packed [4, B, n]
-    host:    the packed trees, the proposal's ONE device-to-host copy
+    host:    the packed trees, the proposal's ONE device-to-host copy (started by ``launch``,
+             waited for by ``collect``: the host may work meanwhile)
 
 Batches are padded to a power of two: padding rows are not ``live``, write no KV (slot -1)
 and give trees no one reads. Without CUDA graphs (a CPU, the reference kernels) the same
@@ -36,6 +37,7 @@ from draft_service.tree_builders import Frontier
 from kernels import KernelSet
 from kernels.metadata import AttentionMetadata
 from runtime.kv_cache import PagedKVCache
+from runtime.step_layout import Readback
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,7 @@ class DeviceProposal:
         self.root_logp = torch.zeros(B, net.d2t.shape[0], dtype=torch.float32, device=dev)
         self.root_out = torch.zeros(B, net.config.hidden_size, dtype=weight.dtype, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._readback = Readback(dev)  # the trees' copy to the host
         self._packed: torch.Tensor | None = None  # the graph's output
         widths = self.builder.frontier_widths()[:depth - 1]  # the levels fed: frontiers above ``depth``
         assert sum(widths) <= tree_rows, (widths, tree_rows)
@@ -138,6 +141,13 @@ class DeviceProposal:
         rows, block tables covering the rows the levels write): host arrays tokens, parents, depths,
         scores, each [n, nodes]. ``more_rows`` [n]: rows committed on top of ``rows`` that only the
         device knows yet (a graph only: an eager proposal lays its levels out from the host's rows)."""
+        return self.collect(self.launch(root_logp, root_out, rows, tables, more_rows)[0])
+
+    def launch(self, root_logp: torch.Tensor, root_out: torch.Tensor, rows: np.ndarray,
+               tables: list[list[int]], more_rows: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+        """``run``'s work, queued: the trees' copy to the host is started, not waited for. Returns the
+        ticket ``collect`` takes (the next ``launch`` must come after it) and the trees on the device,
+        int64 [4, n, nodes] (tokens | parents | depths | score bits; valid until the next launch)."""
         assert more_rows is None or self.graph is not None, "an eager proposal lays out from host rows"
         n = len(rows)
         assert n <= self.batch, (n, self.batch)
@@ -161,7 +171,12 @@ class DeviceProposal:
             self._longest = int(np.max(rows)) + self.tree_rows if n else self.tree_rows
             packed = self._grow()
         self.replays += self.graph is not None
-        out = packed.cpu().numpy()[:, :n]  # the proposal's one device-to-host copy
+        return self._readback.start(packed[:, :n]), packed[:, :n]  # the proposal's one device-to-host copy
+
+    def collect(self, ticket: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The trees of ``launch``'s ``ticket`` on the host (waits for the copy): tokens, parents,
+        depths, scores, each [n, nodes]."""
+        out = self._readback.wait(ticket)
         return out[0], out[1], out[2], out[3].astype(np.int32).view(np.float32)
 
     # --- the computation (captured once, or run eagerly) ----------------------------------

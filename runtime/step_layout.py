@@ -101,6 +101,42 @@ class Staging:
         return entry
 
 
+class Readback:
+    """A device tensor's copy to the host, started now and read later: the host goes on with other
+    work while the device finishes what the tensor waits for, then ``wait`` blocks only for what
+    is left. One pinned buffer on CUDA, reused (it grows, rarely); a copy's result must be read
+    before the next copy starts (``wait`` refuses a stale ticket). Off CUDA the copy is done at once.
+    """
+
+    def __init__(self, device: torch.device):
+        self._cuda = torch.device(device).type == "cuda"
+        self._buffer: torch.Tensor | None = None
+        self._event = torch.cuda.Event() if self._cuda else None
+        self._ticket = 0
+        self._view: torch.Tensor | None = None
+
+    def start(self, t: torch.Tensor) -> int:
+        """Queue ``t``'s copy behind the work already queued; returns the ticket ``wait`` takes."""
+        self._ticket += 1
+        if not self._cuda:
+            self._view = t.detach().cpu().clone()
+            return self._ticket
+        n = t.numel()
+        if self._buffer is None or self._buffer.dtype != t.dtype or self._buffer.numel() < n:
+            self._buffer = torch.empty(max(n, 1024), dtype=t.dtype, pin_memory=True)
+        self._view = self._buffer[:n].view(t.shape)
+        self._view.copy_(t, non_blocking=True)
+        self._event.record()
+        return self._ticket
+
+    def wait(self, ticket: int) -> np.ndarray:
+        """The tensor of copy ``ticket`` on the host (the caller's own array: the buffer is reused)."""
+        assert ticket == self._ticket, "a copy read after the next one started"
+        if self._event is not None:
+            self._event.synchronize()
+        return self._view.numpy().copy()
+
+
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Row-major strides of ``shape``, in elements."""
     return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
@@ -277,11 +313,12 @@ class StaticLayout:
             self._mask_bytes[:, :tril.shape[1]] = np.tile(tril, (B, 1))
         self.device_buffer.copy_(self.host_buffer)
 
-    def fill(self, chunks: list[SeqChunk]) -> np.ndarray:
+    def fill(self, chunks: list[SeqChunk], mask_on_device: bool = False) -> np.ndarray:
         """Write ``chunks`` (which ``fits``) and copy them to the device (asynchronously, one copy).
 
         Returns the step's ``query_start_loc`` on the host. The caller's step ends in a
         device-to-host sync, so the host buffer is free again before the next ``fill``.
+        ``mask_on_device``: send no mask (zeros); ``write_trees`` writes it next.
         """
         h, bs = self.host, self.block_size
         q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
@@ -316,7 +353,10 @@ class StaticLayout:
         h["token_seq"][:T], h["token_seq"][T:] = token_seq, 0
         h["q_idx"][:T], h["q_idx"][T:] = q_idx, 0
         h["ids"][T:] = 0
-        if self._mask_bytes is not None:
+        if self._mask_bytes is not None and mask_on_device:
+            h["mask_start"][:n], h["mask_start"][n:] = starts, 0
+            self._mask_bytes[:] = 0
+        elif self._mask_bytes is not None:
             masks = [np.ones((1, 1), dtype=bool) if c.custom_mask is None else np.asarray(c.custom_mask, dtype=bool)
                      for c in chunks]
             h["mask_start"][:n] = [c.kv_start if c.mask_start is None else c.mask_start for c in chunks]
@@ -329,3 +369,18 @@ class StaticLayout:
             self._mask_bytes[:T, :packed.shape[1]] = packed
         self.device_buffer.copy_(self.host_buffer, non_blocking=True)
         return qsl
+
+    def write_trees(self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor) -> None:
+        """After ``fill(mask_on_device=True)`` of B chunks of a root and n nodes each, every row at
+        its root's position: the nodes' tokens and depths (int64 [B, n]) and the trees' ancestor
+        masks (bool [B, n + 1, n + 1], root first), still on the device, written into the step's
+        inputs there (device work queued behind the fill's copy; the host waits for nothing)."""
+        from kernels.attention_triton import pack_mask
+
+        B, n = tokens.shape
+        rows = B * (n + 1)
+        ids = self.input_ids[:rows].view(B, n + 1)
+        ids[:, 1:] = tokens
+        self.meta.positions[:rows].view(B, n + 1)[:, 1:] += depths
+        packed = pack_mask(mask.reshape(rows, n + 1))
+        self.meta.custom_mask[:rows, :packed.shape[1]] = packed

@@ -60,9 +60,10 @@ def test_the_chained_draft_replays_its_graphs_and_gives_the_unchained_steps(dirs
         eng = engine(dirs, True, tree)
         eng.speculation.chain = chain
         runs.append((run_steps(eng, PROMPTS, params), eng.speculation.chained_steps, eng.drafter.graphs.replays,
-                     eng.drafter.blocks.num_used_blocks))
-    (chained, n_chained, replays, used), (unchained, n_unchained, _, _) = runs
+                     eng.drafter.blocks.num_used_blocks, eng.steps_ahead))
+    (chained, n_chained, replays, used, ahead), (unchained, n_unchained, _, _, _) = runs
     assert n_chained > 5 and n_unchained == 0 and replays >= n_chained and used == 0
+    assert ahead > 3  # verified from the trees on the device, before their copy reached the host
     assert chained == unchained
 
 

@@ -204,6 +204,6 @@ def test_the_chained_draft_reserves_no_row_past_its_capacity(dirs, monkeypatch):
     monkeypatch.setattr(drafter.blocks, "ensure_capacity", lambda s, n: asked.append(n) or real(s, n))
     D = 5
     trees = drafter.step_on_device([0, 1], [63, 3], [2, 11], torch.tensor([1, 5]), torch.ones(2, D, dtype=torch.long),
-                                   torch.zeros(2, D, width), spec.settings)
+                                   torch.zeros(2, D, width), spec.settings).collect()
     assert set(trees) == {0, 1} and asked and max(asked) <= drafter._capacity
     assert drafter.rows[0] == 64 and drafter.rows[1] == 8  # the eager path settles as it feeds

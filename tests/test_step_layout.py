@@ -1,10 +1,11 @@
 """The step layout: one host-to-device copy carries every array of a step, masks included."""
 
 import numpy as np
+import pytest
 import torch
 
 from kernels import REFERENCE
-from runtime.step_layout import SeqChunk, Staging, layout_step
+from runtime.step_layout import Readback, SeqChunk, Staging, layout_step
 
 
 def test_one_upload_carries_the_whole_step():
@@ -98,3 +99,54 @@ def test_the_draft_extend_graphs_layout_equals_layout_arrays():
         assert (got["slots"][T:] == -1).all() and not got["positions"][T:].any()
         assert not got["token_seq"][T:].any() and not got["q_idx"][T:].any()
         np.testing.assert_array_equal(got["rows"], np.maximum(want["qsl"][1:] - 1, 0))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_a_readback_gives_the_tensor_as_it_was_queued_and_refuses_a_stale_ticket(device):
+    """``Readback``: the copy holds the tensor as of ``start`` (work queued later does not reach it),
+    the host gets its own array (the buffer is reused), and a ticket read after the next copy
+    started is refused."""
+    rb = Readback(torch.device(device))
+    t = torch.arange(12, device=device).view(3, 4)
+    first = rb.start(t)
+    t.add_(100)  # queued after the copy
+    got = rb.wait(first)
+    assert got.tolist() == np.arange(12).reshape(3, 4).tolist()
+    got[:] = -1
+    assert rb.wait(first).tolist() == np.arange(12).reshape(3, 4).tolist()
+    second = rb.start(t[:1].float())  # another dtype and shape: the buffer follows
+    with pytest.raises(AssertionError, match="after the next one started"):
+        rb.wait(first)
+    assert rb.wait(second).tolist() == [[100.0, 101.0, 102.0, 103.0]]
+
+
+def test_trees_written_on_the_device_give_the_layout_the_host_builds():
+    """``StaticLayout.write_trees`` after ``fill(mask_on_device=True)`` (each tree's root, every row at
+    the root's position) gives the same inputs, byte for byte, as ``fill`` of the host-built tree
+    chunks: the nodes' tokens, positions (root + depth) and packed ancestor masks."""
+    from kernels.tree import tree_mask_ref
+    from runtime.step_layout import Bucket, StaticLayout
+    from runtime.tree import ancestor_masks
+
+    rng = np.random.default_rng(0)
+    B, n, bs = 3, 37, 16  # more than 32 columns: two mask words a row
+    parents = np.stack([[rng.integers(-1, i) for i in range(n)] for _ in range(B)])  # parents before children
+    depths = np.zeros((B, n), dtype=np.int64)
+    for b in range(B):
+        for i in range(n):
+            depths[b, i] = 1 if parents[b, i] < 0 else depths[b, parents[b, i]] + 1
+    tokens = rng.integers(1, 1000, (B, n))
+    roots, starts = rng.integers(1, 1000, B), np.array([5, 40, 17])
+    tables = [list(range(b * 8, b * 8 + 7)) for b in range(B)]
+    masks = ancestor_masks(parents, np.full(B, n))
+    host = [SeqChunk(np.concatenate(([roots[b]], tokens[b])), starts[b], tables[b], logits_rows=np.arange(n + 1),
+                     positions=starts[b] + np.concatenate(([0], depths[b])), custom_mask=masks[b]) for b in range(B)]
+    roots_only = [SeqChunk(np.pad([roots[b]], (0, n)), starts[b], tables[b], logits_rows=np.arange(n + 1),
+                           positions=np.full(n + 1, starts[b])) for b in range(B)]
+    want, got = (StaticLayout(Bucket(4, 64, True), 8, 256, bs, torch.device("cpu")) for _ in range(2))
+    want.fill(host)
+    got.fill(roots_only, mask_on_device=True)
+    t = torch.from_numpy
+    got.write_trees(t(tokens), t(depths), tree_mask_ref(t(parents), torch.full((B,), n)))
+    assert torch.equal(got.device_buffer, want.device_buffer)

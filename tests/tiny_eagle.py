@@ -42,6 +42,7 @@ def run_steps(engine, prompts: list[list[int]], params: list) -> list[tuple[list
     steps = []
     while engine.has_work:
         events = engine.step()
+        engine.attach_trees()  # a chained step's trees come with the next step: taken now, to compare
         steps.append(([(e.seq_id, e.token_ids) for e in events],
                       sorted((s.seq_id, s.tree.tokens.tolist(), s.tree.parents.tolist())
                              for s in engine.sequences.values() if s.tree is not None)))

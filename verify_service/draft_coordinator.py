@@ -144,11 +144,12 @@ class DraftCoordinator:
         return (self.chain and self.policy is None and hasattr(self.drafter, "step_on_device")
                 and not self.feed_buffer.rows and len({s.tree_settings for s in seqs}) == 1)
 
-    def draft_on_device(self, pending: PendingVerification) -> dict[int, CandidateTree]:
+    def draft_on_device(self, pending: PendingVerification):
         """Feed the draft what acceptance chose, still on the device, and grow every sequence's next
         tree (its full depth): the draft's work queues behind the target's with no wait between
-        them; the trees' copy to the host is the step's one wait. ``settle`` and ``attach`` follow
-        once the step's tokens are committed."""
+        them. Returns the trees on their way to the host (``collect()``: the drafter's
+        ``PendingTrees``). ``settle`` follows once the step's tokens are committed, ``attach`` once
+        the trees are collected."""
         counts, tokens = pending.feeds_on_device()
         seqs = pending.seqs
         self.chained_steps += 1
@@ -160,6 +161,15 @@ class DraftCoordinator:
         """The draft's committed rows of the sequences ``draft_on_device`` fed, before any of them
         finishes (a finished one's draft state is then freed as usual)."""
         self.drafter.settle({v.seq.seq_id: v.feed.start + len(v.tokens) for v in verified})
+
+    def full_trees(self, seq_ids: list[int]) -> bool:
+        """Whether every one of these sequences is live and takes its chained tree whole (``attach``
+        cuts none of them)."""
+        for seq_id in seq_ids:
+            seq = self.sequences.get(seq_id)
+            if seq is None or seq.finished or self._max_depth(seq) < seq.tree_settings.depth:
+                return False
+        return True
 
     def attach(self, trees: dict[int, CandidateTree]) -> None:
         """Give the live sequences their chained trees, cut to the depth their context and

@@ -28,7 +28,7 @@ from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from common.tree_settings import TreeSettings
 from link.protocol import DraftFeed, DraftProvider
-from runtime.step_layout import SeqChunk
+from runtime.step_layout import Readback, SeqChunk
 from verify_service.adaptive import AdaptivePolicy
 from verify_service.detokenizer import StopStringDetokenizer
 from verify_service.draft_coordinator import DraftCoordinator
@@ -93,6 +93,9 @@ class Engine:
             len(drafter.capture_layers) * target.model_config.hidden_size * target.dtype.itemsize)
         self.last_step_verified_trees = False
         self.released_speculation = SpeculationMetrics()  # totals over finished and aborted sequences
+        self._readback = Readback(target.device)  # a chained step's acceptance, read while the draft runs
+        self._chained = None  # the trees the draft grows behind the last step's acceptance (``attach_trees``)
+        self.steps_ahead = 0  # steps verified from the chained trees on the device (``_verify_ahead``)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True,
                     tree: TreeSettings | None = None) -> int:
@@ -150,10 +153,25 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def attach_trees(self) -> None:
+        """Give the sequences the trees the draft grew behind the last step's acceptance (waiting for
+        what is left of their copy). The next step does it anyway; until then a chained step's
+        sequences show no tree. The next step may still verify them from the device."""
+        if self._chained is not None:
+            self.speculation.attach(self._chained.collect())
+
     def step(self) -> list[TokenEvent]:
         """Run one batched forward; returns the tokens committed by it."""
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule(lambda s: 1 + s.tree.num_nodes if s.tree else 1)
+        chained, self._chained = self._chained, None
+        plan, ahead = None, None
+        if chained is not None:
+            # The last step's draft grew these trees behind its acceptance: verified straight from
+            # the device where the step holds them alone, else laid out once they reach the host.
+            plan, ahead = self._verify_ahead(chained)
+            self.speculation.attach(chained.collect())
+        if ahead is None:
+            plan = self.scheduler.schedule(lambda s: 1 + s.tree.num_nodes if s.tree else 1)
         if not plan:
             return []
         # What the policy learns from: a step of decodes and trees only, and its trees' size.
@@ -161,8 +179,11 @@ class Engine:
         tree_nodes = max((s.tree.num_nodes for s, _ in plan if s.tree), default=0)
         with_tree = [s for s, _ in plan if s.tree]
         padded = padded_trees(with_tree) if with_tree else None  # for the layout and the acceptance
-        chunks = self._chunks(plan, with_tree, padded)
-        out = self.target.runner.step(chunks)
+        if ahead is None:
+            chunks = self._chunks(plan, with_tree, padded)
+            out = self.target.runner.step(chunks)
+        else:
+            chunks, out = ahead
         logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
         plain, trees = [], []
         for i, (seq, n) in enumerate(plan):
@@ -176,12 +197,17 @@ class Engine:
                                       [seq for _, seq, *_ in due]) if due else None
         pending = self.verifier.accept([seq for _, seq, _ in trees], [int(logits_at[i]) for i, *_ in trees],
                                        [out.query_start_loc[i] for i, *_ in trees], out, padded) if trees else None
-        # A step of trees alone queues the draft's extend and next trees behind acceptance on the
-        # device: the trees' copy to the host is then the step's one wait, and the copy below is done.
-        chained = self.speculation.draft_on_device(pending) \
-            if pending and not plain and self.speculation.chains(pending.seqs) else None
         parts = [t for t in (sampled, pending.device_values() if pending else None) if t is not None]
-        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
+        chained = None
+        if pending and not plain and self.speculation.chains(pending.seqs):
+            # A step of trees alone queues the draft's extend and next trees behind acceptance on the
+            # device, then waits for acceptance alone: the host commits while the draft runs, and
+            # the next step collects the trees (``attach_trees``) just before it lays them out.
+            ticket = self._readback.start(parts[0])
+            chained = self.speculation.draft_on_device(pending)
+            host = self._readback.wait(ticket).tolist()
+        else:
+            host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
         events, decodes = [], []  # decodes: (chunk, sequence, token) whose one row goes in the batch
         for (i, seq, start, n), token in zip(due, host[:len(due)]):
             if seq.speculate:
@@ -201,14 +227,35 @@ class Engine:
                 self.speculation.observe(v)
                 feeds[v.seq.seq_id] = v.feed
                 events.append(self._commit(v.seq, v.tokens))
-        if chained is not None:
-            self.speculation.attach(chained)
+        self._chained = chained
         draft_s = self.speculation.draft(feeds, rows) if self.speculation and chained is None else 0.0
         if self.policy is not None and decode_only and not (self.policy.last_held and not tree_nodes):
             # (plain steps are measured when the policy looks, not while it holds: a few per hold)
             context = float(np.mean([s.num_cached for s, _ in plan]))
             self.policy.observe_step(len(plan), tree_nodes, context, (time.perf_counter() - t0 - draft_s) * 1e3)
         return events
+
+    def _verify_ahead(self, chained) -> tuple[list, tuple[list[SeqChunk], StepOutput] | None]:
+        """Schedule the step and, when it is exactly the chained trees (the same sequences, none
+        finished, none whose context or max_tokens cuts its tree), launch their verification from
+        the trees on the device, before their copy reaches the host. Returns the plan and (chunks,
+        output), or (None, None) for the usual path."""
+        trees = chained.on_device
+        if trees is None or not self.speculation.full_trees(chained.seq_ids):
+            return None, None
+        n = trees.shape[2]
+        ids = set(chained.seq_ids)
+        plan = self.scheduler.schedule(lambda s: n + 1 if s.seq_id in ids else 1 + s.tree.num_nodes if s.tree else 1)
+        if [s.seq_id for s, _ in plan] != chained.seq_ids or any(s.prefilling for s, _ in plan):
+            return None, None
+        rows = np.arange(n + 1)
+        chunks = [SeqChunk(np.pad([s.output_ids[-1]], (0, n)), s.num_cached, self.target.blocks.block_table(s.seq_id),
+                           logits_rows=rows, positions=np.full(n + 1, s.num_cached)) for s, _ in plan]
+        out = self.target.runner.step_trees_on_device(chunks, trees[0], trees[1], trees[2])
+        if out is None:
+            return None, None
+        self.steps_ahead += 1
+        return plan, (chunks, out)
 
     def _chunks(self, plan: list[tuple[Sequence, int]], with_tree: list[Sequence], padded) -> list[SeqChunk]:
         """The step's inputs in plan order: tree chunks (``with_tree``, the plan's sequences with a

@@ -280,8 +280,28 @@ class ModelRunner:
             logits = out.logits[torch.as_tensor(rows, device=out.logits.device)]
         return StepOutput(logits, out.hidden, out.captured, qsl.tolist())
 
-    def _replay(self, graph: _Graph, chunks: list[SeqChunk]) -> StepOutput:
-        qsl = graph.layout.fill(chunks)
+    @torch.inference_mode()
+    def step_trees_on_device(self, chunks: list[SeqChunk], tokens: torch.Tensor, parents: torch.Tensor,
+                             depths: torch.Tensor) -> StepOutput | None:
+        """A verification step of trees whose nodes are still on the device (int64 [B, n] each: the
+        tokens, parents and depths of a draft chained behind the last step's acceptance), queued
+        behind the draft's work with no wait for the trees' copy to the host. ``chunks``: each
+        tree's root and n placeholder nodes (tokens, KV start, table; every row at the root's
+        position; logits for every row). The device writes the nodes' tokens, positions and
+        ancestor masks into the graph's inputs. None when no captured graph holds the step: the
+        caller lays the trees out on the host."""
+        B, n = tokens.shape
+        graph = next((self._graphs[b] for b in self._fitting(True, B, n + 1) if self._graphs.get(b) is not None),
+                     None) if self.cuda_graphs else None
+        if graph is None or not graph.layout.fits(chunks):
+            return None
+        mask = self.kernels.tree_mask(parents, torch.full((B,), n, dtype=torch.int64, device=parents.device))
+        return self._replay(graph, chunks, lambda layout: layout.write_trees(tokens, depths, mask))
+
+    def _replay(self, graph: _Graph, chunks: list[SeqChunk], on_device=None) -> StepOutput:
+        qsl = graph.layout.fill(chunks, mask_on_device=on_device is not None)
+        if on_device is not None:
+            on_device(graph.layout)
         graph.graph.replay()
         self.graph_steps += 1
         T = int(qsl[-1])
