@@ -285,6 +285,10 @@ class StaticLayout:
         self._mask_bytes = self.host["mask"].view(np.uint8)[:T * words * 4].reshape(T, words * 4) if words else None
         mask = dev["mask"].view(torch.int32)[:T * words].view(T, words) if words else None
         self.input_ids = dev["ids"]
+        # The last fill's copy: the host buffer is written again only once it has run (a step may be
+        # launched before the step ahead of it was waited for).
+        self._sent = torch.cuda.Event() if device.type == "cuda" else None
+        self._in_flight = False
         self.meta = AttentionMetadata(
             query_start_loc=dev["qsl"], seq_lens=dev["seq_lens"], block_tables=dev["tables"],
             slot_mapping=dev["slots"], positions=dev["positions"], token_seq=dev["token_seq"],
@@ -316,10 +320,11 @@ class StaticLayout:
     def fill(self, chunks: list[SeqChunk], mask_on_device: bool = False) -> np.ndarray:
         """Write ``chunks`` (which ``fits``) and copy them to the device (asynchronously, one copy).
 
-        Returns the step's ``query_start_loc`` on the host. The caller's step ends in a
-        device-to-host sync, so the host buffer is free again before the next ``fill``.
-        ``mask_on_device``: send no mask (zeros); ``write_trees`` writes it next.
+        Returns the step's ``query_start_loc`` on the host. The host buffer is written once the
+        last fill's copy has run. ``mask_on_device``: send no mask (zeros); ``write_trees`` writes it next.
         """
+        if self._in_flight:
+            self._sent.synchronize()
         h, bs = self.host, self.block_size
         q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
         starts = np.array([c.kv_start for c in chunks], dtype=np.int64)
@@ -368,6 +373,9 @@ class StaticLayout:
             packed = np.packbits(dense, axis=1, bitorder="little")  # bit j of byte b: column 8 b + j
             self._mask_bytes[:T, :packed.shape[1]] = packed
         self.device_buffer.copy_(self.host_buffer, non_blocking=True)
+        if self._sent is not None:
+            self._sent.record()
+            self._in_flight = True
         return qsl
 
     def write_trees(self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor) -> None:

@@ -62,6 +62,9 @@ class GenerationResult:
     speculation: SpeculationMetrics | None = None
 
 
+_PLACEHOLDER = np.zeros(1, dtype=np.int64)  # a decode chunk's token, written on the device instead
+
+
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``t[rows]``; a view when the rows are consecutive (a decode batch: no index copy, no launch)."""
     if rows and rows[-1] - rows[0] == len(rows) - 1 and all(b - a == 1 for a, b in zip(rows, rows[1:])):
@@ -96,6 +99,11 @@ class Engine:
         self._readback = Readback(target.device)  # a chained step's acceptance, read while the draft runs
         self._chained = None  # the trees the draft grows behind the last step's acceptance (``attach_trees``)
         self.steps_ahead = 0  # steps verified from the chained trees on the device (``_verify_ahead``)
+        # Target-only decoding: the next decode step is launched before this one's tokens reach the
+        # host (``_decode_ahead``), its token ids taken from the sampled ones on the device.
+        self.decode_ahead = drafter is None
+        self._ahead_decode = None  # (plan, chunks, output) of the step so launched
+        self.decode_steps_ahead = 0
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True,
                     tree: TreeSettings | None = None) -> int:
@@ -165,7 +173,10 @@ class Engine:
         t0 = time.perf_counter()
         chained, self._chained = self._chained, None
         plan, ahead = None, None
-        if chained is not None:
+        if self._ahead_decode is not None:  # launched by the last step: its sequences that finished since are skipped
+            plan, *ahead = self._ahead_decode
+            self._ahead_decode = None
+        elif chained is not None:
             # The last step's draft grew these trees behind its acceptance: verified straight from
             # the device where the step holds them alone, else laid out once they reach the host.
             plan, ahead = self._verify_ahead(chained)
@@ -187,7 +198,8 @@ class Engine:
         logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
         plain, trees = [], []
         for i, (seq, n) in enumerate(plan):
-            (trees if seq.tree else plain).append((i, seq, n))
+            if seq.seq_id in self.sequences:  # (a step launched ahead may hold sequences finished since)
+                (trees if seq.tree else plain).append((i, seq, n))
         feeds: dict[int, DraftFeed] = {}
         self.last_step_verified_trees = bool(trees)
         due = self._advance_plain(plain, out, feeds)
@@ -205,6 +217,11 @@ class Engine:
             # the next step collects the trees (``attach_trees``) just before it lays them out.
             ticket = self._readback.start(parts[0])
             chained = self.speculation.draft_on_device(pending)
+            host = self._readback.wait(ticket).tolist()
+        elif sampled is not None and not trees and len(due) == len(plan) and self._decode_ahead_ok(due):
+            # The copy of this step's tokens goes first: the next step, queued behind it, is not waited for.
+            ticket = self._readback.start(sampled)
+            self._ahead_decode = self._launch_decode(due, sampled)
             host = self._readback.wait(ticket).tolist()
         else:
             host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
@@ -234,6 +251,26 @@ class Engine:
             context = float(np.mean([s.num_cached for s, _ in plan]))
             self.policy.observe_step(len(plan), tree_nodes, context, (time.perf_counter() - t0 - draft_s) * 1e3)
         return events
+
+    def _decode_ahead_ok(self, due) -> bool:
+        """Whether the next step may be launched now, before this decode step's tokens are read: no
+        draft, every sequence decoding one token and due another after it (none at its length
+        limit: the next step's KV stays within what it reserved), no request waiting to start."""
+        return self.decode_ahead and not self.scheduler.waiting and all(
+            n == 1 and len(seq.output_ids) + 1 < seq.max_new_tokens for _, seq, _, n in due)
+
+    def _launch_decode(self, due, sampled: torch.Tensor) -> tuple:
+        """The next decode step of ``due``'s sequences, queued now: each sequence's token sampled this
+        step (still on the device) at its next KV index. A sequence this step's token finishes
+        computes one row for nothing; the step that takes this one skips it."""
+        blocks = self.target.blocks
+        plan, chunks = [], []
+        for _, seq, _, _ in due:
+            blocks.ensure_capacity(seq.seq_id, seq.num_cached + 1)
+            plan.append((seq, 1))
+            chunks.append(SeqChunk(_PLACEHOLDER, seq.num_cached, blocks.block_table(seq.seq_id), logits_rows=(0,)))
+        self.decode_steps_ahead += 1
+        return plan, chunks, self.target.runner.step(chunks, ids=sampled)
 
     def _verify_ahead(self, chained) -> tuple[list, tuple[list[SeqChunk], StepOutput] | None]:
         """Schedule the step and, when it is exactly the chained trees (the same sequences, none

@@ -108,16 +108,21 @@ class ModelRunner:
         self.capture_layers = tuple(layers)
 
     @torch.inference_mode()
-    def step(self, chunks: list[SeqChunk]) -> StepOutput:
+    def step(self, chunks: list[SeqChunk], ids: torch.Tensor | None = None) -> StepOutput:
+        """``ids``: a decode step's token ids [len(chunks)] on the device (the last step's samples),
+        in place of the chunks' own (placeholders)."""
         bucket = self._bucket(chunks) if self.cuda_graphs else None
         graph = self._graph(bucket) if bucket is not None else None
         if graph is not None and graph.layout.fits(chunks):
-            return self._replay(graph, chunks)
-        if self.cuda_graphs and bucket is None:
+            write = None if ids is None else lambda layout: layout.input_ids[:len(ids)].copy_(ids)
+            return self._replay(graph, chunks, write, mask_on_device=False)
+        if self.cuda_graphs and bucket is None and ids is None:
             graphed = self._prefill_as_decodes(chunks)
             if graphed is not None:
                 return graphed
         lay = layout_step(chunks, self.kv_cache.block_size, self.device, self.kernels, self.staging)
+        if ids is not None:
+            lay.input_ids[:len(ids)].copy_(ids)
         out = self.model(lay.input_ids, lay.meta, self.kv_cache, self.kernels, self.capture_layers)
         logits = self.model.compute_logits(out.hidden[lay.logits_rows], self.kernels.linear)
         return StepOutput(logits, out.hidden, out.captured, lay.query_start_loc.tolist())
@@ -296,10 +301,11 @@ class ModelRunner:
         if graph is None or not graph.layout.fits(chunks):
             return None
         mask = self.kernels.tree_mask(parents, torch.full((B,), n, dtype=torch.int64, device=parents.device))
-        return self._replay(graph, chunks, lambda layout: layout.write_trees(tokens, depths, mask))
+        return self._replay(graph, chunks, lambda layout: layout.write_trees(tokens, depths, mask), mask_on_device=True)
 
-    def _replay(self, graph: _Graph, chunks: list[SeqChunk], on_device=None) -> StepOutput:
-        qsl = graph.layout.fill(chunks, mask_on_device=on_device is not None)
+    def _replay(self, graph: _Graph, chunks: list[SeqChunk], on_device=None, mask_on_device: bool = False) -> StepOutput:
+        """``on_device(layout)``: device work that completes the inputs after the host's fill."""
+        qsl = graph.layout.fill(chunks, mask_on_device=mask_on_device)
         if on_device is not None:
             on_device(graph.layout)
         graph.graph.replay()
