@@ -100,7 +100,7 @@ class Engine:
         self._chained = None  # the trees the draft grows behind the last step's acceptance (``attach_trees``)
         self.steps_ahead = 0  # steps verified from the chained trees on the device (``_verify_ahead``)
         # Target-only decoding: the next decode step is launched before this one's tokens reach the
-        # host (``_decode_ahead``), its token ids taken from the sampled ones on the device.
+        # host (``_launch_decode``), its token ids taken from the sampled ones on the device.
         self.decode_ahead = drafter is None
         self._ahead_decode = None  # (plan, chunks, output) of the step so launched
         self.decode_steps_ahead = 0
