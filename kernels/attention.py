@@ -53,6 +53,18 @@ def attention_mask_ref(meta: AttentionMetadata) -> torch.Tensor:
     return visible
 
 
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool [T, cols] -> int32 [T, ceil(cols / 32)]: bit j of word w is column 32 w + j."""
+    T, cols = mask.shape
+    words = -(-cols // 32)
+    padded = torch.zeros(T, words * 32, dtype=torch.int64, device=mask.device)
+    padded[:, :cols] = mask
+    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=mask.device),
+                                       torch.arange(32, device=mask.device))
+    packed = (padded.view(T, words, 32) * weights).sum(-1)  # < 2^32, exact in int64
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # two's complement
+
+
 def unpack_mask(words: torch.Tensor) -> torch.Tensor:
     """A packed mask, int32 [T, words] (bit j of word w: column 32 w + j), as bool [T, 32 * words]."""
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)

@@ -28,13 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import pack_mask
 from kernels.metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 # Dot operands in the cache's dtype on the GPU (fp32 accumulation). Triton's CPU interpreter
 # multiplies bfloat16 wrongly, so there both operands go up to float32 (tests only).
 _DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-_MASK_BITS = 32  # keys per packed mask word
 
 
 def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -62,18 +62,6 @@ def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_ptr, stride_k,
     v = tl.load(v_ptr + t * stride_v + cols, mask=ok)
     tl.store(k_cache_ptr + slot * width + cols, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
     tl.store(v_cache_ptr + slot * width + cols, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
-
-
-def pack_mask(mask: torch.Tensor) -> torch.Tensor:
-    """bool [T, cols] -> int32 [T, ceil(cols / 32)]: bit j of word w is column 32 w + j."""
-    T, cols = mask.shape
-    words = -(-cols // _MASK_BITS)
-    padded = torch.zeros(T, words * _MASK_BITS, dtype=torch.int64, device=mask.device)
-    padded[:, :cols] = mask
-    weights = torch.bitwise_left_shift(torch.ones(_MASK_BITS, dtype=torch.int64, device=mask.device),
-                                       torch.arange(_MASK_BITS, device=mask.device))
-    packed = (padded.view(T, words, _MASK_BITS) * weights).sum(-1)  # < 2^32, exact in int64
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # two's complement
 
 
 def prepare_attention_triton(meta: AttentionMetadata) -> AttentionMetadata:

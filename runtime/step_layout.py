@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kernels import KernelSet
+from kernels.attention import pack_mask
 from kernels.metadata import AttentionMetadata
 
 
@@ -226,14 +227,6 @@ def _custom_mask(chunks: list[SeqChunk]) -> tuple[np.ndarray | None, np.ndarray 
     return stacked, np.asarray(starts, dtype=np.int64)
 
 
-def unpack_mask(words: torch.Tensor) -> torch.Tensor:
-    """A ``StaticLayout``'s packed mask, int32 [T, words] (bit j of word w: column 32 w + j), back to
-    bool [T, 32 * words], for kernel sets that prepare their own mask format. Device ops only:
-    a captured graph runs it at every replay."""
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    return ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # (T, words, 32) -> (T, 32 words)
-
-
 @dataclass(frozen=True, slots=True)
 class Bucket:
     """The shape a graphed step is captured for: up to ``seqs`` sequences of up to ``tokens`` new
@@ -383,8 +376,6 @@ class StaticLayout:
         its root's position: the nodes' tokens and depths (int64 [B, n]) and the trees' ancestor
         masks (bool [B, n + 1, n + 1], root first), still on the device, written into the step's
         inputs there (device work queued behind the fill's copy; the host waits for nothing)."""
-        from kernels.attention_triton import pack_mask
-
         B, n = tokens.shape
         rows = B * (n + 1)
         ids = self.input_ids[:rows].view(B, n + 1)

@@ -24,10 +24,11 @@ import torch
 
 from common.errors import UnsupportedModelError
 from kernels import KernelSet
+from kernels.attention import unpack_mask
 from kernels.metadata import AttentionMetadata
 from runtime.block_manager import blocks_for
 from runtime.kv_cache import PagedKVCache
-from runtime.step_layout import Bucket, SeqChunk, Staging, StaticLayout, layout_step, unpack_mask
+from runtime.step_layout import Bucket, SeqChunk, Staging, StaticLayout, layout_step
 from verify_service.model import CausalLM
 
 __all__ = ["ModelRunner", "SeqChunk", "StepOutput", "graph_buckets"]
