@@ -167,6 +167,41 @@ def test_a_short_prompt_replays_a_decode_graph_with_the_eager_tokens(tmp_path):
             assert got == eager.generate([prompt], params)[0].token_ids
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("prompt_len", [20, 700])
+def test_a_mixed_step_runs_its_trees_on_a_graph_and_gives_the_eager_outputs(tmp_path, prompt_len):
+    """Trees and a decode followed by a prompt chunk (a request arriving while others verify): the
+    prompt chunk runs first (a prompt graph, or eagerly when longer than the largest), the rest on
+    its tree graph; logits, captured features and row offsets are the one eager forward's."""
+    target = target_for(make_model_dir(tmp_path / "m", "llama3", seed=2, std=0.3), kernels="triton",
+                        max_model_len=1024, device="cuda", dtype="float32")
+    runner = target.runner
+    runner.set_capture_layers((0, 1))
+    prompts = [list(range(3, 30)), list(range(40, 51)), list(range(7, 20))]
+    for sid, p in enumerate(prompts):
+        target.blocks.ensure_capacity(sid, len(p))
+        runner.step([SeqChunk(p, 0, target.blocks.block_table(sid), logits_rows=(len(p) - 1,))])
+    chunks = chunks_for(target, [len(p) for p in prompts])
+    target.blocks.ensure_capacity(3, prompt_len)
+    prompt = SeqChunk([(5 * i) % 90 for i in range(prompt_len)], 0, target.blocks.block_table(3),
+                      logits_rows=(prompt_len - 1,))
+    runner.capture([b for b in runner._buckets() if not b.tree])  # the prompt graphs
+    saved = target.kv_cache.data.clone()
+    eager = layout_step(chunks + [prompt], target.kv_cache.block_size, target.device, runner.kernels)
+    with torch.inference_mode():
+        out = target.model(eager.input_ids, eager.meta, target.kv_cache, runner.kernels, runner.capture_layers)
+        want = target.model.compute_logits(out.hidden[eager.logits_rows])
+    target.kv_cache.data.copy_(saved)
+    before = runner.graph_steps
+    got = runner.step(chunks + [prompt])
+    assert runner.graph_steps == before + (2 if prompt_len <= 512 else 1)  # the trees' graph, the prompt's
+    assert got.query_start_loc == eager.query_start_loc.tolist()
+    torch.testing.assert_close(got.logits, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.captured, out.captured, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.hidden, out.hidden, atol=1e-4, rtol=1e-4)
+
+
 def test_warm_up_does_nothing_on_a_cpu(tmp_path):
     target = target_for(make_model_dir(tmp_path / "m", "llama3", seed=4), device="cpu", dtype="float32")
     assert target.runner.warm_up(64) == 0.0

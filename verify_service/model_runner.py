@@ -7,9 +7,12 @@ rows that need them.
 Decode steps (one token per sequence) and verification steps (a candidate tree per sequence,
 logits for every node) replay CUDA graphs, captured on first use per ``Bucket`` of sequence
 count and tokens per sequence; their inputs live in a ``StaticLayout`` filled with one
-host-to-device copy. Prefill chunks, mixed steps and steps larger than every bucket run
-eagerly (``layout_step``), as does everything off CUDA, with the reference kernels (their
-shapes follow each step's lengths) or with ``enforce_eager``.
+host-to-device copy. Small prompt steps replay a decode graph of one-token sequences
+(``_prefill_as_decodes``); a mixed step (decodes or trees, then prompt chunks: a request
+arriving while others decode) runs as two forwards, the prompt chunks' and the rest's on its
+graph (``_split_step``). Larger prompt chunks and steps larger than every bucket run eagerly
+(``layout_step``), as does everything off CUDA, with the reference kernels (their shapes follow
+each step's lengths) or with ``enforce_eager``.
 """
 
 from __future__ import annotations
@@ -118,7 +121,7 @@ class ModelRunner:
             write = None if ids is None else lambda layout: layout.input_ids[:len(ids)].copy_(ids)
             return self._replay(graph, chunks, write, mask_on_device=False)
         if self.cuda_graphs and bucket is None and ids is None:
-            graphed = self._prefill_as_decodes(chunks)
+            graphed = self._prefill_as_decodes(chunks) or self._split_step(chunks)
             if graphed is not None:
                 return graphed
         lay = layout_step(chunks, self.kv_cache.block_size, self.device, self.kernels, self.staging)
@@ -192,7 +195,7 @@ class ModelRunner:
         for c in chunks:
             n = len(c.token_ids)
             if c.custom_mask is None:
-                if n != 1 or len(c.logits_rows) != 1:  # a prefill chunk
+                if _is_prompt(c):
                     return None
             else:
                 if c.custom_mask.shape != (n, n) or (c.mask_start is not None and c.mask_start != c.kv_start) \
@@ -286,6 +289,32 @@ class ModelRunner:
             logits = out.logits[torch.as_tensor(rows, device=out.logits.device)]
         return StepOutput(logits, out.hidden, out.captured, qsl.tolist())
 
+    def _split_step(self, chunks: list[SeqChunk]) -> StepOutput | None:
+        """A step of decodes or trees followed by prompt chunks (the scheduler's order: a request
+        arriving while others decode), run as two forwards: the prompt chunks (``step``: a prompt
+        graph where they fit one, else eagerly), then the rest on its captured graph; their outputs
+        joined in chunk order. In one eager forward, the trees would cost the ~300 launches from
+        Python of a prompt step too (every sequence waits for them); each row's result is the same
+        (no row attends to another sequence's). None when the step is not of that form, or no graph
+        holds its first part."""
+        k = next((i for i, c in enumerate(chunks) if _is_prompt(c)), 0)
+        if k == 0 or not all(_is_prompt(c) for c in chunks[k:]):
+            return None
+        head, tail = chunks[:k], chunks[k:]
+        bucket = self._bucket(head)
+        graph = self._graph(bucket) if bucket is not None else None
+        if graph is None or not graph.layout.fits(head):
+            return None
+        prompt = self.step(tail)  # never split again: its chunks are all prompt chunks
+        # A prompt graph's outputs, copied before the next replay (graphs of one pool may reuse each
+        # other's memory); its captured rows are the caller's already.
+        logits, hidden = prompt.logits.clone(), prompt.hidden.clone()
+        rest = self._replay(graph, head)
+        offset = rest.query_start_loc[-1]
+        captured = None if rest.captured is None else torch.cat([rest.captured, prompt.captured])
+        return StepOutput(torch.cat([rest.logits, logits]), torch.cat([rest.hidden, hidden]), captured,
+                          rest.query_start_loc + [offset + q for q in prompt.query_start_loc[1:]])
+
     @torch.inference_mode()
     def step_trees_on_device(self, chunks: list[SeqChunk], tokens: torch.Tensor, parents: torch.Tensor,
                              depths: torch.Tensor) -> StepOutput | None:
@@ -314,6 +343,12 @@ class ModelRunner:
         T = int(qsl[-1])
         captured = graph.captured[:T].clone() if graph.captured is not None else None  # outlives the step
         return StepOutput(graph.logits[:T], graph.hidden[:T], captured, qsl.tolist())
+
+
+def _is_prompt(c: SeqChunk) -> bool:
+    """A prompt chunk: no tree mask, and more than one token or other than one logits row (what
+    ``ModelRunner._bucket`` takes for a decode step it never is)."""
+    return c.custom_mask is None and (len(c.token_ids) != 1 or len(c.logits_rows) != 1)
 
 
 def decode_tokens(chunks: list[SeqChunk]) -> list[SeqChunk] | None:
