@@ -57,6 +57,8 @@ def main() -> None:
                     help="batch-invariant numerics on the verify service and the in-process reference")
     ap.add_argument("--stream-interval-ms", type=float, default=None,
                     help="the verify service's --stream-interval-ms (default: its own default)")
+    ap.add_argument("--chained-steps", default="on", choices=["on", "off"],
+                    help="the draft service's --chained-steps (off: every step's rows and trees through the host)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     levels = sorted(set(args.concurrency or [1]))
@@ -99,17 +101,18 @@ def main() -> None:
         client = Eagle3Client(public, timeout_s=600)
         wait_healthy(client, "", verify, "verify service")
         draft = spawn(["serve-draft", "--draft", head, "--verify", internal, "--listen", f"unix:{tmp}/dh.sock",
-                       *flags], tmp / "draft.log")
+                       "--chained-steps", args.chained_steps, *flags], tmp / "draft.log")
         wait_healthy(client, "eagle3.speculation", draft, "draft service")
         client.complete(prompts[0], max_tokens=8)  # warm-up
         report = {"device": args.device, "dtype": args.dtype, "tree": tree.describe(), "exact": args.exact,
                   "adaptive_speculation": args.adaptive_speculation, "stream_interval_ms": args.stream_interval_ms,
+                  "chained_steps": args.chained_steps,
                   "prompts": len(prompts),
                   "max_tokens": args.max_tokens, "runs": []}
         for c in levels:
             before = client.metrics()
             rows, secs = through_services(client, prompts, args.max_tokens, c, True)
-            steps = {k: client.metrics()[k] - before[k] for k in ("speculative_steps", "plain_steps")}
+            steps = {k: client.metrics()[k] - before[k] for k in ("speculative_steps", "plain_steps", "chained_steps")}
             plain, plain_secs = through_services(client, prompts, args.max_tokens, c, False)
             outputs, in_secs, _ = inprocess[c]
             tokens = sum(len(t) for t, _ in rows)
@@ -119,7 +122,8 @@ def main() -> None:
                    "inprocess_tokens_per_s": round(sum(len(o) for o in outputs) / in_secs, 1),
                    "plain_identical_outputs": sum(t == r for (t, _), r in zip(plain, reference)),
                    "speculated_requests": sum(bool(s and s.get("speculated")) for _, s in rows),
-                   "steps": steps, "step_ms": round(secs * 1e3 / max(1, sum(steps.values())), 3)}
+                   "steps": steps,
+                   "step_ms": round(secs * 1e3 / max(1, steps["speculative_steps"] + steps["plain_steps"]), 3)}
             row["speedup_vs_plain"] = round(row["tokens_per_s"] / row["plain_tokens_per_s"], 3)
             row["services_vs_inprocess"] = round(row["tokens_per_s"] / row["inprocess_tokens_per_s"], 3)
             report["runs"].append(row)

@@ -207,8 +207,10 @@ class EagleDrafter:
 
     def settle(self, rows: dict[int, int]) -> None:
         """The committed rows of the sequences ``step_on_device`` fed, now known on the host: the
-        proposal's speculative rows are dropped past them."""
+        proposal's speculative rows are dropped past them (a sequence this drafter does not hold: none)."""
         for seq_id, n in rows.items():
+            if seq_id not in self.rows:
+                continue
             self.rows[seq_id] = n
             self.blocks.truncate(seq_id, n)
 

@@ -19,6 +19,7 @@ from protos.eagle3.v1 import draft_link_pb2 as pb
 
 # Sanity bounds far above any real deployment (a step of 64 sequences, 60-node trees, 128K context).
 LIMITS = {"max_trees": 1 << 16, "max_tree_nodes": 1 << 16, "max_feature_rows": 1 << 24, "max_model_len": 1 << 24}
+MAX_CHAIN_WIDTH = 1 << 10  # columns of chain_feeds: a count, then a tree's depth + 1 tokens
 _FLOATS = ("float32", "float16", "bfloat16")
 
 
@@ -43,9 +44,11 @@ def checked_handshake(hello: pb.HandshakeResponse, head: DraftConfig) -> tuple[M
     expected = {"features": ((hello.max_feature_rows, width), _FLOATS),
                 "embedding": ((head.vocab_size, head.target_hidden_size), _FLOATS),
                 "tree_tokens": (trees, ("int64",)), "tree_parents": (trees, ("int64",)),
-                "tree_log_probs": (trees, ("float32",))}
+                "tree_log_probs": (trees, ("float32",)), "chain_trees": ((4, *trees), ("int64",))}
     by_name = {}
     for d in descs:
+        if d.name == "chain_feeds" and len(d.shape) == 2 and 2 <= d.shape[1] <= MAX_CHAIN_WIDTH:
+            expected["chain_feeds"] = ((hello.max_trees, d.shape[1]), ("int64",))  # its width: the verify side's depth
         if d.name not in expected or d.name in by_name:
             raise LinkProtocolError(f"handshake: unexpected or repeated buffer {d.name[:64]!r}")
         if d.name.startswith("tree_") and d.backend != SHM:  # written and read on the host by both sides
@@ -55,7 +58,7 @@ def checked_handshake(hello: pb.HandshakeResponse, head: DraftConfig) -> tuple[M
             raise LinkProtocolError(f"handshake: buffer {d.name!r} is {d.dtype} {list(d.shape)[:8]}, "
                                     f"expected {' or '.join(dtypes)} {list(shape)}")
         by_name[d.name] = d
-    missing = sorted(set(expected) - set(by_name))
+    missing = sorted(set(expected) - set(by_name) | ({"chain_feeds"} - set(by_name)))
     if missing:
         raise LinkProtocolError(f"handshake: buffers missing: {', '.join(missing)}")
     return target, by_name

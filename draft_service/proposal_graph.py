@@ -117,6 +117,10 @@ class DeviceProposal:
         self._meta = torch.zeros(2 * B + B * table_width, dtype=torch.int64, device=dev)
         self._host = torch.zeros_like(self._meta, device="cpu", pin_memory=dev.type == "cuda")
         self._host_view = self._host.numpy()
+        # Recorded after each copy of ``_host``: the next launch rewrites it only once that copy has run
+        # (a launch need not wait for the last one's trees: a draft service's chained steps never do).
+        self._sent = torch.cuda.Event() if dev.type == "cuda" else None
+        self._sending = False
         self.rows, self.live = self._meta[:B], self._meta[B:2 * B]
         self.tables = self._meta[2 * B:].view(B, table_width)
         self.root_logp = torch.zeros(B, net.d2t.shape[0], dtype=torch.float32, device=dev)
@@ -160,6 +164,9 @@ class DeviceProposal:
         for i, t in enumerate(tables):
             table_block[i, :len(t)] = t
         self._meta.copy_(self._host, non_blocking=True)
+        if self._sent is not None:
+            self._sent.record()
+            self._sending = True
         if more_rows is not None:
             self.rows[:n].add_(more_rows)
         self.root_logp[:n].copy_(root_logp)

@@ -40,7 +40,7 @@ from draft_service.handshake_checks import checked_handshake
 from kernels.compile_watch import CompileWatch
 from link import step_socket
 from link.convert import step_call_from_proto, step_reply_to_proto
-from link.protocol import StepReply
+from link.protocol import ChainCall, ChainReply, StepReply
 from link.shared_buffers import BufferImporter, gpu_uuid, host_identity
 from link.step_frames import TOKEN_BYTES, FrameLimits, StepFrames
 from link.step_socket import StepSocket
@@ -49,6 +49,7 @@ from protos.eagle3.v1 import draft_link_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE = "eagle3.draft"
+IPC_EVENT_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
 
 
 def _device(name: str) -> torch.device:
@@ -189,16 +190,37 @@ class DraftWorker:
                 # Every size adaptive speculation may ask for (the verify side's choice, not known here):
                 # a shape's first proposal would otherwise capture its graphs in the middle of serving.
                 shapes = [self.cfg.spec.settings.capped(n) for n in tree_sizes(self.cfg.spec.settings)]
-                if warm_up is not None and warm_up(shapes, prompt_rows=hello.max_feature_rows) and not self._watching:
+                chained = hello.HasField("chained_steps")  # the extend fed from the device, too
+                if warm_up is not None and warm_up(shapes, prompt_rows=hello.max_feature_rows, chained=chained) \
+                        and not self._watching:
                     self._watching = CompileWatch(log, "the draft service's warm-up").start()
                 self._stream(stub, hello, bufs, drafter)
+
+    def _chain_events(self, hello: pb.HandshakeResponse, sock: StepSocket | None, drafter) -> tuple | None:
+        """The chained steps' events, opened, when the verify side offers chained steps and this session
+        can take them (a step socket, a drafter that steps on the device): () off CUDA; None: no chained
+        steps (every step comes with its rows on the host)."""
+        if not self.cfg.chained_steps or sock is None or not hello.HasField("chained_steps") \
+                or not hasattr(drafter, "step_on_device"):
+            return None
+        if self.device.type != "cuda":
+            return ()
+        handles = (hello.chained_steps.ready_event, hello.chained_steps.done_event)
+        try:
+            if any(len(h) != IPC_EVENT_BYTES for h in handles):
+                raise ValueError(f"event handles of {[len(h) for h in handles]} bytes")
+            return tuple(torch.cuda.Event.from_ipc_handle(self.device, h) for h in handles)
+        except (RuntimeError, ValueError) as exc:
+            log.warning("cannot open the chained steps' events (%s); steps are not chained", exc)
+            return None
 
     def _stream(self, stub, hello, bufs, drafter) -> None:
         sock = self._connect_step_socket(hello)  # before the stream opens: the verify side accepts it then
         transport = pb.STEP_TRANSPORT_SESSION_STREAM if sock is None else pb.STEP_TRANSPORT_UNIX_SOCKET
+        events = self._chain_events(hello, sock, drafter)
         outgoing: queue.Queue = queue.Queue()
         outgoing.put(pb.DraftMessage(open=pb.SessionOpen(session_id=hello.session_id, generation=hello.generation,
-                                                         step_transport=transport)))
+                                                         step_transport=transport, chained_steps=events is not None)))
         self._outgoing, self._step_socket = outgoing, sock
         responses = self._responses = stub.Session(iter(outgoing.get, None))
         if self._stop.is_set():  # stop() came before this session's stream was there to close
@@ -210,9 +232,10 @@ class DraftWorker:
         self._was_connected = True
         print(f"draft service: connected to the verify service at {self.cfg.verify} (session {hello.session_id})",
               flush=True)
-        log.info("draft session %d open (target %s, %d buffers, steps on the %s)", hello.session_id,
-                 hello.target.fingerprint, len(hello.buffers), "stream" if sock is None else "step socket")
-        answerer = StepAnswerer(bufs, drafter)
+        log.info("draft session %d open (target %s, %d buffers, steps on the %s%s)", hello.session_id,
+                 hello.target.fingerprint, len(hello.buffers), "stream" if sock is None else "step socket",
+                 "" if events is None else ", chained")
+        answerer = StepAnswerer(bufs, drafter, events)
         try:
             if sock is None:
                 self._serve_stream(responses, outgoing, answerer)
@@ -243,19 +266,21 @@ class DraftWorker:
                 frame = sock.recv()
             except ConnectionError:
                 break
-            reply = answerer.answer(frames.decode_call(frame))
+            call = frames.decode(frame)
+            chained = isinstance(call, ChainCall)
+            reply = answerer.chain(call) if chained else answerer.answer(call)
             self._count(reply)
             try:
-                sock.send(frames.encode_reply(reply))
+                sock.send(frames.encode_chain_reply(reply) if chained else frames.encode_reply(reply))
             except ConnectionError:  # the verify side ended the session meanwhile
                 break
         _later(5.0, responses.cancel)  # the verify side ends the stream with the socket; never wait for ever
         for _ in responses:  # nothing comes on this stream
             pass
 
-    def _count(self, reply: StepReply) -> None:
+    def _count(self, reply: StepReply | ChainReply) -> None:
         self.steps += 1
-        self.trees_proposed += len(reply.trees)
+        self.trees_proposed += reply.num_trees if isinstance(reply, ChainReply) else len(reply.trees)
         self._on_step(reply.draft_compute_ns / 1e9)
 
 

@@ -30,6 +30,7 @@ class DraftServerConfig:
     metrics_port: int | None = None  # Prometheus /metrics on the --listen host (None: off; 0: any free port)
     step_transport: str = "socket"  # socket: the unix step socket when offered, else the stream; stream: always
     enforce_eager: bool = False  # no CUDA graphs for the tree levels
+    chained_steps: bool = True  # take chained steps on the step socket when offered (off: debugging, A/B)
 
     def __post_init__(self):
         check_device(self.device)
@@ -57,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how each step travels: socket (a unix socket beside the verify service's, when it offers "
                         "one: its internal address is a unix socket; else the gRPC session stream) or stream "
                         "(always the gRPC session stream)")
+    p.add_argument("--chained-steps", default="on", choices=["on", "off"],
+                   help="on the step socket, take chained steps when the verify service offers them (the draft's "
+                        "work queued on the device behind acceptance, no host waiting for the other's GPU work); "
+                        "off: every step's rows and trees pass through the host (debugging, comparisons)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus /metrics on PORT, on the --listen host (127.0.0.1 for a unix socket; "
                         "0: any free port); needs eagle3-serve[metrics]")
@@ -71,4 +76,4 @@ def from_args(args: argparse.Namespace) -> DraftServerConfig:
     return DraftServerConfig(spec, verify=args.verify, listen=args.listen, device=args.device,
                              reconnect_max_s=args.reconnect_max_s, max_message_bytes=args.max_message_bytes,
                              metrics_port=args.metrics_port, step_transport=args.step_transport,
-                             enforce_eager=args.enforce_eager)
+                             enforce_eager=args.enforce_eager, chained_steps=args.chained_steps == "on")

@@ -1,14 +1,19 @@
 """One step on the draft side: the drafter's work on a ``StepCall``, its trees written to the
 shared tree buffers (slot i for proposal i), answered by a ``StepReply``. The same for both step
-transports (the unix step socket and the Session stream)."""
+transports (the unix step socket and the Session stream). A chained step (``ChainCall``, the step
+socket only) is the drafter's ``step_on_device`` behind the verify side's ready event, its trees
+copied into ``chain_trees`` on the device, the done event recorded, answered by a ``ChainReply``
+before that work has run (verify_service/draft_link.py)."""
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
-from link.protocol import DraftFeed, DraftProvider, StepCall, StepReply, TreeRef
+from common.errors import LinkProtocolError
+from link.protocol import ChainCall, ChainReply, DraftFeed, DraftProvider, StepCall, StepReply, TreeRef
 
 TREE_BUFFERS = ("tree_tokens", "tree_parents", "tree_log_probs")
 
@@ -17,8 +22,10 @@ class StepAnswerer:
     """Answers one session's steps. The tree buffers are shared host memory: each tree is written
     straight into its slot, with no device copy and no sync."""
 
-    def __init__(self, bufs: dict[str, torch.Tensor], drafter: DraftProvider):
-        self.bufs, self.drafter = bufs, drafter
+    def __init__(self, bufs: dict[str, torch.Tensor], drafter: DraftProvider, chain_events: tuple | None = None):
+        """``chain_events``: the chained steps' (ready, done) IPC events, opened; () off CUDA, where
+        nothing needs them; None: this session takes no chained steps."""
+        self.bufs, self.drafter, self.chain_events = bufs, drafter, chain_events
         self.width = bufs["tree_tokens"].shape[1]
         self._host = {name: bufs[name].numpy() for name in TREE_BUFFERS}  # views of the shared memory
 
@@ -26,10 +33,7 @@ class StepAnswerer:
         """Release finished sequences, extend the draft with the fed rows, grow the trees asked for.
         ``draft_compute_ns`` is this method's time: the rest of the verify side's wait is the link."""
         start = time.perf_counter_ns()
-        for seq_id, reason in call.rejections:
-            self.drafter.tree_rejected(seq_id, reason)
-        for seq_id in call.finished:
-            self.drafter.release(seq_id)
+        self._apply(call)
         features = self.bufs["features"]
         feeds = [DraftFeed(f.seq_id, f.start, features[f.buffer_row:f.buffer_row + len(f.next_tokens)],
                            f.next_tokens) for f in call.feeds]
@@ -45,3 +49,54 @@ class StepAnswerer:
                 tree.log_probs[:n]
             refs.append(TreeRef(p.seq_id, slot, tree.num_nodes))
         return StepReply(call.step_id, refs, time.perf_counter_ns() - start)
+
+    def chain(self, call: ChainCall) -> ChainReply:
+        """A chained step: its work queued behind the verify side's ready event, the trees' copy into
+        ``chain_trees`` and the done event behind it; answered before any of it has run. The rows in
+        ``chain_feeds`` come from another process: counts and tokens are clamped into range on the
+        device, so a wrong value there spoils proposals, never the draft's memory."""
+        start = time.perf_counter_ns()
+        self._apply(call)
+        if self.chain_events is None or not hasattr(self.drafter, "step_on_device"):
+            raise LinkProtocolError("a chained step on a session that takes none")
+        B, W = len(call.seqs), call.width
+        feeds, rows, out = (self.bufs[k] for k in ("chain_feeds", "features", "chain_trees"))
+        if not 1 <= B <= out.shape[1] or W + 1 > feeds.shape[1] or B * W > rows.shape[0]:
+            raise LinkProtocolError(f"chained step {call.step_id}: {B} sequences of {W} rows exceed the buffers")
+        held = getattr(self.drafter, "rows", {})
+        for q in call.seqs:
+            if held.get(q.seq_id, 0) != q.start or q.most < 1:
+                raise LinkProtocolError(f"chained step {call.step_id}: sequence {q.seq_id} fed from row {q.start}, "
+                                        f"the draft holds {held.get(q.seq_id, 0)}")
+        if self.chain_events:
+            torch.cuda.current_stream(rows.device).wait_event(self.chain_events[0])
+        vocab = self.bufs["embedding"].shape[0]
+        counts, tokens = feeds[:B, 0].clamp(1, W), feeds[:B, 1:W + 1].clamp(0, vocab - 1)
+        pending = self.drafter.step_on_device([q.seq_id for q in call.seqs], [q.start for q in call.seqs],
+                                              [q.most for q in call.seqs], counts, tokens,
+                                              rows[:B * W].view(B, W, rows.shape[1]), call.settings)
+        trees = pending.on_device
+        if trees is None:  # grown eagerly (a CPU): the trees are on the host already
+            got = pending.collect()
+            trees = torch.from_numpy(np.stack([np.stack([t.tokens, t.parents, t.depths,
+                                                         t.log_probs.astype(np.float32).view(np.int32)])
+                                               for t in (got[q.seq_id] for q in call.seqs)], axis=1).astype(np.int64))
+        n = trees.shape[2]
+        if n > out.shape[2]:
+            raise LinkProtocolError(f"chained step {call.step_id}: trees of {n} nodes, the buffer holds {out.shape[2]}")
+        out[:, :B, :n].copy_(trees)
+        if self.chain_events:
+            self.chain_events[1].record()
+        return ChainReply(call.step_id, B, n, time.perf_counter_ns() - start)
+
+    def _apply(self, call: StepCall | ChainCall) -> None:
+        """What a frame says before its step: settled rows (chained sequences' commits), refused
+        trees, finished sequences, in that order."""
+        if call.settled:
+            if not hasattr(self.drafter, "settle"):
+                raise LinkProtocolError("settled rows for a draft that takes no chained steps")
+            self.drafter.settle({seq_id: rows for seq_id, rows in call.settled})
+        for seq_id, reason in call.rejections:
+            self.drafter.tree_rejected(seq_id, reason)
+        for seq_id in call.finished:
+            self.drafter.release(seq_id)

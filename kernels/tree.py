@@ -36,6 +36,32 @@ def tree_mask_ref(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tenso
     return mask
 
 
+def sanitize_trees(packed: torch.Tensor, vocab_size: int, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trees another process wrote, made safe to lay out and verify, on their device with no sync:
+    ``packed`` int64 [4, B, n] (tokens | parents | depths | score bits, every tree of n nodes) ->
+    (trees of the same layout, valid bool [B]). A tree that breaks an invariant
+    ``runtime.tree.invalid_trees`` checks (tokens in the vocabulary, parents before children, depths
+    one below the parent's, none deeper than ``max_depth``, distinct siblings) is replaced by n
+    children of the root with the distinct tokens 0, 1, ... (depth 1): whatever was written, the
+    step's layout stays within its buffers and tables, and its acceptance exact (any well-formed tree
+    verifies exactly). ``valid`` tells the host which trees were replaced."""
+    tokens, parents, depths = packed[0], packed[1], packed[2]
+    _, B, n = packed.shape
+    idx = torch.arange(n, device=packed.device)
+    ok = ((tokens >= 0) & (tokens < vocab_size) & (parents >= -1) & (parents < idx)).all(dim=1)
+    parent_depth = torch.gather(depths, 1, torch.where((parents >= 0) & (parents < idx), parents, 0))
+    # Each depth its parent's + 1 (1 below the root): by induction from the root, every depth is true.
+    ok &= (torch.where(parents >= 0, parent_depth + 1, 1) == depths).all(dim=1)
+    ok &= depths.amax(dim=1) <= max_depth
+    # Siblings distinct: equal neighbours among each tree's sorted (parent, token) keys (a tree whose
+    # tokens or parents are out of range is refused already, whatever its keys).
+    keys = torch.where(ok[:, None], (parents + 1) * (vocab_size + 1) + tokens, idx).sort(dim=1).values
+    ok &= ~(keys[:, 1:] == keys[:, :-1]).any(dim=1)
+    fallback = torch.stack([(idx % vocab_size).expand(B, n), torch.full_like(tokens, -1), torch.ones_like(tokens),
+                            torch.zeros_like(tokens)])
+    return torch.where(ok[None, :, None], packed, fallback), ok
+
+
 def _parent_slots(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
     """int64 [B, N+1]: slot of every slot's parent; the root and padding nodes point at the root."""
     b, n = parents.shape

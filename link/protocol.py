@@ -4,7 +4,9 @@ Each step the verify side tells the draft what became final (``DraftFeed``: the 
 features of committed positions, each paired with the token that follows it) and asks for
 new candidate trees. In one process the draft is called directly; across services one step
 is a ``StepCall`` (metadata and offsets into the shared buffers) answered by a ``StepReply``,
-on the Session stream (link/convert.py) or the unix step socket (link/step_frames.py).
+on the Session stream (link/convert.py) or the unix step socket (link/step_frames.py), where a
+step of trees alone may also be a ``ChainCall`` answered by a ``ChainReply`` (its rows and
+trees stay on the device: verify_service/draft_link.py).
 
 Alignment (EAGLE-3): draft row i pairs the target feature of position i with token i + 1,
 sits at RoPE position i, and predicts token i + 2.
@@ -12,7 +14,7 @@ sits at RoPE position i, and predicts token i + 2.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -44,8 +46,10 @@ class DraftProvider(Protocol):
     # Optional, False when absent: True only for a provider in this process whose trees are valid by
     # construction (the verify side then skips its structural checks of them).
     trusted_trees: bool
-    # Optional too: ``step_on_device`` and ``settle`` (``EagleDrafter``), a provider in this process that
-    # takes a step's feeds still on the device, chained behind acceptance (``DraftCoordinator.chains``).
+    # Optional too: ``step_on_device`` and ``settle`` (``EagleDrafter``; ``RemoteDraft`` across the link,
+    # with ``chainable``), a provider that takes a step's feeds still on the device, chained behind
+    # acceptance (``DraftCoordinator.chains``); the draft service also reads its ``rows`` (committed
+    # rows per sequence) to check a chained step's starts.
 
     def step(self, feeds: list[DraftFeed], proposals: list[ProposeRequest]) -> dict[int, CandidateTree]:
         """Extend the draft's cache with ``feeds``, then propose a tree for each request.
@@ -80,6 +84,47 @@ class StepCall:
     proposals: list[ProposeRequest]
     finished: list[int]  # sequences whose draft state to free
     rejections: list[tuple[int, str]]  # (seq_id, reason): trees the verify side refused, earlier steps
+    # (seq_id, rows): the committed rows of sequences an earlier chained step fed, known on the host
+    # since (the draft's ``settle``); applied before anything else in the step.
+    settled: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ChainedSeq:
+    """One sequence of a chained step: its committed rows ``start`` (the draft's rows so far), and at
+    most ``most`` rows fed this step (its tree's nodes + 1)."""
+
+    seq_id: int
+    start: int
+    most: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChainCall:
+    """A chained step, verify -> draft (step socket only): sequence i's fed rows are on the device,
+    ``chain_feeds[i, 0]`` of them (at most ``width``), its features in rows ``i * width ..`` of the
+    features buffer and the tokens that follow them in ``chain_feeds[i, 1:1 + width]``; a full-depth
+    tree of ``settings`` is asked for each, written to ``chain_trees[:, i]``."""
+
+    step_id: int
+    seqs: list[ChainedSeq]
+    width: int
+    settings: TreeSettings
+    finished: list[int]
+    rejections: list[tuple[int, str]]
+    settled: list[tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class ChainReply:
+    """The draft queued chained step ``step_id``'s work (not done: the verify side's stream waits for
+    it): ``num_trees`` trees of ``num_nodes`` nodes each in ``chain_trees``. ``draft_compute_ns``: the
+    draft's host time on the step."""
+
+    step_id: int
+    num_trees: int
+    num_nodes: int
+    draft_compute_ns: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,9 @@
 """A draft service whose trees are malformed on purpose (test double for the verify side's checks).
 
     python tests/faulty_draft.py MODE --draft DIR --verify ADDR --listen ADDR
-MODE: parent_after_child | too_many_nodes | token_out_of_vocab
+MODE: parent_after_child | too_many_nodes | token_out_of_vocab (every tree of an ordinary step), or
+chained_garbage (ordinary steps' trees sound, every chained step's broken: a token outside the
+vocabulary and a parent after its child, on the device or on the host where they are grown)
 """
 
 from __future__ import annotations
@@ -33,13 +35,41 @@ def corrupt(tree: CandidateTree, mode: str, vocab: int) -> CandidateTree:
     return CandidateTree(tokens, tree.parents, tree.depths, tree.log_probs)
 
 
+class BrokenChainedTrees:
+    """A chained step's trees (``drafter.PendingTrees``) broken as they leave the drafter."""
+
+    def __init__(self, pending, vocab: int):
+        self.pending, self.vocab = pending, vocab
+
+    @property
+    def on_device(self):
+        trees = self.pending.on_device
+        if trees is None:
+            return None
+        trees = trees.clone()
+        trees[0, :, 0] = self.vocab + 7
+        trees[1, :, 0] = trees.shape[2] - 1
+        return trees
+
+    def collect(self):
+        return {k: corrupt(corrupt(t, "parent_after_child", self.vocab), "token_out_of_vocab", self.vocab)
+                for k, t in self.pending.collect().items()}
+
+
 class FaultyDrafter:
     def __init__(self, inner: EagleDrafter, mode: str, vocab: int):
         self.inner, self.mode, self.vocab = inner, mode, vocab
         self.capture_layers = inner.capture_layers
+        if mode == "chained_garbage":  # takes chained steps (the others: ordinary steps only)
+            self.step_on_device, self.settle, self.rows = self._step_on_device, inner.settle, inner.rows
+
+    def _step_on_device(self, *args):
+        return BrokenChainedTrees(self.inner.step_on_device(*args), self.vocab)
 
     def step(self, feeds, proposals):
         trees = self.inner.step(feeds, proposals)
+        if self.mode == "chained_garbage":
+            return trees
         return {k: corrupt(t, self.mode, self.vocab) for k, t in trees.items()}
 
     def release(self, seq_id):

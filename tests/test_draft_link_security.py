@@ -155,7 +155,9 @@ def fake_hello(draft: DraftConfig, target_cfg: dict, **sizes) -> pb.HandshakeRes
               "embedding": ((draft.vocab_size, hidden), "float32"),
               "tree_tokens": ((s["max_trees"], s["max_tree_nodes"]), "int64"),
               "tree_parents": ((s["max_trees"], s["max_tree_nodes"]), "int64"),
-              "tree_log_probs": ((s["max_trees"], s["max_tree_nodes"]), "float32")}
+              "tree_log_probs": ((s["max_trees"], s["max_tree_nodes"]), "float32"),
+              "chain_feeds": ((s["max_trees"], 9), "int64"),
+              "chain_trees": ((4, s["max_trees"], s["max_tree_nodes"]), "int64")}
     from link.shared_buffers import BufferDescriptor
     descs = [BufferDescriptor(name, "shm", shape, dtype, 1, shm_name=f"x-{name}", host_id="h")
              for name, (shape, dtype) in shapes.items()]
@@ -169,6 +171,8 @@ def fake_hello(draft: DraftConfig, target_cfg: dict, **sizes) -> pb.HandshakeRes
     ({"duplicate": "features"}, "repeated buffer"), ({"reshape": "embedding"}, "buffer 'embedding'"),
     ({"dtype": "tree_tokens"}, "buffer 'tree_tokens'"), ({"config": "{not json"}, "does not parse"),
     ({"device_memory": "tree_parents"}, "'tree_parents' is cuda_ipc memory, expected shared host memory"),
+    ({"drop": "chain_feeds"}, "missing: chain_feeds"), ({"reshape": "chain_trees"}, "buffer 'chain_trees'"),
+    ({"reshape": "chain_feeds"}, "buffer 'chain_feeds'"), ({"widen": "chain_feeds"}, "unexpected or repeated buffer"),
 ])
 def test_the_draft_checks_the_handshake_before_allocating(dirs, change, message):
     _, draft_dir = dirs
@@ -185,6 +189,8 @@ def test_the_draft_checks_the_handshake_before_allocating(dirs, change, message)
         next(b for b in bufs if b.name == change["reshape"]).shape[0] += 1
     if "dtype" in change:
         next(b for b in bufs if b.name == change["dtype"]).dtype = "float64"
+    if "widen" in change:  # wider than any tree's depth: refused before its shape is looked at
+        next(b for b in bufs if b.name == change["widen"]).shape[1] = 2**20
     if "device_memory" in change:
         next(b for b in bufs if b.name == change["device_memory"]).backend = pb.BUFFER_BACKEND_CUDA_IPC
     del hello.buffers[:]

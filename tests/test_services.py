@@ -169,6 +169,30 @@ def test_malformed_trees_fall_back_to_plain_decoding(dirs, tmp_path, mode):
         s.close()
 
 
+def test_broken_chained_trees_are_replaced_on_the_device_and_the_output_stays_exact(dirs, tmp_path):
+    """A draft whose chained steps' trees break every invariant (a token outside the vocabulary, a
+    parent after its child): each is checked where it lands, replaced by a well-formed stand-in
+    before anything reads it, counted and reported to the draft; the output is target-only's."""
+    root, target, draft = dirs
+    s = Stack(tmp_path, target, draft, verify_args=["--tree-nodes", "12", "--tree-depth", "4", "--tree-top-k", "3"],
+              start_draft=False)
+    try:
+        s.start_draft([sys.executable, str(Path(__file__).parent / "faulty_draft.py"), "chained_garbage"])
+        first = []
+        for prompt in PROMPTS[:2]:
+            c = s.client.complete(prompt, max_tokens=24, ignore_eos=True)
+            assert c.token_ids == expected(target, [prompt], [24])[0]
+            first.append(s.client.metrics())
+        # Every chained step's trees refused: all of the first request's once the second starts (the
+        # trees of a request's last chained step are read by the engine's next step).
+        m = first[1]
+        assert 0 < first[0]["chained_steps"] <= m["draft_errors"] <= m["chained_steps"]
+        time.sleep(0.5)
+        assert "REJECTED" in s.draft.log() and "breaks the tree invariants" in s.draft.log()
+    finally:
+        s.close()
+
+
 def test_per_request_speculation_settings(stack, dirs):
     want = expected(dirs[1], [PROMPTS[2]], [12])[0]
     off = stack.client.complete(PROMPTS[2], max_tokens=12, ignore_eos=True, speculate=False)

@@ -238,25 +238,31 @@ def test_a_newer_handshake_replaces_the_offer_and_a_closed_session_tears_its_soc
 
 
 def test_both_transports_give_the_same_greedy_output(dirs, tmp_path):
+    """The stream, the step socket with chained steps (the default) and without: the same output."""
     model_dir, draft_dir = dirs
     prompts = [[5, 6, 7], list(range(10, 40)), [88] * 9]
     want = [expected(model_dir, p, 24) for p in prompts]
-    s = Stack(tmp_path, model_dir, draft_dir, verify_args=VERIFY_ARGS, start_draft=False,
-              draft_args=["--log-level", "info", "--step-transport", "stream"])
+    variants = {"stream": (["--step-transport", "stream"], "stream"),
+                "socket": (["--step-transport", "socket"], "step socket, chained"),
+                "unchained": (["--step-transport", "socket", "--chained-steps", "off"], "step socket")}
+    s = Stack(tmp_path, model_dir, draft_dir, verify_args=VERIFY_ARGS, start_draft=False)
     try:
-        outputs = {}
-        for transport in ("stream", "socket"):
-            s.draft_args[-1] = transport
+        outputs, chained = {}, {}
+        for name, (args, says) in variants.items():
+            s.draft_args = ["--log-level", "info", *args]
+            before = s.client.metrics()["chained_steps"]
             s.start_draft()
             completions = [s.client.complete(p, max_tokens=24, ignore_eos=True) for p in prompts]
             assert all(c.speculation["speculated"] for c in completions)
-            outputs[transport] = [c.token_ids for c in completions]
-            assert f"steps on the {'step socket' if transport == 'socket' else 'stream'})" in s.draft.log()
+            outputs[name] = [c.token_ids for c in completions]
+            chained[name] = s.client.metrics()["chained_steps"] - before
+            assert f"steps on the {says})" in s.draft.log()
             s.draft.stop()
             wait_for(lambda: s.client.health("eagle3.speculation") == "NOT_SERVING")
-        assert outputs["stream"] == outputs["socket"] == want
+        assert outputs["stream"] == outputs["socket"] == outputs["unchained"] == want
+        assert chained["socket"] > 10 and chained["stream"] == chained["unchained"] == 0
         metrics = s.client.metrics()
-        assert metrics["draft_sessions"] == 2 and metrics["draft_errors"] == 0
+        assert metrics["draft_sessions"] == 3 and metrics["draft_errors"] == 0
         assert list((tmp_path / "run").glob("step-*")) == []  # no step socket left behind
     finally:
         s.close()

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from common.errors import LinkProtocolError
 from common.tree_settings import TreeSettings
 from link import step_socket
-from link.protocol import FeedRows, ProposeRequest, StepCall, StepReply, TreeRef
-from link.step_frames import (CALL_HEADER, FEED, HELLO_MAGIC, MAX_REASON_BYTES, PROPOSAL, FrameLimits, StepFrames,
-                              hello_frame)
+from link.protocol import ChainCall, ChainedSeq, ChainReply, FeedRows, ProposeRequest, StepCall, StepReply, TreeRef
+from link.step_frames import (CALL_HEADER, CHAIN_HEADER, FEED, HELLO_MAGIC, MAX_REASON_BYTES, PROPOSAL, FrameLimits,
+                              StepFrames, hello_frame)
 from link.step_socket import StepListener, StepSocket
 
 pytestmark = pytest.mark.skipif(not step_socket.supported(), reason="SOCK_SEQPACKET and SO_PEERCRED: Linux")
@@ -30,11 +30,20 @@ def a_call(step_id=7) -> StepCall:
     return StepCall(step_id, [FeedRows(3, 0, 0, np.array([5, 6, 7])), FeedRows(2**40, 12, 3, np.array([96]))],
                     [ProposeRequest(3, 4), ProposeRequest(2**40, 2, TreeSettings("dynamic", 3, 2, 5)),
                      ProposeRequest(9, 1, TreeSettings("chain", 2))],
-                    [1, 2**63], [(4, "parent after child"), (5, "é" * 150)])
+                    [1, 2**63], [(4, "parent after child"), (5, "é" * 150)], [(3, 17), (2**40, 2**32 - 1)])
 
 
 def encoded(call: StepCall) -> bytearray:
     return bytearray(StepFrames(LIMITS).encode_call(call))
+
+
+def a_chain(step_id=9) -> ChainCall:
+    return ChainCall(step_id, [ChainedSeq(3, 40, 8), ChainedSeq(2**40, 0, 1)], 8, TreeSettings("dynamic", 7, 10, 59),
+                     [2**63], [(4, "a token outside the vocabulary")], [(3, 40), (6, 12)])
+
+
+def encoded_chain(call: ChainCall) -> bytearray:
+    return bytearray(StepFrames(LIMITS).encode_chain(call))
 
 
 def test_a_step_and_its_reply_round_trip():
@@ -46,6 +55,7 @@ def test_a_step_and_its_reply_round_trip():
     assert call.feeds[0].next_tokens.dtype == np.int64
     assert call.rejections[0] == (4, "parent after child")
     assert call.rejections[1][1] == "é" * (MAX_REASON_BYTES // 2)  # cut on a character boundary
+    assert call.settled == want.settled
     empty = StepFrames(LIMITS).decode_call(memoryview(encoded(StepCall(1, [], [], [], []))))
     assert empty == StepCall(1, [], [], [], [])
     reply = StepReply(7, [TreeRef(3, 0, 4), TreeRef(2**40, 1, 60)], 2**63 - 1)
@@ -82,7 +92,8 @@ PROPOSAL0 = CALL_HEADER.size + 2 * FEED.size
     (lambda f: f + b"\0", "counts say"),
     (lambda f: b"XXXX" + f[4:], "not a step"),
     (lambda f: f[:10], "not a step"),
-    (lambda f: patched(f, 4, "<I", 2), "version 2"),
+    (lambda f: patched(f, 4, "<I", 1), "version 1"),
+    (lambda f: patched(f, 40, "<I", 5), "exceeds the limits"),  # 5 settled, the limit is 4
     (lambda f: patched(f, 16, "<I", 5), "exceeds the limits"),  # 5 feeds, the limit is 4
     (lambda f: patched(f, 32, "<I", 33), "exceeds the limits"),  # 33 tokens, 32 rows
     (lambda f: patched(f, 16, "<I", 1), "counts say"),  # one feed fewer than the frame holds
@@ -98,18 +109,52 @@ def test_a_step_whose_sizes_do_not_add_up_is_refused(corrupt, message):
         StepFrames(LIMITS).decode_call(memoryview(bytes(corrupt(encoded(a_call())))))
 
 
+def test_a_chained_step_and_its_reply_round_trip():
+    frames = StepFrames(LIMITS)
+    frame = frames.encode_chain(a_chain())
+    assert frames.decode(memoryview(bytes(frame))) == a_chain()
+    assert frames.decode(memoryview(encoded(a_call()))).step_id == 7  # the other kind, by its magic
+    reply = ChainReply(9, 2, 59, 12345)
+    assert frames.decode_chain_reply(memoryview(bytes(frames.encode_chain_reply(reply))), 9) == reply
+    with pytest.raises(LinkProtocolError, match="another step"):
+        frames.decode_chain_reply(memoryview(bytes(frames.encode_chain_reply(reply))), 10)
+    step_reply = bytes(frames.encode_reply(StepReply(9, [], 1)))
+    with pytest.raises(LinkProtocolError, match="not a chained step's result"):
+        frames.decode_chain_reply(memoryview(step_reply), 9)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda f: f[:-1], "counts say"),
+    (lambda f: f + b"\0", "counts say"),
+    (lambda f: f[:20], "not a chained step"),
+    (lambda f: patched(f, 4, "<I", 1), "version 1"),
+    (lambda f: patched(f, 16, "<I", 5), "exceeds the limits"),  # 5 sequences, the limit is 4
+    (lambda f: patched(f, 20, "<I", 17), "exceeds the limits"),  # 2 x 17 rows, 32 in the buffer
+    (lambda f: patched(f, 20, "<I", 0), "exceeds the limits"),  # no row
+    (lambda f: patched(f, 24, "<I", 99), "bad tree settings"),  # tree kind 99
+    (lambda f: patched(f, 24, "<I", 0), "names no tree"),
+    (lambda f: patched(f, 28, "<I", 0), "bad tree settings"),  # depth 0
+    (lambda f: patched(f, 16, "<I", 1), "counts say"),  # one sequence fewer than the frame holds
+    (lambda f: patched(f, 52, "<I", 2 * MAX_REASON_BYTES + 1), "exceeds the limits"),  # reason bytes
+])
+def test_a_chained_step_whose_sizes_do_not_add_up_is_refused(corrupt, message):
+    assert CHAIN_HEADER.size == 56
+    with pytest.raises(LinkProtocolError, match=message):
+        StepFrames(LIMITS).decode(memoryview(bytes(corrupt(encoded_chain(a_chain())))))
+
+
 @fuzz
 @given(data=st.one_of(st.binary(max_size=600),
                       st.builds(lambda at, b: (at, b), st.integers(0, 500), st.binary(min_size=1, max_size=8))))
 def test_no_frame_raises_anything_but_a_protocol_error(data):
     """Random bytes, and a valid step with a few bytes overwritten: parsed or refused, nothing else."""
+    frames = StepFrames(LIMITS)
     if isinstance(data, tuple):
         at, patch = data
-        frame = encoded(a_call())
+        frame = encoded(a_call()) if at % 2 else encoded_chain(a_chain())
         frame[at:at + len(patch)] = patch
         data = bytes(frame)
-    frames = StepFrames(LIMITS)
-    for decode in (frames.decode_call, lambda f: frames.decode_reply(f, 7)):
+    for decode in (frames.decode, lambda f: frames.decode_reply(f, 7), lambda f: frames.decode_chain_reply(f, 9)):
         try:
             decode(memoryview(data))
         except LinkProtocolError:

@@ -138,11 +138,14 @@ class DraftCoordinator:
 
     def chains(self, seqs: list[Sequence]) -> bool:
         """Whether a step of these tree sequences alone may hand the draft its rows before the step
-        waits for the device (``draft_on_device``): a drafter in this process that takes them there,
-        no policy (trees of the requests' own size, asked for by every sequence), nothing waiting
-        in the feed buffer, one tree shape."""
+        waits for the device (``draft_on_device``): a drafter that takes them there (in this process,
+        or a draft service whose session takes chained steps for all of them: ``chainable``), no
+        policy (trees of the requests' own size, asked for by every sequence), nothing waiting in
+        the feed buffer, one tree shape."""
+        chainable = getattr(self.drafter, "chainable", None)
         return (self.chain and self.policy is None and hasattr(self.drafter, "step_on_device")
-                and not self.feed_buffer.rows and len({s.tree_settings for s in seqs}) == 1)
+                and not self.feed_buffer.rows and len({s.tree_settings for s in seqs}) == 1
+                and (chainable is None or chainable([s.seq_id for s in seqs])))
 
     def draft_on_device(self, pending: PendingVerification):
         """Feed the draft what acceptance chose, still on the device, and grow every sequence's next

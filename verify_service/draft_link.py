@@ -18,6 +18,23 @@ Shared buffers, exported once::
     tree_parents    [max_trees, max_nodes] int64      (the three tree buffers: host memory on
     tree_log_probs  [max_trees, max_nodes] float32     every device, built and read on the host)
 
+    chain_feeds     [max_trees, depth + 2] int64      chained steps (below), on the device:
+    chain_trees     [4, max_trees, max_nodes] int64    counts and tokens in, trees out
+
+Chained steps (a draft that takes them on its step socket; ``DraftCoordinator.chains``): after
+a step of trees alone the engine hands over what acceptance chose while it is still on the
+device (``step_on_device``): the rows go into ``chain_feeds`` and ``features`` on this side's
+stream, an IPC event marks them ready, and the step's frame goes out without a wait. The
+draft's stream waits for that event, extends its cache and grows every next tree there, copies
+them into ``chain_trees`` and records its own event; its answer only says so. The next step
+waits for the answer (long there by then), makes its stream wait for the draft's event, and
+verifies the trees from the device (``RemotePendingTrees``): neither host waits for the other's
+device work, and the host commits while the draft runs. Those trees come from another process:
+on the device each is checked and, if broken, replaced by a well-formed stand-in before
+anything reads it (``kernels.tree.sanitize_trees``; the host learns which with the copy of the
+trees), so a faulty draft costs speculation, never an exact token or a read out of bounds.
+Chained rows' committed counts reach the draft with the next frame (``settle``).
+
 Without a session (no draft, or it died) ``step`` returns no trees: sequences decode one
 token per step with exactly the same output. A new session only speculates for sequences
 it has seen from their first row (the draft's cache must hold every committed row).
@@ -38,12 +55,15 @@ import numpy as np
 import torch
 
 from common.errors import LinkProtocolError
+from common.tree_settings import TreeSettings
+from kernels.tree import sanitize_trees
 from link.convert import step_call_to_proto, step_reply_from_proto
-from link.protocol import DraftFeed, FeedRows, ProposeRequest, StepCall, StepReply
+from link.protocol import ChainCall, ChainedSeq, DraftFeed, FeedRows, ProposeRequest, StepCall, StepReply
 from link.shared_buffers import BufferExporter
 from link.step_frames import FrameLimits, StepFrames
 from link.step_socket import StepListener, StepSocket, remove_stale
 from protos.eagle3.v1 import draft_link_pb2 as pb
+from runtime.step_layout import Readback
 from runtime.tree import CandidateTree, depths_of_rows
 
 log = logging.getLogger(__name__)
@@ -61,6 +81,7 @@ class Session:
     alive: bool = False
     listener: StepListener | None = None  # the step socket offered at the handshake, until accepted
     step_socket: StepSocket | None = None  # the accepted step socket (None: steps on the stream)
+    chained: bool = False  # the draft takes chained steps on its step socket
 
 
 class RemoteDraft:
@@ -89,6 +110,12 @@ class RemoteDraft:
         self._steps = itertools.count(1)
         self._finished: list[int] = []
         self._rejected: list[tuple[int, str]] = []
+        self._settled: list[tuple[int, int]] = []  # chained sequences' committed rows, for the next frame
+        # Chained steps' IPC events (ready: rows written here; done: trees written there), made once and
+        # kept while the server lives (a peer's opened handle must not outlive them); none off CUDA.
+        cuda = buffers["features"].is_cuda
+        self._events = tuple(torch.cuda.Event(interprocess=True) for _ in range(2)) if cuda else None
+        self._chain_readback = Readback(buffers["features"].device)
         self.sessions_opened = 0
         self.errors = 0  # sessions lost (crash, timeout, broken stream; not a clean close), unusable tree references
         self.overhead_ns: deque[int] = deque(maxlen=1024)  # round trip minus the draft's compute
@@ -169,6 +196,7 @@ class RemoteDraft:
         with self._lock:
             if self._session is session:
                 self._session = None
+                self._settled = []  # a new session knows none of its sequences
             was_alive, session.alive = session.alive, False
         self._end(session)
         if was_alive and not clean:
@@ -215,12 +243,10 @@ class RemoteDraft:
         s = self._session
         if s is None or not s.alive:
             return {}
-        cap = self.limits.max_seqs  # what one step frame carries; the rest goes with the next step
-        finished, self._finished = self._finished[:cap], self._finished[cap:]
-        rejected, self._rejected = self._rejected[:cap], self._rejected[cap:]
+        finished, rejected, settled = self._backlog()
         fed = self._write_feeds(s, feeds)  # first: a sequence fed from its first row becomes known
-        asked = [p for p in proposals if p.seq_id in s.known][:cap]
-        call = StepCall(next(self._steps), fed, asked, finished, rejected)
+        asked = [p for p in proposals if p.seq_id in s.known][:self.limits.max_seqs]
+        call = StepCall(next(self._steps), fed, asked, finished, rejected, settled)
         start = time.perf_counter_ns()
         if self.buffers["features"].is_cuda:
             torch.cuda.synchronize()  # the draft reads the features from another process
@@ -235,6 +261,106 @@ class RemoteDraft:
         self.overhead_ns.append(overhead_ns)
         self._on_overhead(overhead_ns / 1e9)
         return trees
+
+    def _backlog(self) -> tuple[list, list, list]:
+        """What waits for the next frame: finished sequences, refused trees, settled rows (as many of each
+        as one frame carries; the rest goes with the one after)."""
+        cap = self.limits.max_seqs
+        finished, self._finished = self._finished[:cap], self._finished[cap:]
+        rejected, self._rejected = self._rejected[:cap], self._rejected[cap:]
+        settled, self._settled = self._settled[:cap], self._settled[cap:]
+        return finished, rejected, settled
+
+    # --- chained steps (engine thread) ------------------------------------------------------
+
+    def chain_event_handles(self) -> tuple[bytes, bytes]:
+        """The IPC handles of the chained steps' events (ready, done) for a handshake; empty off CUDA."""
+        return (b"", b"") if self._events is None else tuple(bytes(e.ipc_handle()) for e in self._events)
+
+    def chainable(self, seq_ids: list[int]) -> bool:
+        """Whether a chained step of these sequences can go to the live session: one that takes them,
+        knows every sequence, and has room for them in one frame."""
+        s = self._session
+        return s is not None and s.alive and s.chained and len(seq_ids) <= self.limits.max_seqs \
+            and all(i in s.known for i in seq_ids)
+
+    def step_on_device(self, seq_ids: list[int], starts: list[int], most: list[int], counts: torch.Tensor,
+                       tokens: torch.Tensor, features: torch.Tensor, settings: TreeSettings) -> "RemotePendingTrees":
+        """``EagleDrafter.step_on_device`` across the link: the rows into the chain buffers (queued on this
+        side's stream), the ready event, the frame; nothing waits. ``counts`` [B], ``tokens`` [B, W],
+        ``features`` [B, W, width], on the device. The trees come with the next step
+        (``RemotePendingTrees``); ``settle`` follows once the counts are known on the host."""
+        s = self._session
+        B, W = tokens.shape
+        feeds, rows = self.buffers["chain_feeds"], self.buffers["features"]
+        if not self.chainable(seq_ids) or W + 1 > feeds.shape[1] or B * W > rows.shape[0]:
+            return RemotePendingTrees(self, None, None, settings)
+        feeds[:B, 0].copy_(counts)
+        feeds[:B, 1:W + 1].copy_(tokens)
+        rows[:B * W].copy_(features.reshape(B * W, -1))
+        if self._events is not None:
+            self._events[0].record()
+        finished, rejected, settled = self._backlog()
+        call = ChainCall(next(self._steps), [ChainedSeq(*q) for q in zip(seq_ids, starts, most)], W, settings,
+                         finished, rejected, settled)
+        sock = s.step_socket
+        try:
+            if sock.waiting():  # before we asked: a frame nobody asked for, or the draft's close
+                sock.recv()
+                raise LinkProtocolError("the draft sent results nobody asked for")
+            sock.send(self._frames.encode_chain(call))
+        except (LinkProtocolError, OSError) as exc:
+            self.drop(s, str(exc))
+            return RemotePendingTrees(self, None, None, settings)
+        return RemotePendingTrees(self, s, call, settings)
+
+    def settle(self, rows: dict[int, int]) -> None:
+        """The committed rows of a chained step's sequences, for the draft with the next frame."""
+        s = self._session
+        if s is not None and s.alive:
+            self._settled.extend(rows.items())
+
+    def _chain_answer(self, s: Session, call: ChainCall, settings: TreeSettings) -> tuple[torch.Tensor, int] | None:
+        """Wait for chained step ``call``'s answer, queue this side's wait for the draft's trees and their
+        check on the device, and start their copy to the host. Returns the checked trees [4, B, n] and
+        the copy's ticket; None when the session failed (then ended)."""
+        start = time.perf_counter_ns()
+        B = len(call.seqs)
+        try:
+            reply = self._frames.decode_chain_reply(s.step_socket.recv(), call.step_id)
+            n = reply.num_nodes
+            if reply.num_trees != B or not 1 <= n <= min(settings.node_budget, self.buffers["chain_trees"].shape[2]):
+                raise LinkProtocolError(f"chained step {call.step_id}: {reply.num_trees} trees of {n} nodes for "
+                                        f"{B} sequences of at most {settings.node_budget}")
+        except (LinkProtocolError, OSError) as exc:
+            self.drop(s, "no answer in time" if isinstance(exc, TimeoutError) else str(exc))
+            return None
+        waited = time.perf_counter_ns() - start  # the link's cost on this step: any wait for the answer
+        self.overhead_ns.append(waited)
+        self._on_overhead(waited / 1e9)
+        if self._events is not None:
+            torch.cuda.current_stream(self.buffers["features"].device).wait_event(self._events[1])
+        # A snapshot first: the checks and every later read see the same bytes, whatever the peer writes.
+        raw = self.buffers["chain_trees"][:, :B, :n].clone()
+        trees, valid = sanitize_trees(raw, self.buffers["embedding"].shape[0], settings.depth)
+        return trees, self._chain_readback.start(torch.cat([trees.flatten(), valid.to(torch.int64)]))
+
+    def _chain_trees(self, call: ChainCall, trees: torch.Tensor, ticket: int) -> dict[int, CandidateTree]:
+        """The checked trees of ``_chain_answer`` on the host, by sequence; a stand-in for a broken tree
+        counts as an error and is reported to the draft."""
+        _, B, n = trees.shape
+        host = self._chain_readback.wait(ticket)
+        packed, valid = host[:4 * B * n].reshape(4, B, n), host[4 * B * n:]
+        out = {}
+        for j, q in enumerate(call.seqs):
+            out[q.seq_id] = CandidateTree(packed[0, j], packed[1, j], packed[2, j],
+                                          packed[3, j].astype(np.int32).view(np.float32))
+            if not valid[j]:
+                self.errors += 1
+                log.warning("sequence %d: the draft's chained tree broke the tree invariants; a stand-in was verified",
+                            q.seq_id)
+                self.tree_rejected(q.seq_id, "a chained tree that breaks the tree invariants")
+        return out
 
     def _exchange_stream(self, s: Session, call: StepCall) -> StepReply:
         s.outgoing.put(step_call_to_proto(call))
@@ -306,3 +432,33 @@ class RemoteDraft:
             trees[ref.seq_id] = CandidateTree(tokens[slot, :k].astype(np.int64, copy=False), parents[slot, :k],
                                               depths[slot, :k], log_probs[slot, :k])
         return trees
+
+
+class RemotePendingTrees:
+    """A chained step's trees, grown by the draft service (``RemoteDraft.step_on_device``), as
+    ``drafter.PendingTrees`` offers them: ``on_device`` (the checked trees, int64 [4, B, n], queued
+    behind the draft's work on this side's stream) and ``collect()`` (by sequence, on the host). The
+    first of the two waits for the draft's answer; a failed session gives None and no trees."""
+
+    def __init__(self, remote: RemoteDraft, session: Session | None, call: ChainCall | None, settings: TreeSettings):
+        self.seq_ids = [q.seq_id for q in call.seqs] if call is not None else []
+        self._remote, self._session, self._call, self._settings = remote, session, call, settings
+        self._answer = None  # (trees, ticket) once answered
+        self._answered = call is None
+        self.trees: dict[int, CandidateTree] | None = None
+
+    @property
+    def on_device(self) -> torch.Tensor | None:
+        self._wait()
+        return None if self._answer is None else self._answer[0]
+
+    def collect(self) -> dict[int, CandidateTree]:
+        if self.trees is None:
+            self._wait()
+            self.trees = {} if self._answer is None else self._remote._chain_trees(self._call, *self._answer)
+        return self.trees
+
+    def _wait(self) -> None:
+        if not self._answered:
+            self._answered = True
+            self._answer = self._remote._chain_answer(self._session, self._call, self._settings)

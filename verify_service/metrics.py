@@ -76,6 +76,7 @@ def families(s: VerifyStats) -> list:
         by_depth.add_metric([str(depth)], n)
     return _adaptive(s, core) + [
         counter("requests_completed", "Requests finished (stop or length)", s.completed_requests),
+        counter("chained_steps", "Steps whose draft work went in behind acceptance on the device", s.chained_steps),
         counter("requests_cancelled", "Requests cancelled by the client or their deadline", s.cancelled_requests),
         gauge("requests_running", "Requests admitted and generating", s.running_requests),
         gauge("requests_waiting", "Requests queued for KV space or a batch slot", s.waiting_requests),

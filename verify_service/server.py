@@ -105,7 +105,9 @@ def _export_buffers(target: Target, cfg: VerifyServerConfig, capture_layers) -> 
     its own, so no write through shared memory (a faulty or hostile peer) can change the target's
     output; at worst it spoils the draft's proposals, which verification then rejects. The tree
     buffers are host memory on every device: the draft builds its trees on the host and this side
-    lays them out there, so a tree crosses no PCIe copy and no device sync on either side."""
+    lays them out there, so a tree crosses no PCIe copy and no device sync on either side. Chained
+    steps (verify_service/draft_link.py) pass their accepted rows and their next trees on the device
+    instead: ``chain_feeds`` (per sequence the count, then the tokens) and ``chain_trees``."""
     lim, e = cfg.limits, cfg.engine
     exporter = BufferExporter(target.device)
     width = len(capture_layers) * target.model_config.hidden_size
@@ -115,6 +117,8 @@ def _export_buffers(target: Target, cfg: VerifyServerConfig, capture_layers) -> 
         "tree_tokens": exporter.allocate("tree_tokens", (e.max_num_seqs, nodes), torch.int64, host=True),
         "tree_parents": exporter.allocate("tree_parents", (e.max_num_seqs, nodes), torch.int64, host=True),
         "tree_log_probs": exporter.allocate("tree_log_probs", (e.max_num_seqs, nodes), torch.float32, host=True),
+        "chain_feeds": exporter.allocate("chain_feeds", (e.max_num_seqs, lim.depth + 2), torch.int64),
+        "chain_trees": exporter.allocate("chain_trees", (4, e.max_num_seqs, nodes), torch.int64),
     }
     buffers["embedding"] = exporter.share("embedding", target.model.model.embed_tokens.weight.data)
     return exporter, buffers

@@ -143,12 +143,16 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
         b = self.remote.buffers
         offer = None if session.listener is None else link_pb.StepSocketOffer(name=session.listener.path.name,
                                                                                token=session.listener.token)
+        chain = None  # chained steps travel on the step socket only
+        if offer is not None:
+            ready, done = self.remote.chain_event_handles()
+            chain = link_pb.ChainedSteps(ready_event=ready, done_event=done)
         return link_pb.HandshakeResponse(
             session_id=session.session_id, generation=self.remote.exporter.generation, target=self.identity,
             buffers=[descriptor_to_proto(d) for d in self.remote.exporter.descriptors()],
             max_feature_rows=b["features"].shape[0], max_trees=b["tree_tokens"].shape[0],
             max_tree_nodes=b["tree_tokens"].shape[1], target_config_json=self.config_json,
-            max_model_len=self.target.max_model_len, step_socket=offer)
+            max_model_len=self.target.max_model_len, step_socket=offer, chained_steps=chain)
 
     def _check_peer(self, request) -> None:
         loc, want, mine = request.location, request.expected_target, self.identity
@@ -185,6 +189,7 @@ class DraftLinkServicer(link_grpc.DraftLinkServicer):
             if session is None or first.open.generation != self.remote.exporter.generation:
                 raise SharedBufferError("unknown session or stale buffer generation: handshake again")
             self.remote.open_step_socket(session, first.open.step_transport == link_pb.STEP_TRANSPORT_UNIX_SOCKET)
+            session.chained = first.open.chained_steps and session.step_socket is not None
             if not self.remote.activate(session):
                 raise LinkProtocolError("a draft session is already connected; one draft at a time")
         except (SharedBufferError, LinkProtocolError) as exc:

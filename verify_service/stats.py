@@ -38,6 +38,7 @@ class VerifyStats:
     adaptive_speculation: bool = False  # the tree size is chosen per step (verify_service/adaptive.py)
     adaptive_tree_nodes: int = 0  # its latest choice: nodes per tree (0: plain decoding)
     adaptive_decisions: dict[int, int] = field(default_factory=dict)  # choice -> steps it was made for
+    chained_steps: int = 0  # steps whose draft work went in behind acceptance on the device
 
 
 def read_stats(loop: EngineThread, remote: RemoteDraft | None, timeout_s: float | None = None) -> VerifyStats:
@@ -74,7 +75,8 @@ def snapshot_fn(loop: EngineThread, remote: RemoteDraft | None):
             kv_blocks_total=blocks.num_blocks, speculative_steps=loop.steps_with_trees, plain_steps=loop.plain_steps,
             speculation=engine.speculation_totals(), draft_connected=False, draft_sessions=0,
             draft_errors=engine.draft_errors, refused_trees=engine.draft_errors,
-            control_plane_p50_us=0.0, control_plane_p99_us=0.0, **_adaptive(engine))
+            control_plane_p50_us=0.0, control_plane_p99_us=0.0,
+            chained_steps=engine.speculation.chained_steps if engine.speculation else 0, **_adaptive(engine))
     return snapshot
 
 

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from protos.eagle3.v1 import speculation_pb2 as protos_dot_eagle3_dot_v1_dot_speculation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/eagle3/v1/draft_link.proto\x12\teagle3.v1\x1a\"protos/eagle3/v1/speculation.proto\".\n\x0fStepSocketOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"\x82\x01\n\rModelIdentity\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x16\n\x0e\x63\x61pture_layers\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\"F\n\x0cPeerLocation\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x02 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x03 \x01(\t\"\xe0\x01\n\x0cSharedBuffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x18.eagle3.v1.BufferBackend\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x17\n\x0f\x63uda_ipc_handle\x18\x06 \x01(\x0c\x12\x14\n\x0coffset_bytes\x18\x07 \x01(\x04\x12\x10\n\x08shm_name\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\x12\x0f\n\x07host_id\x18\n \x01(\t\"\xe4\x01\n\x10HandshakeRequest\x12\x31\n\x0f\x65xpected_target\x18\x01 \x01(\x0b\x32\x18.eagle3.v1.ModelIdentity\x12)\n\x08location\x18\x02 \x01(\x0b\x32\x17.eagle3.v1.PeerLocation\x12,\n\x06limits\x18\x03 \x01(\x0b\x32\x1c.eagle3.v1.SpeculationLimits\x12\x12\n\ndraft_name\x18\x04 \x01(\t\x12\x30\n\x0estep_transport\x18\x05 \x01(\x0e\x32\x18.eagle3.v1.StepTransport\"\xb8\x02\n\x11HandshakeResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12(\n\x06target\x18\x03 \x01(\x0b\x32\x18.eagle3.v1.ModelIdentity\x12(\n\x07\x62uffers\x18\x04 \x03(\x0b\x32\x17.eagle3.v1.SharedBuffer\x12\x18\n\x10max_feature_rows\x18\x05 \x01(\r\x12\x11\n\tmax_trees\x18\x06 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x07 \x01(\r\x12\x1a\n\x12target_config_json\x18\x08 \x01(\t\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12/\n\x0bstep_socket\x18\n \x01(\x0b\x32\x1a.eagle3.v1.StepSocketOffer\"[\n\x08\x46\x65\x65\x64Rows\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x12\n\nbuffer_row\x18\x03 \x01(\r\x12\x13\n\x0bnext_tokens\x18\x04 \x03(\r\"r\n\x0fProposalRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\tmax_depth\x18\x02 \x01(\r\x12\x11\n\ttree_slot\x18\x03 \x01(\r\x12)\n\x08settings\x18\x04 \x01(\x0b\x32\x17.eagle3.v1.TreeSettings\"/\n\rTreeRejection\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xbf\x01\n\rVerifyMessage\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\"\n\x05\x66\x65\x65\x64s\x18\x02 \x03(\x0b\x32\x13.eagle3.v1.FeedRows\x12-\n\tproposals\x18\x03 \x03(\x0b\x32\x1a.eagle3.v1.ProposalRequest\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\x04\x12\x30\n\x0erejected_trees\x18\x05 \x03(\x0b\x32\x18.eagle3.v1.TreeRejection\"g\n\x0bSessionOpen\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x30\n\x0estep_transport\x18\x03 \x01(\x0e\x32\x18.eagle3.v1.StepTransport\"?\n\x07TreeRef\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttree_slot\x18\x02 \x01(\r\x12\x11\n\tnum_nodes\x18\x03 \x01(\r\"Z\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12!\n\x05trees\x18\x02 \x03(\x0b\x32\x12.eagle3.v1.TreeRef\x12\x18\n\x10\x64raft_compute_ns\x18\x03 \x01(\x04\"g\n\x0c\x44raftMessage\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.eagle3.v1.SessionOpenH\x00\x12\'\n\x06result\x18\x02 \x01(\x0b\x32\x15.eagle3.v1.StepResultH\x00\x42\x06\n\x04kind*r\n\rStepTransport\x12\x1e\n\x1aSTEP_TRANSPORT_UNSPECIFIED\x10\x00\x12!\n\x1dSTEP_TRANSPORT_SESSION_STREAM\x10\x01\x12\x1e\n\x1aSTEP_TRANSPORT_UNIX_SOCKET\x10\x02*n\n\rBufferBackend\x12\x1e\n\x1a\x42UFFER_BACKEND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x42UFFER_BACKEND_CUDA_IPC\x10\x01\x12 \n\x1c\x42UFFER_BACKEND_SHARED_MEMORY\x10\x02\x32\x95\x01\n\tDraftLink\x12\x46\n\tHandshake\x12\x1b.eagle3.v1.HandshakeRequest\x1a\x1c.eagle3.v1.HandshakeResponse\x12@\n\x07Session\x12\x17.eagle3.v1.DraftMessage\x1a\x18.eagle3.v1.VerifyMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/eagle3/v1/draft_link.proto\x12\teagle3.v1\x1a\"protos/eagle3/v1/speculation.proto\".\n\x0fStepSocketOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"\x82\x01\n\rModelIdentity\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x16\n\x0e\x63\x61pture_layers\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\"F\n\x0cPeerLocation\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x02 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x03 \x01(\t\"\xe0\x01\n\x0cSharedBuffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x18.eagle3.v1.BufferBackend\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x17\n\x0f\x63uda_ipc_handle\x18\x06 \x01(\x0c\x12\x14\n\x0coffset_bytes\x18\x07 \x01(\x04\x12\x10\n\x08shm_name\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\x12\x0f\n\x07host_id\x18\n \x01(\t\"\xe4\x01\n\x10HandshakeRequest\x12\x31\n\x0f\x65xpected_target\x18\x01 \x01(\x0b\x32\x18.eagle3.v1.ModelIdentity\x12)\n\x08location\x18\x02 \x01(\x0b\x32\x17.eagle3.v1.PeerLocation\x12,\n\x06limits\x18\x03 \x01(\x0b\x32\x1c.eagle3.v1.SpeculationLimits\x12\x12\n\ndraft_name\x18\x04 \x01(\t\x12\x30\n\x0estep_transport\x18\x05 \x01(\x0e\x32\x18.eagle3.v1.StepTransport\"\xe8\x02\n\x11HandshakeResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12(\n\x06target\x18\x03 \x01(\x0b\x32\x18.eagle3.v1.ModelIdentity\x12(\n\x07\x62uffers\x18\x04 \x03(\x0b\x32\x17.eagle3.v1.SharedBuffer\x12\x18\n\x10max_feature_rows\x18\x05 \x01(\r\x12\x11\n\tmax_trees\x18\x06 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x07 \x01(\r\x12\x1a\n\x12target_config_json\x18\x08 \x01(\t\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12/\n\x0bstep_socket\x18\n \x01(\x0b\x32\x1a.eagle3.v1.StepSocketOffer\x12.\n\rchained_steps\x18\x0b \x01(\x0b\x32\x17.eagle3.v1.ChainedSteps\"7\n\x0c\x43hainedSteps\x12\x13\n\x0bready_event\x18\x01 \x01(\x0c\x12\x12\n\ndone_event\x18\x02 \x01(\x0c\"[\n\x08\x46\x65\x65\x64Rows\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x12\n\nbuffer_row\x18\x03 \x01(\r\x12\x13\n\x0bnext_tokens\x18\x04 \x03(\r\"r\n\x0fProposalRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\tmax_depth\x18\x02 \x01(\r\x12\x11\n\ttree_slot\x18\x03 \x01(\r\x12)\n\x08settings\x18\x04 \x01(\x0b\x32\x17.eagle3.v1.TreeSettings\"/\n\rTreeRejection\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xbf\x01\n\rVerifyMessage\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\"\n\x05\x66\x65\x65\x64s\x18\x02 \x03(\x0b\x32\x13.eagle3.v1.FeedRows\x12-\n\tproposals\x18\x03 \x03(\x0b\x32\x1a.eagle3.v1.ProposalRequest\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\x04\x12\x30\n\x0erejected_trees\x18\x05 \x03(\x0b\x32\x18.eagle3.v1.TreeRejection\"~\n\x0bSessionOpen\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x30\n\x0estep_transport\x18\x03 \x01(\x0e\x32\x18.eagle3.v1.StepTransport\x12\x15\n\rchained_steps\x18\x04 \x01(\x08\"?\n\x07TreeRef\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttree_slot\x18\x02 \x01(\r\x12\x11\n\tnum_nodes\x18\x03 \x01(\r\"Z\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12!\n\x05trees\x18\x02 \x03(\x0b\x32\x12.eagle3.v1.TreeRef\x12\x18\n\x10\x64raft_compute_ns\x18\x03 \x01(\x04\"g\n\x0c\x44raftMessage\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.eagle3.v1.SessionOpenH\x00\x12\'\n\x06result\x18\x02 \x01(\x0b\x32\x15.eagle3.v1.StepResultH\x00\x42\x06\n\x04kind*r\n\rStepTransport\x12\x1e\n\x1aSTEP_TRANSPORT_UNSPECIFIED\x10\x00\x12!\n\x1dSTEP_TRANSPORT_SESSION_STREAM\x10\x01\x12\x1e\n\x1aSTEP_TRANSPORT_UNIX_SOCKET\x10\x02*n\n\rBufferBackend\x12\x1e\n\x1a\x42UFFER_BACKEND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x42UFFER_BACKEND_CUDA_IPC\x10\x01\x12 \n\x1c\x42UFFER_BACKEND_SHARED_MEMORY\x10\x02\x32\x95\x01\n\tDraftLink\x12\x46\n\tHandshake\x12\x1b.eagle3.v1.HandshakeRequest\x1a\x1c.eagle3.v1.HandshakeResponse\x12@\n\x07Session\x12\x17.eagle3.v1.DraftMessage\x1a\x18.eagle3.v1.VerifyMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.eagle3.v1.draft_link_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STEPTRANSPORT']._serialized_start=1929
-  _globals['_STEPTRANSPORT']._serialized_end=2043
-  _globals['_BUFFERBACKEND']._serialized_start=2045
-  _globals['_BUFFERBACKEND']._serialized_end=2155
+  _globals['_STEPTRANSPORT']._serialized_start=2057
+  _globals['_STEPTRANSPORT']._serialized_end=2171
+  _globals['_BUFFERBACKEND']._serialized_start=2173
+  _globals['_BUFFERBACKEND']._serialized_end=2283
   _globals['_STEPSOCKETOFFER']._serialized_start=84
   _globals['_STEPSOCKETOFFER']._serialized_end=130
   _globals['_MODELIDENTITY']._serialized_start=133
@@ -47,23 +47,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREQUEST']._serialized_start=565
   _globals['_HANDSHAKEREQUEST']._serialized_end=793
   _globals['_HANDSHAKERESPONSE']._serialized_start=796
-  _globals['_HANDSHAKERESPONSE']._serialized_end=1108
-  _globals['_FEEDROWS']._serialized_start=1110
-  _globals['_FEEDROWS']._serialized_end=1201
-  _globals['_PROPOSALREQUEST']._serialized_start=1203
-  _globals['_PROPOSALREQUEST']._serialized_end=1317
-  _globals['_TREEREJECTION']._serialized_start=1319
-  _globals['_TREEREJECTION']._serialized_end=1366
-  _globals['_VERIFYMESSAGE']._serialized_start=1369
-  _globals['_VERIFYMESSAGE']._serialized_end=1560
-  _globals['_SESSIONOPEN']._serialized_start=1562
-  _globals['_SESSIONOPEN']._serialized_end=1665
-  _globals['_TREEREF']._serialized_start=1667
-  _globals['_TREEREF']._serialized_end=1730
-  _globals['_STEPRESULT']._serialized_start=1732
-  _globals['_STEPRESULT']._serialized_end=1822
-  _globals['_DRAFTMESSAGE']._serialized_start=1824
-  _globals['_DRAFTMESSAGE']._serialized_end=1927
-  _globals['_DRAFTLINK']._serialized_start=2158
-  _globals['_DRAFTLINK']._serialized_end=2307
+  _globals['_HANDSHAKERESPONSE']._serialized_end=1156
+  _globals['_CHAINEDSTEPS']._serialized_start=1158
+  _globals['_CHAINEDSTEPS']._serialized_end=1213
+  _globals['_FEEDROWS']._serialized_start=1215
+  _globals['_FEEDROWS']._serialized_end=1306
+  _globals['_PROPOSALREQUEST']._serialized_start=1308
+  _globals['_PROPOSALREQUEST']._serialized_end=1422
+  _globals['_TREEREJECTION']._serialized_start=1424
+  _globals['_TREEREJECTION']._serialized_end=1471
+  _globals['_VERIFYMESSAGE']._serialized_start=1474
+  _globals['_VERIFYMESSAGE']._serialized_end=1665
+  _globals['_SESSIONOPEN']._serialized_start=1667
+  _globals['_SESSIONOPEN']._serialized_end=1793
+  _globals['_TREEREF']._serialized_start=1795
+  _globals['_TREEREF']._serialized_end=1858
+  _globals['_STEPRESULT']._serialized_start=1860
+  _globals['_STEPRESULT']._serialized_end=1950
+  _globals['_DRAFTMESSAGE']._serialized_start=1952
+  _globals['_DRAFTMESSAGE']._serialized_end=2055
+  _globals['_DRAFTLINK']._serialized_start=2286
+  _globals['_DRAFTLINK']._serialized_end=2435
 # @@protoc_insertion_point(module_scope)

@@ -99,7 +99,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, expected_target: _Optional[_Union[ModelIdentity, _Mapping]] = ..., location: _Optional[_Union[PeerLocation, _Mapping]] = ..., limits: _Optional[_Union[_speculation_pb2.SpeculationLimits, _Mapping]] = ..., draft_name: _Optional[str] = ..., step_transport: _Optional[_Union[StepTransport, str]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("session_id", "generation", "target", "buffers", "max_feature_rows", "max_trees", "max_tree_nodes", "target_config_json", "max_model_len", "step_socket")
+    __slots__ = ("session_id", "generation", "target", "buffers", "max_feature_rows", "max_trees", "max_tree_nodes", "target_config_json", "max_model_len", "step_socket", "chained_steps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class HandshakeResponse(_message.Message):
     TARGET_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    CHAINED_STEPS_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     generation: int
     target: ModelIdentity
@@ -120,7 +121,16 @@ class HandshakeResponse(_message.Message):
     target_config_json: str
     max_model_len: int
     step_socket: StepSocketOffer
-    def __init__(self, session_id: _Optional[int] = ..., generation: _Optional[int] = ..., target: _Optional[_Union[ModelIdentity, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[SharedBuffer, _Mapping]]] = ..., max_feature_rows: _Optional[int] = ..., max_trees: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., target_config_json: _Optional[str] = ..., max_model_len: _Optional[int] = ..., step_socket: _Optional[_Union[StepSocketOffer, _Mapping]] = ...) -> None: ...
+    chained_steps: ChainedSteps
+    def __init__(self, session_id: _Optional[int] = ..., generation: _Optional[int] = ..., target: _Optional[_Union[ModelIdentity, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[SharedBuffer, _Mapping]]] = ..., max_feature_rows: _Optional[int] = ..., max_trees: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., target_config_json: _Optional[str] = ..., max_model_len: _Optional[int] = ..., step_socket: _Optional[_Union[StepSocketOffer, _Mapping]] = ..., chained_steps: _Optional[_Union[ChainedSteps, _Mapping]] = ...) -> None: ...
+
+class ChainedSteps(_message.Message):
+    __slots__ = ("ready_event", "done_event")
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
+    ready_event: bytes
+    done_event: bytes
+    def __init__(self, ready_event: _Optional[bytes] = ..., done_event: _Optional[bytes] = ...) -> None: ...
 
 class FeedRows(_message.Message):
     __slots__ = ("seq_id", "start_position", "buffer_row", "next_tokens")
@@ -169,14 +179,16 @@ class VerifyMessage(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., feeds: _Optional[_Iterable[_Union[FeedRows, _Mapping]]] = ..., proposals: _Optional[_Iterable[_Union[ProposalRequest, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., rejected_trees: _Optional[_Iterable[_Union[TreeRejection, _Mapping]]] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("session_id", "generation", "step_transport")
+    __slots__ = ("session_id", "generation", "step_transport", "chained_steps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    CHAINED_STEPS_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     generation: int
     step_transport: StepTransport
-    def __init__(self, session_id: _Optional[int] = ..., generation: _Optional[int] = ..., step_transport: _Optional[_Union[StepTransport, str]] = ...) -> None: ...
+    chained_steps: bool
+    def __init__(self, session_id: _Optional[int] = ..., generation: _Optional[int] = ..., step_transport: _Optional[_Union[StepTransport, str]] = ..., chained_steps: _Optional[bool] = ...) -> None: ...
 
 class TreeRef(_message.Message):
     __slots__ = ("seq_id", "tree_slot", "num_nodes")
