@@ -209,7 +209,8 @@ class DraftWorker:
         try:
             if any(len(h) != IPC_EVENT_BYTES for h in handles):
                 raise ValueError(f"event handles of {[len(h) for h in handles]} bytes")
-            return tuple(torch.cuda.Event.from_ipc_handle(self.device, h) for h in handles)
+            device = self.device if self.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+            return tuple(torch.cuda.Event.from_ipc_handle(device, h) for h in handles)  # an index: record checks it
         except (RuntimeError, ValueError) as exc:
             log.warning("cannot open the chained steps' events (%s); steps are not chained", exc)
             return None
