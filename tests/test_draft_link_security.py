@@ -211,3 +211,14 @@ def test_the_draft_refuses_a_cache_larger_than_memory(dirs):
     with pytest.raises(CapacityError, match="draft KV cache"):
         EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                      LIMITS["max_trees"], LIMITS["max_model_len"])
+
+
+@pytest.mark.parametrize("n", [0, 65537])
+def test_a_chained_step_size_out_of_range_is_refused(dirs, n):
+    from common.errors import InvalidRequestError
+    from verify_service.config import EngineConfig
+    from verify_service.server_config import VerifyServerConfig
+
+    with pytest.raises(InvalidRequestError) as info:
+        VerifyServerConfig(EngineConfig(str(dirs[0])), None, chain_min_seqs=n)
+    assert info.value.field == "chain_min_seqs"

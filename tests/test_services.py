@@ -58,6 +58,7 @@ def test_eight_concurrent_clients(stack, dirs):
     def run(i):
         got[i] = stack.client.complete(PROMPTS[i], max_tokens=lengths[i], ignore_eos=True).token_ids
 
+    chained = stack.client.metrics()["chained_steps"]
     threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
@@ -65,6 +66,7 @@ def test_eight_concurrent_clients(stack, dirs):
         t.join(120)
     assert got == want
     assert stack.client.metrics()["kv_blocks_used"] == 0
+    assert stack.client.metrics()["chained_steps"] > chained  # steps of two sequences or more (the default)
 
 
 def test_cancel_mid_stream_frees_the_kv(stack):
@@ -174,8 +176,8 @@ def test_broken_chained_trees_are_replaced_on_the_device_and_the_output_stays_ex
     parent after its child): each is checked where it lands, replaced by a well-formed stand-in
     before anything reads it, counted and reported to the draft; the output is target-only's."""
     root, target, draft = dirs
-    s = Stack(tmp_path, target, draft, verify_args=["--tree-nodes", "12", "--tree-depth", "4", "--tree-top-k", "3"],
-              start_draft=False)
+    s = Stack(tmp_path, target, draft, verify_args=["--tree-nodes", "12", "--tree-depth", "4", "--tree-top-k", "3",
+                                                    "--chain-min-seqs", "1"], start_draft=False)
     try:
         s.start_draft([sys.executable, str(Path(__file__).parent / "faulty_draft.py"), "chained_garbage"])
         first = []

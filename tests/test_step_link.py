@@ -238,14 +238,15 @@ def test_a_newer_handshake_replaces_the_offer_and_a_closed_session_tears_its_soc
 
 
 def test_both_transports_give_the_same_greedy_output(dirs, tmp_path):
-    """The stream, the step socket with chained steps (the default) and without: the same output."""
+    """The stream, the step socket with chained steps (the default; here for steps of one sequence too)
+    and without: the same output."""
     model_dir, draft_dir = dirs
     prompts = [[5, 6, 7], list(range(10, 40)), [88] * 9]
     want = [expected(model_dir, p, 24) for p in prompts]
     variants = {"stream": (["--step-transport", "stream"], "stream"),
                 "socket": (["--step-transport", "socket"], "step socket, chained"),
                 "unchained": (["--step-transport", "socket", "--chained-steps", "off"], "step socket")}
-    s = Stack(tmp_path, model_dir, draft_dir, verify_args=VERIFY_ARGS, start_draft=False)
+    s = Stack(tmp_path, model_dir, draft_dir, verify_args=[*VERIFY_ARGS, "--chain-min-seqs", "1"], start_draft=False)
     try:
         outputs, chained = {}, {}
         for name, (args, says) in variants.items():

@@ -87,14 +87,16 @@ class Session:
 class RemoteDraft:
     def __init__(self, exporter: BufferExporter, buffers: dict[str, torch.Tensor], capture_layers: tuple[int, ...],
                  timeout_s: float, on_change=lambda connected: None, on_overhead=lambda seconds: None,
-                 step_socket_folder: Path | None = None):
+                 step_socket_folder: Path | None = None, chain_min_seqs: int = 1):
         """``on_change(connected)``: a session came or went. ``on_overhead(seconds)``: each step's
         control-plane overhead (round trip minus the draft's compute), on the engine thread.
         ``step_socket_folder``: where to offer step sockets (the internal unix socket's folder;
-        None: every session steps on its stream)."""
+        None: every session steps on its stream). ``chain_min_seqs``: the fewest sequences a chained step
+        holds (smaller steps pass through the hosts)."""
         self.exporter, self.buffers = exporter, buffers
         self.capture_layers = capture_layers
         self.timeout_s = timeout_s
+        self.chain_min_seqs = chain_min_seqs
         self._on_change, self._on_overhead = on_change, on_overhead
         self.limits = FrameLimits(buffers["tree_tokens"].shape[0], buffers["features"].shape[0])
         self.step_socket_folder = step_socket_folder if self.limits.fit_socket else None
@@ -279,10 +281,10 @@ class RemoteDraft:
 
     def chainable(self, seq_ids: list[int]) -> bool:
         """Whether a chained step of these sequences can go to the live session: one that takes them,
-        knows every sequence, and has room for them in one frame."""
+        knows every sequence, and has room for them in one frame; at least ``chain_min_seqs`` of them."""
         s = self._session
-        return s is not None and s.alive and s.chained and len(seq_ids) <= self.limits.max_seqs \
-            and all(i in s.known for i in seq_ids)
+        return s is not None and s.alive and s.chained and self.chain_min_seqs <= len(seq_ids) \
+            and len(seq_ids) <= self.limits.max_seqs and all(i in s.known for i in seq_ids)
 
     def step_on_device(self, seq_ids: list[int], starts: list[int], most: list[int], counts: torch.Tensor,
                        tokens: torch.Tensor, features: torch.Tensor, settings: TreeSettings) -> "RemotePendingTrees":

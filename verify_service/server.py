@@ -187,7 +187,8 @@ def _remote_draft(target: Target, cfg: VerifyServerConfig, status: health.Health
     on_overhead = metrics.draft_overhead_seconds.observe if metrics else lambda seconds: None
     internal = unix_socket_path(cfg.internal)  # step sockets go beside it; a TCP link steps on its stream
     folder = internal.parent if internal is not None and step_socket.supported() else None
-    return RemoteDraft(exporter, buffers, capture, cfg.draft_timeout_s, on_change, on_overhead, folder), exporter
+    return RemoteDraft(exporter, buffers, capture, cfg.draft_timeout_s, on_change, on_overhead, folder,
+                       chain_min_seqs=cfg.chain_min_seqs), exporter
 
 
 def serve(cfg: VerifyServerConfig) -> None:
