@@ -5,7 +5,8 @@ Properties: every link call ends with OK or a typed status (never INTERNAL or UN
 service stays up, and greedy output stays exactly the target's whatever the draft answers
 (right, wrong or malformed trees, wrong step ids, floods, stalls, a closed or cancelled stream),
 on the Session stream and on the unix step socket (raw frames: garbage, cut, oversized, floods,
-results for other steps or with any tree references).
+results for other steps or with any tree references; with chained steps taken or not, and their
+trees in the shared buffer right or random bytes).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from hypothesis import strategies as st
 
 from fuzz_requests import mutated, raw_message, texts, uints
 from link.convert import descriptor_from_proto
-from link.protocol import StepReply
+from link.protocol import ChainCall, ChainReply, StepReply, TreeRef
 from link.shared_buffers import BufferImporter, host_identity
-from link.step_frames import REPLY_HEADER, TREE, FrameLimits, StepFrames, hello_frame
+from link.step_frames import CHAIN_REPLY, REPLY_HEADER, TREE, FrameLimits, StepFrames, hello_frame
 from protos.eagle3.v1 import draft_link_pb2 as link_pb
 from protos.eagle3.v1 import generation_pb2 as pb
 from services import Stack
@@ -42,7 +43,8 @@ ACTIONS = ("answer", "answer", "answer", "answer", "wrong_step", "flood", "empty
 TREES = ("right", "right", "wrong", "garbage")
 
 
-FRAMES = ("garbage", "cut", "oversized", "flood", "wrong_step", "any_trees", "too_many_trees", "empty", "right")
+FRAMES = ("garbage", "cut", "oversized", "flood", "wrong_step", "any_trees", "too_many_trees", "empty", "right",
+          "right", "random_trees")
 
 
 def valid_handshake(transport: int = link_pb.STEP_TRANSPORT_UNSPECIFIED) -> link_pb.HandshakeRequest:
@@ -53,11 +55,12 @@ def valid_handshake(transport: int = link_pb.STEP_TRANSPORT_UNSPECIFIED) -> link
         step_transport=transport)
 
 
-def socket_plans() -> st.SearchStrategy[tuple[int, tuple[tuple[str, int], ...]]]:
-    """(prompt index, the draft's answers on the step socket: (one of FRAMES, a seed) per step)."""
+def socket_plans() -> st.SearchStrategy[tuple[int, tuple[tuple[str, int], ...], bool]]:
+    """(prompt index, the draft's answers on the step socket: (one of FRAMES, a seed) per step,
+    whether it takes chained steps)."""
     return st.tuples(st.integers(0, len(PROMPTS) - 1),
                      st.lists(st.tuples(st.sampled_from(FRAMES), st.integers(0, 2**32 - 1)), min_size=1,
-                              max_size=4).map(tuple))
+                              max_size=6).map(tuple), st.booleans())
 
 
 @st.composite
@@ -201,20 +204,27 @@ class FakeDraft:
             return _Session(self, hello, buffers, plan).run()
 
 
-    def run_socket_session(self, prompt: int, answers: tuple[tuple[str, int], ...]) -> LinkOutcome:
+    def run_socket_session(self, prompt: int, answers: tuple[tuple[str, int], ...],
+                           chained: bool = False) -> LinkOutcome:
         """Handshake, the step socket, the stream, and a greedy generation while the draft answers
-        its steps with ``answers`` (then with right, empty ones)."""
+        its steps with ``answers`` (then with right ones: sound trees); ``chained``: it takes chained
+        steps."""
         hello, status = self.hello(link_pb.STEP_TRANSPORT_UNIX_SOCKET)
         if hello is None or not hello.HasField("step_socket"):
             return LinkOutcome([status, "no step socket offered"], *self.generate(PROMPTS[prompt]))
-        return _SocketSession(self, hello, answers).run(prompt)
+        with BufferImporter("cpu") as importer:
+            buffers = {b.name: importer.open(descriptor_from_proto(b)).numpy() for b in hello.buffers
+                       if b.name.startswith(("tree_", "chain_"))}
+            return _SocketSession(self, hello, answers, buffers, chained).run(prompt)
 
 
 class _SocketSession:
     """The fake draft's side of one step-socket session: raw frames, as the plan says."""
 
-    def __init__(self, fake: FakeDraft, hello: link_pb.HandshakeResponse, answers: tuple[tuple[str, int], ...]):
+    def __init__(self, fake: FakeDraft, hello: link_pb.HandshakeResponse, answers: tuple[tuple[str, int], ...],
+                 buffers: dict, chained: bool):
         self.fake, self.hello, self.answers = fake, hello, iter(answers)
+        self.buffers, self.chained = buffers, chained and hello.HasField("chained_steps")
         self.frames = StepFrames(FrameLimits(hello.max_trees, hello.max_feature_rows))
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.connect(str(fake.stack.tmp / "run" / hello.step_socket.name))
@@ -225,7 +235,7 @@ class _SocketSession:
         requests: queue.Queue = queue.Queue()
         requests.put(link_pb.DraftMessage(open=link_pb.SessionOpen(
             session_id=self.hello.session_id, generation=self.hello.generation,
-            step_transport=link_pb.STEP_TRANSPORT_UNIX_SOCKET)).SerializeToString())
+            step_transport=link_pb.STEP_TRANSPORT_UNIX_SOCKET, chained_steps=self.chained)).SerializeToString())
         responses = self.fake.channel.stream_stream(SESSION)(iter(requests.get, None), timeout=TIMEOUT_S)
         deadline = time.monotonic() + 5  # a session speculates only for requests started after it opened
         while self.fake.speculation_health() != "SERVING" and time.monotonic() < deadline:
@@ -257,7 +267,7 @@ class _SocketSession:
             return False
         if not frame:
             return False
-        call = self.frames.decode_call(memoryview(frame))
+        call = self.frames.decode(memoryview(frame))
         kind, seed = next(self.answers, ("right", 0))
         try:
             for out in self._frames(kind, call, np.random.default_rng(seed)):
@@ -266,9 +276,34 @@ class _SocketSession:
             return False
         return True
 
+    def _trees(self, call, kind: str, rng) -> bytes:
+        """Trees written where ``call``'s answer says they are (sound ones, or random bytes for
+        ``random_trees``), and that answer: the tree buffers' slots for a step, chain_trees for a
+        chained step."""
+        vocab = VOCAB_SIZE
+        if isinstance(call, ChainCall):
+            out, B = self.buffers["chain_trees"], len(call.seqs)
+            n = min(2, call.settings.node_budget, out.shape[2])
+            if kind == "random_trees":
+                out[:, :B, :n] = rng.integers(-2**62, 2**62, (4, B, n))
+            else:  # children of the root, distinct tokens
+                out[:, :B, :n] = 0
+                out[0, :B, :n], out[1, :B, :n], out[2, :B, :n] = rng.permutation(vocab)[:n], -1, 1
+            return bytes(self.frames.encode_chain_reply(ChainReply(call.step_id, B, n, int(rng.integers(0, 2**63)))))
+        refs = []
+        for slot, p in enumerate(call.proposals):
+            n = min(2, self.buffers["tree_tokens"].shape[1])
+            self.buffers["tree_tokens"][slot, :n] = rng.integers(-5, vocab + 5, n) if kind == "random_trees" \
+                else rng.permutation(vocab)[:n]
+            self.buffers["tree_parents"][slot, :n] = -1
+            self.buffers["tree_log_probs"][slot, :n] = 0
+            refs.append(TreeRef(p.seq_id, slot, n))
+        return bytes(self.frames.encode_reply(StepReply(call.step_id, refs, int(rng.integers(0, 2**63)))))
+
     def _frames(self, kind: str, call, rng) -> list[bytes]:
-        right = bytes(self.frames.encode_reply(StepReply(call.step_id, [], int(rng.integers(0, 2**63)))))
+        right = self._trees(call, kind, rng)
         limits = self.frames.limits
+        chained = isinstance(call, ChainCall)
         if kind == "garbage":
             return [rng.bytes(int(rng.integers(0, 200)))]
         if kind == "cut":
@@ -278,7 +313,13 @@ class _SocketSession:
         if kind == "flood":
             return [right, right]
         if kind == "wrong_step":
-            return [bytes(self.frames.encode_reply(StepReply(call.step_id + int(rng.integers(1, 9)), [], 0)))]
+            step = call.step_id + int(rng.integers(1, 9))
+            return [bytes(self.frames.encode_chain_reply(ChainReply(step, len(call.seqs), 1, 0)) if chained
+                          else self.frames.encode_reply(StepReply(step, [], 0)))]
+        if kind in ("any_trees", "too_many_trees") and chained:  # any count and size of trees
+            n = limits.max_seqs + 1 if kind == "too_many_trees" else int(rng.integers(0, 2**32))
+            nodes, compute = int(rng.integers(0, 2**32)), int(rng.integers(0, 2**63))
+            return [CHAIN_REPLY.pack(b"E3CR", call.step_id, n, nodes, compute)]
         if kind in ("any_trees", "too_many_trees"):  # references to any slot, sequence and size
             n = limits.max_seqs + 1 if kind == "too_many_trees" else int(rng.integers(0, limits.max_seqs + 1))
             refs = [struct.pack("<QII", int(rng.integers(0, 2**63)), int(rng.integers(0, 2**32)),

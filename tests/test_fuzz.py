@@ -43,7 +43,8 @@ def test_public_api_answers_typed_statuses_and_exact_outputs(services):
 def fake_draft(tmp_path_factory):
     """A fake draft on the internal socket of a verify service of its own (no real draft; a stalled
     draft is dropped after 2 s)."""
-    stack, _ = start_stack(tmp_path_factory.mktemp("link"), draft=False, verify_args=["--draft-timeout-s", "2"])
+    stack, _ = start_stack(tmp_path_factory.mktemp("link"), draft=False,
+                           verify_args=["--draft-timeout-s", "2", "--chain-min-seqs", "1"])
     fake = FakeDraft(stack)
     yield fake
     fake.close()
@@ -68,10 +69,22 @@ def test_draft_link_sessions_keep_outputs_exact(fake_draft, plan):
 @settings(fuzz, max_examples=SOCKET_CASES)
 @given(plan=socket_plans())
 def test_step_socket_sessions_keep_outputs_exact(fake_draft, plan):
+    """Steps and chained steps answered with garbage, cut, oversized, flooding, wrong-step frames,
+    any tree references or sizes, and random bytes as trees: typed statuses, exact output."""
     outcome = fake_draft.run_socket_session(*plan)
     assert set(outcome.statuses) <= TYPED, outcome
     assert outcome.generate_status == "OK" and outcome.output == fake_draft.expected[plan[0]], outcome
     assert fake_draft.stack.verify.proc.poll() is None, fake_draft.stack.verify.log()[-3000:]
+
+
+def test_a_socket_session_that_takes_chained_steps_runs_them(fake_draft):
+    """The fuzzed sessions above reach chained steps: sound answers, then random trees in the buffer."""
+    before = fake_draft.stack.client.metrics()
+    outcome = fake_draft.run_socket_session(1, (("right", 1), ("right", 2), ("random_trees", 3), ("random_trees", 4)),
+                                            True)
+    assert outcome.output == fake_draft.expected[1], outcome
+    after = fake_draft.stack.client.metrics()
+    assert after["chained_steps"] > before["chained_steps"] and after["draft_errors"] > before["draft_errors"]
 
 
 @settings(fuzz, max_examples=HANDSHAKE_CASES)
