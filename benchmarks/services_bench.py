@@ -8,7 +8,10 @@ per-step control-plane overhead of the draft link.
         --head default --tree dynamic:7 --concurrency 1 --concurrency 16 --out services.json
 
 The control-plane overhead is, per draft round trip, the time not spent computing: gRPC
-messages, thread hand-offs, shared-buffer synchronisation (reported by the verify service).
+messages, thread hand-offs, shared-buffer synchronisation (reported by the verify service; for
+chained steps, the verify side's wait for the draft's answer). Each row also gives tau (tokens per
+verification step over the speculated requests, from their own speculation metrics) and the
+efficiency, speed-up over plain decoding divided by tau.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ def main() -> None:
                     help="the verify service's --stream-interval-ms (default: its own default)")
     ap.add_argument("--chained-steps", default="on", choices=["on", "off"],
                     help="the draft service's --chained-steps (off: every step's rows and trees through the host)")
+    ap.add_argument("--chain-min-seqs", type=int, default=None,
+                    help="the verify service's --chain-min-seqs (default: its own default)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     levels = sorted(set(args.concurrency or [1]))
@@ -94,7 +99,8 @@ def main() -> None:
                     args.dtype, "--max-model-len", "4096", "--max-num-seqs", str(max(8, max(levels))),
                     "--adaptive-speculation", args.adaptive_speculation, *flags,
                     *(["--exact"] if args.exact else []),
-                    *([] if args.stream_interval_ms is None else ["--stream-interval-ms", str(args.stream_interval_ms)])],
+                    *([] if args.stream_interval_ms is None else ["--stream-interval-ms", str(args.stream_interval_ms)]),
+                    *([] if args.chain_min_seqs is None else ["--chain-min-seqs", str(args.chain_min_seqs)])],
                    tmp / "verify.log")
     draft = None
     try:
@@ -106,7 +112,7 @@ def main() -> None:
         client.complete(prompts[0], max_tokens=8)  # warm-up
         report = {"device": args.device, "dtype": args.dtype, "tree": tree.describe(), "exact": args.exact,
                   "adaptive_speculation": args.adaptive_speculation, "stream_interval_ms": args.stream_interval_ms,
-                  "chained_steps": args.chained_steps,
+                  "chained_steps": args.chained_steps, "chain_min_seqs": args.chain_min_seqs,
                   "prompts": len(prompts),
                   "max_tokens": args.max_tokens, "runs": []}
         for c in levels:
@@ -125,6 +131,10 @@ def main() -> None:
                    "steps": steps,
                    "step_ms": round(secs * 1e3 / max(1, steps["speculative_steps"] + steps["plain_steps"]), 3)}
             row["speedup_vs_plain"] = round(row["tokens_per_s"] / row["plain_tokens_per_s"], 3)
+            spec = [s for _, s in rows if s and s.get("speculated")]
+            verified = sum(s["steps"] for s in spec)  # tau: tokens per verification step, the bonus included
+            row["tau"] = round(sum(s["accepted_tokens"] + s["steps"] for s in spec) / verified, 3) if verified else 0.0
+            row["efficiency"] = round(row["speedup_vs_plain"] / row["tau"], 3) if row["tau"] else 0.0
             row["services_vs_inprocess"] = round(row["tokens_per_s"] / row["inprocess_tokens_per_s"], 3)
             report["runs"].append(row)
             print(json.dumps(row), flush=True)
