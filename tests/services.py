@@ -44,21 +44,22 @@ class ServiceProcess:
 class Stack:
     """A verify service (and optionally a draft service) in a temp dir; clients connect by socket.
 
-    Both run on the test device and dtype (EAGLE3_TEST_DEVICE / EAGLE3_TEST_DTYPE): on a GPU host
-    the buffers travel by CUDA IPC, on the CPU through shared memory.
+    Both run on the test device and dtype (EAGLE3_TEST_DEVICE / EAGLE3_TEST_DTYPE) unless a test
+    names its own: on a GPU host the buffers travel by CUDA IPC, on the CPU through shared memory.
     """
 
     def __init__(self, tmp: Path, model_dir: Path, draft_dir: Path | None, verify_args=(), draft_args=(),
-                 start_draft: bool = True, internal: str | None = None):
+                 start_draft: bool = True, internal: str | None = None, device: str = TEST_DEVICE,
+                 dtype: str = TEST_DTYPE):
         """``internal``: the draft link's address (default: a unix socket in ``tmp``/run)."""
         self.tmp = tmp
         self.public = f"unix:{tmp}/public.sock"
         self.internal = internal or f"unix:{tmp}/run/draft.sock"
         self.draft_health = f"unix:{tmp}/draft-health.sock"
-        self.draft_dir, self.draft_args = draft_dir, list(draft_args)
+        self.draft_dir, self.draft_args, self.device = draft_dir, list(draft_args), device
         # The fixed tree unless a test asks for adaptive speculation (auto turns it on on a GPU).
         self.verify_args = ["serve-verify", "--model", str(model_dir), "--listen", self.public, "--internal",
-                            self.internal, "--device", TEST_DEVICE, "--dtype", TEST_DTYPE,
+                            self.internal, "--device", device, "--dtype", dtype,
                             "--adaptive-speculation", "off", *verify_args]
         self.verify = self.draft = None
         self.client = Eagle3Client(self.public, timeout_s=120)
@@ -85,7 +86,7 @@ class Stack:
     def start_draft(self, program: list[str] | None = None) -> None:
         """Start the draft service (or ``program``, a stand-in taking the same flags)."""
         args = ["--draft", str(self.draft_dir), "--verify", self.internal, "--listen", self.draft_health,
-                "--device", TEST_DEVICE, *self.draft_args]
+                "--device", self.device, *self.draft_args]
         self.draft = ServiceProcess(args if program else ["serve-draft", *args],
                                     self.tmp / f"draft-{time.monotonic_ns()}.log", program)
         self._wait(lambda: self.client.health("eagle3.speculation") == "SERVING", 120, self.draft)

@@ -7,11 +7,13 @@ import queue
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+import torch
 
 from link import step_socket
 from link.convert import descriptor_from_proto
@@ -265,6 +267,29 @@ def test_both_transports_give_the_same_greedy_output(dirs, tmp_path):
         metrics = s.client.metrics()
         assert metrics["draft_sessions"] == 3 and metrics["draft_errors"] == 0
         assert list((tmp_path / "run").glob("step-*")) == []  # no step socket left behind
+    finally:
+        s.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC events need a GPU")
+def test_chained_steps_through_cuda_ipc_give_the_target_only_output(dirs, tmp_path):
+    """Both services on the GPU (float32): chained steps pass their rows and trees through CUDA IPC
+    buffers and events; greedy output is the same server's without speculation, at one request and
+    at four."""
+    model_dir, draft_dir = dirs
+    prompts = [[5, 6, 7], list(range(10, 40)), [88] * 9, [3, 1, 4, 1, 5]]
+    s = Stack(tmp_path, model_dir, draft_dir, verify_args=[*VERIFY_ARGS, "--chain-min-seqs", "1"],
+              draft_args=["--log-level", "info"], device="cuda", dtype="float32")
+    try:
+        assert "steps on the step socket, chained)" in s.draft.log()
+        want = [s.client.complete(p, max_tokens=24, ignore_eos=True, speculate=False).token_ids for p in prompts]
+        got = [s.client.complete(p, max_tokens=24, ignore_eos=True).token_ids for p in prompts]
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda p: s.client.complete(p, max_tokens=24, ignore_eos=True).token_ids, prompts))
+        assert got == together == want
+        metrics = s.client.metrics()
+        assert metrics["chained_steps"] > 20 and metrics["draft_errors"] == 0
     finally:
         s.close()
 
