@@ -86,6 +86,35 @@ def test_cancel_mid_stream_frees_the_kv(stack):
         (m, stack.verify.log()[-3000:])
 
 
+def test_a_cancel_during_chained_steps_leaves_the_other_streams_exact(stack, dirs):
+    """Three requests speculate together on chained steps (two or more sequences); one is cancelled
+    mid-stream: the others finish with the target-only tokens, the draft link keeps its session and
+    every KV block comes back."""
+    want = expected(dirs[1], PROMPTS[:2], [40, 40])
+    before = stack.client.metrics()
+    doomed = stack.client.generate(PROMPTS[2], max_tokens=1500, ignore_eos=True)
+    got = [None, None]
+
+    def run(i):
+        got[i] = stack.client.complete(PROMPTS[i], max_tokens=40, ignore_eos=True).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    assert next(doomed).token_ids
+    time.sleep(0.2)
+    doomed.close()  # cancels the RPC, likely between a chained step and the next
+    for t in threads:
+        t.join(120)
+    assert got == want
+    deadline = time.monotonic() + 10
+    while stack.client.metrics()["kv_blocks_used"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = stack.client.metrics()
+    assert after["kv_blocks_used"] == 0 and after["chained_steps"] > before["chained_steps"]
+    assert after["draft_sessions"] == before["draft_sessions"] and after["draft_errors"] == before["draft_errors"]
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"prompt": ""}, "prompt"),
     ({"prompt": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
