@@ -99,7 +99,8 @@ def main() -> None:
                     args.dtype, "--max-model-len", "4096", "--max-num-seqs", str(max(8, max(levels))),
                     "--adaptive-speculation", args.adaptive_speculation, *flags,
                     *(["--exact"] if args.exact else []),
-                    *([] if args.stream_interval_ms is None else ["--stream-interval-ms", str(args.stream_interval_ms)]),
+                    *([] if args.stream_interval_ms is None else
+                      ["--stream-interval-ms", str(args.stream_interval_ms)]),
                     *([] if args.chain_min_seqs is None else ["--chain-min-seqs", str(args.chain_min_seqs)])],
                    tmp / "verify.log")
     draft = None
@@ -139,8 +140,8 @@ def main() -> None:
             report["runs"].append(row)
             print(json.dumps(row), flush=True)
         metrics = client.metrics()
-        report.update({k: metrics[k] for k in ("control_plane_p50_us", "control_plane_p99_us", "speculative_steps",
-                                               "draft_errors")})
+        report.update({k: metrics[k] for k in ("control_plane_p50_us", "control_plane_p99_us", "draft_compute_p50_us",
+                                               "draft_compute_p99_us", "speculative_steps", "draft_errors")})
         print(json.dumps({k: v for k, v in report.items() if k != "runs"}), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=2))

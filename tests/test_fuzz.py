@@ -98,6 +98,7 @@ def test_control_plane_figures_stay_sane_whatever_the_draft_reports(fake_draft):
     assert fake_draft.run_session(plan).output == fake_draft.expected[0]
     metrics = fake_draft.stack.client.metrics()
     assert 0 <= metrics["control_plane_p50_us"] <= metrics["control_plane_p99_us"] < 1e12, metrics
+    assert 0 <= metrics["draft_compute_p50_us"] <= metrics["draft_compute_p99_us"] < 1e8, metrics  # < its round trip
 
 
 @settings(fuzz, max_examples=20, phases=(Phase.generate,))

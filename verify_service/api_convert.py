@@ -86,4 +86,5 @@ def server_metrics(s: VerifyStats) -> pb.ServerMetrics:
         draft_errors=s.draft_errors, completed_requests=s.completed_requests, cancelled_requests=s.cancelled_requests,
         control_plane_p50_us=s.control_plane_p50_us, control_plane_p99_us=s.control_plane_p99_us,
         adaptive_speculation=s.adaptive_speculation, adaptive_tree_nodes=s.adaptive_tree_nodes,
-        adaptive_steps_by_tree_nodes=s.adaptive_decisions, chained_steps=s.chained_steps)
+        adaptive_steps_by_tree_nodes=s.adaptive_decisions, chained_steps=s.chained_steps,
+        draft_compute_p50_us=s.draft_compute_p50_us, draft_compute_p99_us=s.draft_compute_p99_us)

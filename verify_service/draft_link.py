@@ -121,6 +121,7 @@ class RemoteDraft:
         self.sessions_opened = 0
         self.errors = 0  # sessions lost (crash, timeout, broken stream; not a clean close), unusable tree references
         self.overhead_ns: deque[int] = deque(maxlen=1024)  # round trip minus the draft's compute
+        self.draft_compute_ns: deque[int] = deque(maxlen=1024)  # the draft's own time per step, as it reports it
 
     @property
     def connected(self) -> bool:
@@ -259,7 +260,10 @@ class RemoteDraft:
             return {}
         trees = self._read_trees(reply, asked)
         # The draft reports its own compute time: a bogus figure may not make the overhead negative.
-        overhead_ns = max(0, time.perf_counter_ns() - start - min(reply.draft_compute_ns, 2**62))
+        round_trip = time.perf_counter_ns() - start
+        compute_ns = min(reply.draft_compute_ns, round_trip)  # no more than the round trip, whatever it says
+        self.draft_compute_ns.append(compute_ns)
+        overhead_ns = round_trip - compute_ns
         self.overhead_ns.append(overhead_ns)
         self._on_overhead(overhead_ns / 1e9)
         return trees
@@ -314,7 +318,7 @@ class RemoteDraft:
         except (LinkProtocolError, OSError) as exc:
             self.drop(s, str(exc))
             return RemotePendingTrees(self, None, None, settings)
-        return RemotePendingTrees(self, s, call, settings)
+        return RemotePendingTrees(self, s, call, settings, time.perf_counter_ns())
 
     def settle(self, rows: dict[int, int]) -> None:
         """The committed rows of a chained step's sequences, for the draft with the next frame."""
@@ -322,10 +326,11 @@ class RemoteDraft:
         if s is not None and s.alive:
             self._settled.extend(rows.items())
 
-    def _chain_answer(self, s: Session, call: ChainCall, settings: TreeSettings) -> tuple[torch.Tensor, int] | None:
+    def _chain_answer(self, s: Session, call: ChainCall, settings: TreeSettings,
+                      sent_ns: int) -> tuple[torch.Tensor, int] | None:
         """Wait for chained step ``call``'s answer, queue this side's wait for the draft's trees and their
         check on the device, and start their copy to the host. Returns the checked trees [4, B, n] and
-        the copy's ticket; None when the session failed (then ended)."""
+        the copy's ticket; None when the session failed (then ended). ``sent_ns``: when the call went."""
         start = time.perf_counter_ns()
         B = len(call.seqs)
         try:
@@ -337,8 +342,10 @@ class RemoteDraft:
         except (LinkProtocolError, OSError) as exc:
             self.drop(s, "no answer in time" if isinstance(exc, TimeoutError) else str(exc))
             return None
-        waited = time.perf_counter_ns() - start  # the link's cost on this step: any wait for the answer
+        now = time.perf_counter_ns()
+        waited = now - start  # the link's cost on this step: any wait for the answer
         self.overhead_ns.append(waited)
+        self.draft_compute_ns.append(min(reply.draft_compute_ns, now - sent_ns))  # its host's time to queue the step
         self._on_overhead(waited / 1e9)
         if self._events is not None:
             torch.cuda.current_stream(self.buffers["features"].device).wait_event(self._events[1])
@@ -386,11 +393,12 @@ class RemoteDraft:
 
     def overhead_percentiles_us(self) -> tuple[float, float]:
         """p50 and p99 of the per-step control-plane overhead, in microseconds."""
-        if not self.overhead_ns:
-            return 0.0, 0.0
-        ordered = sorted(self.overhead_ns)
-        pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1e3  # noqa: E731
-        return pick(0.5), pick(0.99)
+        return _percentiles_us(self.overhead_ns)
+
+    def draft_compute_percentiles_us(self) -> tuple[float, float]:
+        """p50 and p99 of the draft's own time per step as it reports it (a chained step's: its host's
+        time to queue the step's work), in microseconds."""
+        return _percentiles_us(self.draft_compute_ns)
 
     def _write_feeds(self, s: Session, feeds: list[DraftFeed]) -> list[FeedRows]:
         features = self.buffers["features"]
@@ -436,15 +444,26 @@ class RemoteDraft:
         return trees
 
 
+def _percentiles_us(values: deque[int]) -> tuple[float, float]:
+    """p50 and p99 of nanosecond figures, in microseconds (0, 0 for none)."""
+    if not values:
+        return 0.0, 0.0
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1e3  # noqa: E731
+    return pick(0.5), pick(0.99)
+
+
 class RemotePendingTrees:
     """A chained step's trees, grown by the draft service (``RemoteDraft.step_on_device``), as
     ``drafter.PendingTrees`` offers them: ``on_device`` (the checked trees, int64 [4, B, n], queued
     behind the draft's work on this side's stream) and ``collect()`` (by sequence, on the host). The
     first of the two waits for the draft's answer; a failed session gives None and no trees."""
 
-    def __init__(self, remote: RemoteDraft, session: Session | None, call: ChainCall | None, settings: TreeSettings):
+    def __init__(self, remote: RemoteDraft, session: Session | None, call: ChainCall | None, settings: TreeSettings,
+                 sent_ns: int = 0):
         self.seq_ids = [q.seq_id for q in call.seqs] if call is not None else []
         self._remote, self._session, self._call, self._settings = remote, session, call, settings
+        self._sent_ns = sent_ns
         self._answer = None  # (trees, ticket) once answered
         self._answered = call is None
         self.trees: dict[int, CandidateTree] | None = None
@@ -463,4 +482,4 @@ class RemotePendingTrees:
     def _wait(self) -> None:
         if not self._answered:
             self._answered = True
-            self._answer = self._remote._chain_answer(self._session, self._call, self._settings)
+            self._answer = self._remote._chain_answer(self._session, self._call, self._settings, self._sent_ns)

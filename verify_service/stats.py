@@ -39,6 +39,8 @@ class VerifyStats:
     adaptive_tree_nodes: int = 0  # its latest choice: nodes per tree (0: plain decoding)
     adaptive_decisions: dict[int, int] = field(default_factory=dict)  # choice -> steps it was made for
     chained_steps: int = 0  # steps whose draft work went in behind acceptance on the device
+    draft_compute_p50_us: float = 0.0  # the draft's own time per step, as it reports it
+    draft_compute_p99_us: float = 0.0
 
 
 def read_stats(loop: EngineThread, remote: RemoteDraft | None, timeout_s: float | None = None) -> VerifyStats:
@@ -59,9 +61,10 @@ def _with_link(stats: VerifyStats, remote: RemoteDraft | None) -> VerifyStats:
     if remote is None:
         return stats
     p50, p99 = remote.overhead_percentiles_us()
+    c50, c99 = remote.draft_compute_percentiles_us()
     return replace(stats, draft_connected=remote.connected, draft_sessions=remote.sessions_opened,
                    draft_errors=stats.refused_trees + remote.errors, control_plane_p50_us=p50,
-                   control_plane_p99_us=p99)
+                   control_plane_p99_us=p99, draft_compute_p50_us=c50, draft_compute_p99_us=c99)
 
 
 def snapshot_fn(loop: EngineThread, remote: RemoteDraft | None):
