@@ -202,6 +202,40 @@ def test_a_mixed_step_runs_its_trees_on_a_graph_and_gives_the_eager_outputs(tmp_
     torch.testing.assert_close(got.hidden, out.hidden, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_requests_arriving_beside_trees_give_the_target_only_tokens(tmp_path):
+    """Speculative decoding on CUDA (float32, graphs on) while requests keep arriving: their prompt
+    chunks share steps with the others' trees (split steps: the prompt's forward, then the trees'
+    graph); every output is the target-only engine's."""
+    from draft_service.drafter import EagleDrafter
+    from draft_service.spec_config import SpecConfig
+    from tiny_eagle import make_eagle_dir
+    from tiny_models import tiny_config
+
+    model_dir = make_model_dir(tmp_path / "m", "llama3", seed=5, std=0.3)
+    draft = make_eagle_dir(tmp_path / "d", tiny_config("llama3"), draft_vocab=64, seed=1)
+    prompts = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [r.token_ids for r in Engine(target_for(model_dir, device="cuda", dtype="float32", kernels="triton",
+                                                   max_num_seqs=8)).generate(prompts, params)]
+    spec = SpecConfig(str(draft), tree="dynamic", depth=4, top_k=3, max_nodes=10)
+    target = target_for(model_dir, device="cuda", dtype="float32", kernels="triton", max_num_seqs=8)
+    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                           target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels)
+    engine = Engine(target, drafter, spec.settings)
+    ids, got = [], {}
+    for prompt in prompts:  # one arrival every two steps
+        ids.append(engine.add_request(prompt, params))
+        for _ in range(2):
+            for ev in engine.step():
+                got.setdefault(ev.seq_id, []).extend(ev.token_ids)
+    for ev in engine.run_until_done():
+        got.setdefault(ev.seq_id, []).extend(ev.token_ids)
+    assert [got[i] for i in ids] == want
+    assert target.runner.split_steps > 0 and engine.released_speculation.accepted_tokens > 0
+
+
 def test_warm_up_does_nothing_on_a_cpu(tmp_path):
     target = target_for(make_model_dir(tmp_path / "m", "llama3", seed=4), device="cpu", dtype="float32")
     assert target.runner.warm_up(64) == 0.0

@@ -99,6 +99,7 @@ class ModelRunner:
         self._pool = None
         self._fits: dict[tuple, list[Bucket]] = {}  # _fitting's answers
         self.graph_steps = 0  # steps that replayed a graph (a metric; tests read it)
+        self.split_steps = 0  # mixed steps run as a prompt forward and a graph (``_split_step``)
         self.set_capture_layers(capture_layers)
 
     def set_capture_layers(self, layers: tuple[int, ...]) -> None:
@@ -305,6 +306,7 @@ class ModelRunner:
         graph = self._graph(bucket) if bucket is not None else None
         if graph is None or not graph.layout.fits(head):
             return None
+        self.split_steps += 1
         prompt = self.step(tail)  # never split again: its chunks are all prompt chunks
         # A prompt graph's outputs, copied before the next replay (graphs of one pool may reuse each
         # other's memory); its captured rows are the caller's already.
