@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from common.errors import LinkProtocolError
 from link.protocol import ChainCall, ChainReply, DraftFeed, DraftProvider, StepCall, StepReply, TreeRef
+from runtime.tree import pack_trees
 
 TREE_BUFFERS = ("tree_tokens", "tree_parents", "tree_log_probs")
 
@@ -78,9 +78,7 @@ class StepAnswerer:
         trees = pending.on_device
         if trees is None:  # grown eagerly (a CPU): the trees are on the host already
             got = pending.collect()
-            trees = torch.from_numpy(np.stack([np.stack([t.tokens, t.parents, t.depths,
-                                                         t.log_probs.astype(np.float32).view(np.int32)])
-                                               for t in (got[q.seq_id] for q in call.seqs)], axis=1).astype(np.int64))
+            trees = torch.from_numpy(pack_trees([got[q.seq_id] for q in call.seqs]))
         n = trees.shape[2]
         if n > out.shape[2]:
             raise LinkProtocolError(f"chained step {call.step_id}: trees of {n} nodes, the buffer holds {out.shape[2]}")

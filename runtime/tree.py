@@ -98,6 +98,19 @@ class CandidateTree:
         return CandidateTree(self.tokens[keep], parents, self.depths[keep], self.log_probs[keep])
 
 
+def pack_trees(trees: list[CandidateTree]) -> np.ndarray:
+    """Trees of one size as the device proposal lays them out: int64 [4, B, n], tokens | parents |
+    depths | the float32 bits of the draft scores (``unpack_trees`` is its inverse)."""
+    return np.stack([np.stack([t.tokens, t.parents, t.depths, t.log_probs.astype(np.float32).view(np.int32)])
+                     for t in trees], axis=1).astype(np.int64)
+
+
+def unpack_trees(packed: np.ndarray) -> list[CandidateTree]:
+    """The trees of ``pack_trees``' layout (views of ``packed``), one per column of its batch."""
+    scores = packed[3].astype(np.int32).view(np.float32)
+    return [CandidateTree(packed[0, j], packed[1, j], packed[2, j], scores[j]) for j in range(packed.shape[1])]
+
+
 def invalid_trees(trees: list[CandidateTree], vocab_size: int, max_nodes: list[int],
                   max_depths: list[int]) -> list[int]:
     """Indices of the trees that break an invariant ``CandidateTree.validate`` checks (with that

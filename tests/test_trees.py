@@ -548,3 +548,18 @@ def test_depths_of_many_rows_at_once_equal_each_trees_own():
     tree = CandidateTree(np.arange(12), parents[-1], bad, np.zeros(12, dtype=np.float32))
     with pytest.raises(InvalidTreeError):
         tree.validate(100)
+
+
+def test_packed_trees_round_trip():
+    """``pack_trees`` / ``unpack_trees``: the device proposal's layout, scores through their bits."""
+    from runtime.tree import CandidateTree, pack_trees, unpack_trees
+
+    trees = [CandidateTree(np.array([4, 9, 2]), np.array([-1, 0, 0]), np.array([1, 2, 2]),
+                           np.array([-0.5, -1.25, -3.0], np.float32)),
+             CandidateTree(np.array([7, 1, 3]), np.array([-1, -1, 1]), np.array([1, 1, 2]),
+                           np.array([-0.1, -2.0, -np.inf], np.float32))]
+    packed = pack_trees(trees)
+    assert packed.shape == (4, 2, 3) and packed.dtype == np.int64
+    for want, got in zip(trees, unpack_trees(packed)):
+        for field in ("tokens", "parents", "depths", "log_probs"):
+            assert np.array_equal(getattr(got, field), getattr(want, field)), field

@@ -64,7 +64,7 @@ from link.step_frames import FrameLimits, StepFrames
 from link.step_socket import StepListener, StepSocket, remove_stale
 from protos.eagle3.v1 import draft_link_pb2 as pb
 from runtime.step_layout import Readback
-from runtime.tree import CandidateTree, depths_of_rows
+from runtime.tree import CandidateTree, depths_of_rows, unpack_trees
 
 log = logging.getLogger(__name__)
 ACCEPT_TIMEOUT_S = 5.0  # the draft connects to its step socket before it opens the stream
@@ -359,11 +359,10 @@ class RemoteDraft:
         counts as an error and is reported to the draft."""
         _, B, n = trees.shape
         host = self._chain_readback.wait(ticket)
-        packed, valid = host[:4 * B * n].reshape(4, B, n), host[4 * B * n:]
+        valid = host[4 * B * n:]
         out = {}
-        for j, q in enumerate(call.seqs):
-            out[q.seq_id] = CandidateTree(packed[0, j], packed[1, j], packed[2, j],
-                                          packed[3, j].astype(np.int32).view(np.float32))
+        for j, (q, tree) in enumerate(zip(call.seqs, unpack_trees(host[:4 * B * n].reshape(4, B, n)))):
+            out[q.seq_id] = tree
             if not valid[j]:
                 self.errors += 1
                 log.warning("sequence %d: the draft's chained tree broke the tree invariants; a stand-in was verified",
