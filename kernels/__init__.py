@@ -41,7 +41,8 @@ class KernelSet:
     seeded_accept: Callable
     compaction_slots: Callable
     compact_kv: Callable
-    tree_mask: Callable
+    packed_tree_mask: Callable  # (parents, num_nodes) -> the trees' ancestor masks, bit-packed
+    sanitize_trees: Callable  # trees another process wrote -> (checked trees or stand-ins, valid)
     tree_positions: Callable
     draft_topk: Callable
     name: str
@@ -65,7 +66,8 @@ REFERENCE = KernelSet(
     seeded_accept=acceptance.seeded_accept_ref,
     compaction_slots=kv_compaction.compaction_slots_ref,
     compact_kv=kv_compaction.compact_kv_ref,
-    tree_mask=tree.tree_mask_ref,
+    packed_tree_mask=tree.packed_tree_mask_ref,
+    sanitize_trees=tree.sanitize_trees_ref,
     tree_positions=tree.tree_positions_ref,
     draft_topk=tree.draft_topk_ref,
     name="reference",

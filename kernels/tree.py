@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention import pack_mask
+
 
 def tree_mask_ref(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
     """bool [B, N+1, N+1]: row i sees column j iff j == i, j is the root, or j is an ancestor of i.
@@ -36,7 +38,7 @@ def tree_mask_ref(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tenso
     return mask
 
 
-def sanitize_trees(packed: torch.Tensor, vocab_size: int, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sanitize_trees_ref(packed: torch.Tensor, vocab_size: int, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Trees another process wrote, made safe to lay out and verify, on their device with no sync:
     ``packed`` int64 [4, B, n] (tokens | parents | depths | score bits, every tree of n nodes) ->
     (trees of the same layout, valid bool [B]). A tree that breaks an invariant
@@ -44,7 +46,9 @@ def sanitize_trees(packed: torch.Tensor, vocab_size: int, max_depth: int) -> tup
     one below the parent's, none deeper than ``max_depth``, distinct siblings) is replaced by n
     children of the root with the distinct tokens 0, 1, ... (depth 1): whatever was written, the
     step's layout stays within its buffers and tables, and its acceptance exact (any well-formed tree
-    verifies exactly). ``valid`` tells the host which trees were replaced."""
+    verifies exactly). ``valid`` tells the host which trees were replaced. ``packed`` is read once (a
+    snapshot first): the checks and every later read see the same bytes, whatever the peer writes."""
+    packed = packed.clone()
     tokens, parents, depths = packed[0], packed[1], packed[2]
     _, B, n = packed.shape
     idx = torch.arange(n, device=packed.device)
@@ -60,6 +64,13 @@ def sanitize_trees(packed: torch.Tensor, vocab_size: int, max_depth: int) -> tup
     fallback = torch.stack([(idx % vocab_size).expand(B, n), torch.full_like(tokens, -1), torch.ones_like(tokens),
                             torch.zeros_like(tokens)])
     return torch.where(ok[None, :, None], packed, fallback), ok
+
+
+def packed_tree_mask_ref(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
+    """``tree_mask_ref`` packed for the attention kernels, int32 [B * (N + 1), ceil((N + 1) / 32)]:
+    bit j of word w of row b * (N + 1) + i is column 32 w + j of tree b's row i (``pack_mask``)."""
+    b, n = parents.shape
+    return pack_mask(tree_mask_ref(parents, num_nodes).reshape(b * (n + 1), n + 1))
 
 
 def _parent_slots(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from kernels import KernelSet
-from kernels.attention import pack_mask
 from kernels.metadata import AttentionMetadata
 
 
@@ -371,15 +370,15 @@ class StaticLayout:
             self._in_flight = True
         return qsl
 
-    def write_trees(self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor) -> None:
+    def write_trees(self, tokens: torch.Tensor, depths: torch.Tensor, packed_mask: torch.Tensor) -> None:
         """After ``fill(mask_on_device=True)`` of B chunks of a root and n nodes each, every row at
         its root's position: the nodes' tokens and depths (int64 [B, n]) and the trees' ancestor
-        masks (bool [B, n + 1, n + 1], root first), still on the device, written into the step's
-        inputs there (device work queued behind the fill's copy; the host waits for nothing)."""
+        masks (``packed_tree_mask``: int32 [B * (n + 1), words], root first), still on the device,
+        written into the step's inputs there (device work queued behind the fill's copy; the host
+        waits for nothing)."""
         B, n = tokens.shape
         rows = B * (n + 1)
         ids = self.input_ids[:rows].view(B, n + 1)
         ids[:, 1:] = tokens
         self.meta.positions[:rows].view(B, n + 1)[:, 1:] += depths
-        packed = pack_mask(mask.reshape(rows, n + 1))
-        self.meta.custom_mask[:rows, :packed.shape[1]] = packed
+        self.meta.custom_mask[:rows, :packed_mask.shape[1]] = packed_mask

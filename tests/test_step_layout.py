@@ -125,7 +125,7 @@ def test_trees_written_on_the_device_give_the_layout_the_host_builds():
     """``StaticLayout.write_trees`` after ``fill(mask_on_device=True)`` (each tree's root, every row at
     the root's position) gives the same inputs, byte for byte, as ``fill`` of the host-built tree
     chunks: the nodes' tokens, positions (root + depth) and packed ancestor masks."""
-    from kernels.tree import tree_mask_ref
+    from kernels.tree import packed_tree_mask_ref
     from runtime.step_layout import Bucket, StaticLayout
     from runtime.tree import ancestor_masks
 
@@ -148,5 +148,5 @@ def test_trees_written_on_the_device_give_the_layout_the_host_builds():
     want.fill(host)
     got.fill(roots_only, mask_on_device=True)
     t = torch.from_numpy
-    got.write_trees(t(tokens), t(depths), tree_mask_ref(t(parents), torch.full((B,), n)))
+    got.write_trees(t(tokens), t(depths), packed_tree_mask_ref(t(parents), torch.full((B,), n)))
     assert torch.equal(got.device_buffer, want.device_buffer)

@@ -485,45 +485,6 @@ def test_batched_validation_agrees_with_each_trees_own():
     assert invalid_trees(trees, vocab, max_nodes, max_depths) == want
 
 
-def test_sanitized_trees_are_the_valid_ones_and_well_formed_stand_ins():
-    """``sanitize_trees`` (trees another process wrote, on the device) keeps exactly the trees that
-    ``invalid_trees`` accepts, unchanged, and puts a well-formed tree of as many nodes in place of
-    every other: random trees of one size, valid ones and ones broken in every way (tokens, parents,
-    depths, duplicate siblings, too deep, garbage)."""
-    from kernels.tree import sanitize_trees
-    from runtime.tree import CandidateTree, invalid_trees
-
-    rng = np.random.default_rng(3)
-    vocab, n, max_depth = 11, 6, 4
-    rows = []
-    for _ in range(300):
-        parents = np.array([int(rng.integers(-1, i)) for i in range(n)], dtype=np.int64)
-        depths = np.ones(n, dtype=np.int64)
-        for i in range(n):
-            depths[i] = 1 if parents[i] < 0 else depths[parents[i]] + 1
-        tokens = rng.permutation(vocab * 2)[:n] % vocab  # often distinct siblings, not always
-        kind, j = int(rng.integers(0, 8)), int(rng.integers(0, n))
-        if kind == 1:
-            tokens[j] = int(rng.choice([-1, vocab, 2**40]))
-        elif kind == 2:
-            parents[j] = int(rng.choice([j, j + 1, -2, 2**40]))
-        elif kind == 3:
-            depths[j] += int(rng.choice([-1, 1]))
-        elif kind == 4:
-            depths[:] = rng.integers(-(2**62), 2**62, n)
-        rows.append((tokens, parents, depths, rng.integers(0, 2**31, n)))
-    packed = torch.tensor(np.array(rows).transpose(1, 0, 2))  # [4, B, n]
-    trees = [CandidateTree(t, p, d, np.zeros(n, np.float32)) for t, p, d, _ in rows]
-    bad = set(invalid_trees(trees, vocab, [n] * len(trees), [max_depth] * len(trees)))
-    assert 50 < len(bad) < 250
-    clean, valid = sanitize_trees(packed, vocab, max_depth)
-    assert [i for i in range(len(rows)) if not valid[i]] == sorted(bad)
-    assert torch.equal(clean[:, valid], packed[:, valid])
-    stand_ins = [CandidateTree(*(clean[k, i].numpy() for k in range(3)), np.zeros(n, np.float32)) for i in sorted(bad)]
-    assert invalid_trees(stand_ins, vocab, [n] * len(bad), [1] * len(bad)) == []
-    assert torch.equal(sanitize_trees(clean, vocab, max_depth)[1], torch.ones(len(rows), dtype=torch.bool))
-
-
 def test_depths_of_many_rows_at_once_equal_each_trees_own():
     """``depths_of_rows`` (the link's trees of a step, every slot at once) against one tree at a time
     (the old per-tree walk, written out here), and an end, with depths ``validate`` refuses, for rows

@@ -31,7 +31,7 @@ waits for the answer (long there by then), makes its stream wait for the draft's
 verifies the trees from the device (``RemotePendingTrees``): neither host waits for the other's
 device work, and the host commits while the draft runs. Those trees come from another process:
 on the device each is checked and, if broken, replaced by a well-formed stand-in before
-anything reads it (``kernels.tree.sanitize_trees``; the host learns which with the copy of the
+anything reads it (the kernel set's ``sanitize_trees``, one launch on CUDA; the host learns which with the copy of the
 trees), so a faulty draft costs speculation, never an exact token or a read out of bounds.
 Chained rows' committed counts reach the draft with the next frame (``settle``).
 
@@ -56,7 +56,7 @@ import torch
 
 from common.errors import LinkProtocolError
 from common.tree_settings import TreeSettings
-from kernels.tree import sanitize_trees
+from kernels import REFERENCE, KernelSet
 from link.convert import step_call_to_proto, step_reply_from_proto
 from link.protocol import ChainCall, ChainedSeq, DraftFeed, FeedRows, ProposeRequest, StepCall, StepReply
 from link.shared_buffers import BufferExporter
@@ -87,13 +87,15 @@ class Session:
 class RemoteDraft:
     def __init__(self, exporter: BufferExporter, buffers: dict[str, torch.Tensor], capture_layers: tuple[int, ...],
                  timeout_s: float, on_change=lambda connected: None, on_overhead=lambda seconds: None,
-                 step_socket_folder: Path | None = None, chain_min_seqs: int = 1):
+                 step_socket_folder: Path | None = None, chain_min_seqs: int = 1, kernels: KernelSet = REFERENCE):
         """``on_change(connected)``: a session came or went. ``on_overhead(seconds)``: each step's
         control-plane overhead (round trip minus the draft's compute), on the engine thread.
         ``step_socket_folder``: where to offer step sockets (the internal unix socket's folder;
         None: every session steps on its stream). ``chain_min_seqs``: the fewest sequences a chained step
-        holds (smaller steps pass through the hosts)."""
+        holds (smaller steps pass through the hosts). ``kernels``: the target's (the chained trees' check
+        runs on its device)."""
         self.exporter, self.buffers = exporter, buffers
+        self.kernels = kernels
         self.capture_layers = capture_layers
         self.timeout_s = timeout_s
         self.chain_min_seqs = chain_min_seqs
@@ -349,9 +351,9 @@ class RemoteDraft:
         self._on_overhead(waited / 1e9)
         if self._events is not None:
             torch.cuda.current_stream(self.buffers["features"].device).wait_event(self._events[1])
-        # A snapshot first: the checks and every later read see the same bytes, whatever the peer writes.
-        raw = self.buffers["chain_trees"][:, :B, :n].clone()
-        trees, valid = sanitize_trees(raw, self.buffers["embedding"].shape[0], settings.depth)
+        # Read once, checked, copied: every later read sees the same bytes, whatever the peer writes.
+        trees, valid = self.kernels.sanitize_trees(self.buffers["chain_trees"][:, :B, :n],
+                                                   self.buffers["embedding"].shape[0], settings.depth)
         return trees, self._chain_readback.start(torch.cat([trees.flatten(), valid.to(torch.int64)]))
 
     def _chain_trees(self, call: ChainCall, trees: torch.Tensor, ticket: int) -> dict[int, CandidateTree]:

@@ -332,7 +332,7 @@ class ModelRunner:
                      None) if self.cuda_graphs else None
         if graph is None or not graph.layout.fits(chunks):
             return None
-        mask = self.kernels.tree_mask(parents, torch.full((B,), n, dtype=torch.int64, device=parents.device))
+        mask = self.kernels.packed_tree_mask(parents, torch.full((B,), n, dtype=torch.int64, device=parents.device))
         return self._replay(graph, chunks, lambda layout: layout.write_trees(tokens, depths, mask), mask_on_device=True)
 
     def _replay(self, graph: _Graph, chunks: list[SeqChunk], on_device=None, mask_on_device: bool = False) -> StepOutput:

@@ -188,7 +188,7 @@ def _remote_draft(target: Target, cfg: VerifyServerConfig, status: health.Health
     internal = unix_socket_path(cfg.internal)  # step sockets go beside it; a TCP link steps on its stream
     folder = internal.parent if internal is not None and step_socket.supported() else None
     return RemoteDraft(exporter, buffers, capture, cfg.draft_timeout_s, on_change, on_overhead, folder,
-                       chain_min_seqs=cfg.chain_min_seqs), exporter
+                       chain_min_seqs=cfg.chain_min_seqs, kernels=target.runner.kernels), exporter
 
 
 def serve(cfg: VerifyServerConfig) -> None:

@@ -1,0 +1,142 @@
+"""The tree layout kernels on the device, each implementation against the reference: the
+chained trees' check (``sanitize_trees``) and the packed ancestor masks (``packed_tree_mask``).
+
+The Triton kernels (kernels/tree_triton.py) run through Triton's interpreter on a CPU
+(tests/conftest.py sets TRITON_INTERPRET=1) and natively on a GPU. Outputs start poisoned
+(``torch.empty`` filled with -7), inputs are slices of wider buffers.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.tree import packed_tree_mask_ref, sanitize_trees_ref, tree_mask_ref
+from runtime.tree import CandidateTree, invalid_trees
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def implementations():
+    """(name, sanitize_trees, packed_tree_mask): the reference, and the Triton kernels where triton imports."""
+    impls = [pytest.param(sanitize_trees_ref, packed_tree_mask_ref, id="reference")]
+    try:
+        from kernels.tree_triton import packed_tree_mask_triton, sanitize_trees_triton
+    except ImportError:
+        return impls
+    return impls + [pytest.param(sanitize_trees_triton, packed_tree_mask_triton, id="triton")]
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    """``torch.empty`` returns -7-filled integer tensors (NaN-filled float ones) while a test runs."""
+    empty = torch.empty
+
+    def bad_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-7)
+
+    monkeypatch.setattr(torch, "empty", bad_empty)
+
+
+def broken_trees(rng, count: int, vocab: int, n: int) -> list[tuple[np.ndarray, ...]]:
+    """(tokens, parents, depths, score bits) of ``count`` random trees of n nodes: valid ones and ones
+    broken in every way (tokens, parents, depths, duplicate siblings, garbage)."""
+    rows = []
+    for _ in range(count):
+        parents = np.array([int(rng.integers(-1, i)) for i in range(n)], dtype=np.int64)
+        depths = np.ones(n, dtype=np.int64)
+        for i in range(n):
+            depths[i] = 1 if parents[i] < 0 else depths[parents[i]] + 1
+        tokens = rng.permutation(vocab * 2)[:n] % vocab  # often distinct siblings, not always
+        kind, j = int(rng.integers(0, 8)), int(rng.integers(0, n))
+        if kind == 1:
+            tokens[j] = int(rng.choice([-1, vocab, 2**40]))
+        elif kind == 2:
+            parents[j] = int(rng.choice([j, j + 1, -2, 2**40]))
+        elif kind == 3:
+            depths[j] += int(rng.choice([-1, 1]))
+        elif kind == 4:
+            depths[:] = rng.integers(-(2**62), 2**62, n)
+        rows.append((tokens, parents, depths, rng.integers(0, 2**31, n)))
+    return rows
+
+
+@pytest.mark.parametrize("sanitize,_", implementations())
+def test_sanitized_trees_are_the_valid_ones_and_well_formed_stand_ins(sanitize, _):
+    """``sanitize_trees`` (trees another process wrote, on the device) keeps exactly the trees that
+    ``invalid_trees`` accepts, unchanged, and puts a well-formed tree of as many nodes in place of
+    every other: random trees of one size, valid ones and ones broken in every way (tokens, parents,
+    depths, duplicate siblings, too deep, garbage), read from a slice of a wider buffer."""
+    rng = np.random.default_rng(3)
+    vocab, n, max_depth = 11, 6, 4
+    rows = broken_trees(rng, 300, vocab, n)
+    packed = torch.tensor(np.array(rows).transpose(1, 0, 2))  # [4, B, n]
+    wide = torch.full((4, len(rows) + 3, n + 5), -9, dtype=torch.int64)
+    wide[:, 1:len(rows) + 1, 2:n + 2] = packed
+    trees = [CandidateTree(t, p, d, np.zeros(n, np.float32)) for t, p, d, _ in rows]
+    bad = set(invalid_trees(trees, vocab, [n] * len(trees), [max_depth] * len(trees)))
+    assert 50 < len(bad) < 250
+    clean, valid = sanitize(wide[:, 1:len(rows) + 1, 2:n + 2].to(DEVICE), vocab, max_depth)
+    clean, valid = clean.cpu(), valid.cpu()
+    assert valid.dtype == torch.bool and clean.shape == packed.shape
+    assert [i for i in range(len(rows)) if not valid[i]] == sorted(bad)
+    assert torch.equal(clean[:, valid], packed[:, valid])
+    stand_ins = [CandidateTree(*(clean[k, i].numpy() for k in range(3)), np.zeros(n, np.float32)) for i in sorted(bad)]
+    assert invalid_trees(stand_ins, vocab, [n] * len(bad), [1] * len(bad)) == []
+    assert torch.equal(clean[3, ~valid], torch.zeros_like(clean[3, ~valid]))
+    again = sanitize(clean.to(DEVICE), vocab, max_depth)[1].cpu()
+    assert torch.equal(again, torch.ones(len(rows), dtype=torch.bool))
+
+
+@pytest.mark.parametrize("sanitize,_", implementations())
+@pytest.mark.parametrize("n", [1, 17, 59, 64])
+def test_sanitize_equals_the_reference_at_served_sizes(sanitize, _, n):
+    """Trees of the sizes a step serves (one node, more than a tile of 16, the default 59, 64), in
+    a vocabulary of SmolLM2's size: the reference's trees and verdicts, bit for bit."""
+    rng = np.random.default_rng(n)
+    rows = broken_trees(rng, 40, 49152, n)
+    packed = torch.tensor(np.array(rows).transpose(1, 0, 2))
+    want = sanitize_trees_ref(packed, 49152, 7)
+    got = sanitize(packed.to(DEVICE), 49152, 7)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+def valid_parents(rng, B: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parents [B, N], num_nodes [B]): valid trees of random sizes (parents before children; deep
+    chains and bushy trees), garbage in the padding."""
+    sizes = rng.integers(0, N + 1, B)
+    sizes[0] = N  # one full tree
+    parents = rng.integers(-3, N + 3, (B, N))
+    for b in range(B):
+        reach = 2 if b % 2 else N
+        for i in range(sizes[b]):
+            parents[b, i] = rng.integers(max(-1, i - reach), i)
+    return torch.from_numpy(parents), torch.from_numpy(sizes)
+
+
+@pytest.mark.parametrize("_,packed_mask", implementations())
+@pytest.mark.parametrize("N", [1, 5, 31, 32, 59, 64, 70])
+def test_packed_tree_masks_equal_the_reference(_, packed_mask, N):
+    """Ancestor masks of trees of N nodes (one word a row up to 31 nodes, two from 32, three past 63),
+    padded trees among them: the reference's packed words; unpacked, ``tree_mask_ref`` itself."""
+    from kernels.attention import unpack_mask
+
+    rng = np.random.default_rng(N)
+    parents, num_nodes = valid_parents(rng, 6, N)
+    wide = torch.full((6, N + 4), 99, dtype=torch.int64)
+    wide[:, :N] = parents
+    want = packed_tree_mask_ref(parents, num_nodes)
+    got = packed_mask(wide[:, :N].to(DEVICE), num_nodes.to(DEVICE)).cpu()
+    assert got.dtype == torch.int32 and got.shape == (6 * (N + 1), -(-(N + 1) // 32))
+    assert torch.equal(got, want)
+    dense = unpack_mask(got)[:, :N + 1].reshape(6, N + 1, N + 1)
+    assert torch.equal(dense, tree_mask_ref(parents, num_nodes))
+
+
+@pytest.mark.parametrize("sanitize,packed_mask", implementations())
+def test_no_trees(sanitize, packed_mask):
+    """A step of no trees gives empty results (and launches nothing)."""
+    trees, valid = sanitize(torch.zeros(4, 0, 5, dtype=torch.int64, device=DEVICE), 10, 3)
+    assert trees.shape == (4, 0, 5) and valid.shape == (0,)
+    assert packed_mask(torch.zeros(0, 5, dtype=torch.int64, device=DEVICE),
+                       torch.zeros(0, dtype=torch.int64, device=DEVICE)).shape == (0, 1)
