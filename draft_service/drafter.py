@@ -58,6 +58,11 @@ class PendingTrees:
     on_device: torch.Tensor | None = None  # int64 [4, n, nodes]: tokens | parents | depths | score bits
     trees: dict[int, CandidateTree] | None = None  # once collected (or made eagerly)
 
+    @property
+    def nodes_hint(self) -> int | None:
+        """How many nodes each tree holds (known at once in this process)."""
+        return None if self.on_device is None else self.on_device.shape[2]
+
     def collect(self) -> dict[int, CandidateTree]:
         if self.trees is None:
             tokens, parents, depths, scores = self.proposal.collect(self.ticket)

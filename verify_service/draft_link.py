@@ -113,6 +113,7 @@ class RemoteDraft:
         self._ids = itertools.count(1)
         self._steps = itertools.count(1)
         self._finished: list[int] = []
+        self.last_nodes: dict[TreeSettings, int] = {}  # nodes a chained tree of each shape held last
         self._rejected: list[tuple[int, str]] = []
         self._settled: list[tuple[int, int]] = []  # chained sequences' committed rows, for the next frame
         # Chained steps' IPC events (ready: rows written here; done: trees written there), made once and
@@ -344,6 +345,7 @@ class RemoteDraft:
         except (LinkProtocolError, OSError) as exc:
             self.drop(s, "no answer in time" if isinstance(exc, TimeoutError) else str(exc))
             return None
+        self.last_nodes[settings] = n
         now = time.perf_counter_ns()
         waited = now - start  # the link's cost on this step: any wait for the answer
         self.overhead_ns.append(waited)
@@ -468,6 +470,12 @@ class RemotePendingTrees:
         self._answer = None  # (trees, ticket) once answered
         self._answered = call is None
         self.trees: dict[int, CandidateTree] | None = None
+
+    @property
+    def nodes_hint(self) -> int | None:
+        """How many nodes each tree should hold, before the answer: the last answer's for this shape
+        (None before the first). The answer has the last word (``on_device``)."""
+        return self._remote.last_nodes.get(self._settings)
 
     @property
     def on_device(self) -> torch.Tensor | None:

@@ -275,12 +275,14 @@ class Engine:
     def _verify_ahead(self, chained) -> tuple[list, tuple[list[SeqChunk], StepOutput] | None]:
         """Schedule the step and, when it is exactly the chained trees (the same sequences, none
         finished, none whose context or max_tokens cuts its tree), launch their verification from
-        the trees on the device, before their copy reaches the host. Returns the plan and (chunks,
-        output), or (None, None) for the usual path."""
-        trees = chained.on_device
-        if trees is None or not self.speculation.full_trees(chained.seq_ids):
+        the trees on the device, before their copy reaches the host. The step's layout goes to the
+        device before the trees are asked for: through the link, while the draft service answers.
+        Returns the plan and (chunks, output), or (None, None) for the usual path."""
+        n = chained.nodes_hint
+        if n is None:  # the first of its shape through the link: the answer says
+            n = chained.on_device.shape[2] if chained.on_device is not None else None
+        if n is None or not self.speculation.full_trees(chained.seq_ids):
             return None, None
-        n = trees.shape[2]
         ids = set(chained.seq_ids)
         plan = self.scheduler.schedule(lambda s: n + 1 if s.seq_id in ids else 1 + s.tree.num_nodes if s.tree else 1)
         if [s.seq_id for s, _ in plan] != chained.seq_ids or any(s.prefilling for s, _ in plan):
@@ -288,7 +290,7 @@ class Engine:
         rows = np.arange(n + 1)
         chunks = [SeqChunk(np.pad([s.output_ids[-1]], (0, n)), s.num_cached, self.target.blocks.block_table(s.seq_id),
                            logits_rows=rows, positions=np.full(n + 1, s.num_cached)) for s, _ in plan]
-        out = self.target.runner.step_trees_on_device(chunks, trees[0], trees[1], trees[2])
+        out = self.target.runner.step_trees_on_device(chunks, lambda: chained.on_device)
         if out is None:
             return None, None
         self.steps_ahead += 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,7 +121,7 @@ class ModelRunner:
         graph = self._graph(bucket) if bucket is not None else None
         if graph is not None and graph.layout.fits(chunks):
             write = None if ids is None else lambda layout: layout.input_ids[:len(ids)].copy_(ids)
-            return self._replay(graph, chunks, write, mask_on_device=False)
+            return self._replay(graph, chunks, write)
         if self.cuda_graphs and bucket is None and ids is None:
             graphed = self._prefill_as_decodes(chunks) or self._split_step(chunks)
             if graphed is not None:
@@ -318,28 +319,38 @@ class ModelRunner:
                           rest.query_start_loc + [offset + q for q in prompt.query_start_loc[1:]])
 
     @torch.inference_mode()
-    def step_trees_on_device(self, chunks: list[SeqChunk], tokens: torch.Tensor, parents: torch.Tensor,
-                             depths: torch.Tensor) -> StepOutput | None:
-        """A verification step of trees whose nodes are still on the device (int64 [B, n] each: the
-        tokens, parents and depths of a draft chained behind the last step's acceptance), queued
-        behind the draft's work with no wait for the trees' copy to the host. ``chunks``: each
-        tree's root and n placeholder nodes (tokens, KV start, table; every row at the root's
-        position; logits for every row). The device writes the nodes' tokens, positions and
-        ancestor masks into the graph's inputs. None when no captured graph holds the step: the
-        caller lays the trees out on the host."""
-        B, n = tokens.shape
+    def step_trees_on_device(self, chunks: list[SeqChunk], trees: Callable[[], torch.Tensor | None]) -> StepOutput | None:
+        """A verification step of trees whose nodes are still on the device (a draft chained behind
+        the last step's acceptance), queued behind the draft's work with no wait for the trees' copy
+        to the host. ``chunks``: each tree's root and n placeholder nodes (tokens, KV start, table;
+        every row at the root's position; logits for every row). ``trees()``: the nodes, int64
+        [4, B, n] (tokens | parents | depths | scores), asked for once the step's layout is on its
+        way (the draft service answers meanwhile); the device writes their tokens, positions and
+        ancestor masks into the graph's inputs. None when no captured graph holds the step or the
+        trees are not B trees of n nodes: the caller lays the trees out on the host."""
+        B, n = len(chunks), len(chunks[0].token_ids) - 1
         graph = next((self._graphs[b] for b in self._fitting(True, B, n + 1) if self._graphs.get(b) is not None),
                      None) if self.cuda_graphs else None
         if graph is None or not graph.layout.fits(chunks):
             return None
+        qsl = graph.layout.fill(chunks, mask_on_device=True)  # (a layout filled for nothing is refilled next)
+        nodes = trees()
+        if nodes is None or nodes.shape[1:] != (B, n):
+            return None
+        tokens, parents, depths = nodes[0], nodes[1], nodes[2]
         mask = self.kernels.packed_tree_mask(parents, torch.full((B,), n, dtype=torch.int64, device=parents.device))
-        return self._replay(graph, chunks, lambda layout: layout.write_trees(tokens, depths, mask), mask_on_device=True)
+        graph.layout.write_trees(tokens, depths, mask)
+        return self._run(graph, qsl)
 
-    def _replay(self, graph: _Graph, chunks: list[SeqChunk], on_device=None, mask_on_device: bool = False) -> StepOutput:
+    def _replay(self, graph: _Graph, chunks: list[SeqChunk], on_device=None) -> StepOutput:
         """``on_device(layout)``: device work that completes the inputs after the host's fill."""
-        qsl = graph.layout.fill(chunks, mask_on_device=mask_on_device)
+        qsl = graph.layout.fill(chunks)
         if on_device is not None:
             on_device(graph.layout)
+        return self._run(graph, qsl)
+
+    def _run(self, graph: _Graph, qsl: np.ndarray) -> StepOutput:
+        """Replay ``graph`` on its filled inputs (``qsl``: the step's query_start_loc)."""
         graph.graph.replay()
         self.graph_steps += 1
         T = int(qsl[-1])
