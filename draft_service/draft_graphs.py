@@ -168,7 +168,8 @@ class DraftGraphs:
         self._fill(v, chunks)
         self._send(g, buf, turn)  # then the counts, tokens and features, from the device
         g_counts, g_tokens, g_features = g.rows
-        g_counts.zero_()  # padding sequences: no rows
+        if B > k:
+            g_counts[k:].zero_()  # padding sequences: no rows
         g_counts[:k].copy_(counts)
         g_tokens[:k, :D].copy_(tokens)
         g_features[:k, :D].copy_(features)

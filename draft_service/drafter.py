@@ -65,6 +65,7 @@ class PendingTrees:
 
     def collect(self) -> dict[int, CandidateTree]:
         if self.trees is None:
+            assert self.proposal is not None, "trees grown for the device only (to_host off)"
             tokens, parents, depths, scores = self.proposal.collect(self.ticket)
             self.trees = {i: CandidateTree(tokens[j], parents[j], depths[j], scores[j])
                           for j, i in enumerate(self.seq_ids)}
@@ -175,14 +176,16 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def step_on_device(self, seq_ids: list[int], starts: list[int], most: list[int], counts: torch.Tensor,
-                       tokens: torch.Tensor, features: torch.Tensor, settings: TreeSettings) -> PendingTrees:
+                       tokens: torch.Tensor, features: torch.Tensor, settings: TreeSettings,
+                       to_host: bool = True) -> PendingTrees:
         """``step`` for feeds whose rows are still on the device (in this process: right after the
         target's acceptance, before the verify step waits for it): sequence i's rows
         ``starts[i] ..`` are ``counts[i]`` (at most ``most[i]``) target features ``features[i]`` [D,
         width] paired with the tokens ``tokens[i]`` [D] that follow them (columns past the count:
         padding). Then a tree of ``settings``, full depth, for each. With graphs nothing here waits
         for the device: the trees come to the host while the caller commits (``PendingTrees.collect``
-        waits for them); ``settle`` must follow once the counts are known on the host."""
+        waits for them); ``settle`` must follow once the counts are known on the host. ``to_host``
+        off: the trees are read on the device only (``on_device``; no copy, nothing to collect)."""
         D = tokens.shape[1]
         for seq_id, start, m in zip(seq_ids, starts, most):
             assert start == self.rows.get(seq_id, 0), f"sequence {seq_id}: fed from {start}, not its newest row"
@@ -205,10 +208,10 @@ class EagleDrafter:
         if proposal.graph is None:  # an eager proposal lays its levels out from the host's rows: a wait
             rows, more = rows + np.asarray(counts.tolist(), dtype=np.int64), None
         ticket, on_device = proposal.launch(logp, last, rows, [self.blocks.block_table(i) for i in seq_ids],
-                                            more_rows=more)
+                                            more_rows=more, to_host=to_host)
         for j, i in enumerate(seq_ids):
             self.last_out[i], self.last_logp[i] = last[j], logp[j]
-        return PendingTrees(seq_ids, proposal, ticket, on_device)
+        return PendingTrees(seq_ids, proposal if to_host else None, ticket, on_device)
 
     def settle(self, rows: dict[int, int]) -> None:
         """The committed rows of the sequences ``step_on_device`` fed, now known on the host: the

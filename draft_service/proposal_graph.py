@@ -148,10 +148,12 @@ class DeviceProposal:
         return self.collect(self.launch(root_logp, root_out, rows, tables, more_rows)[0])
 
     def launch(self, root_logp: torch.Tensor, root_out: torch.Tensor, rows: np.ndarray,
-               tables: list[list[int]], more_rows: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+               tables: list[list[int]], more_rows: torch.Tensor | None = None,
+               to_host: bool = True) -> tuple[int, torch.Tensor]:
         """``run``'s work, queued: the trees' copy to the host is started, not waited for. Returns the
-        ticket ``collect`` takes (the next ``launch`` must come after it) and the trees on the device,
-        int64 [4, n, nodes] (tokens | parents | depths | score bits; valid until the next launch)."""
+        ticket ``collect`` takes (the next ``launch`` must come after it; 0 and no copy where
+        ``to_host`` is off: the trees stay on the device) and the trees on the device, int64
+        [4, n, nodes] (tokens | parents | depths | score bits; valid until the next launch)."""
         assert more_rows is None or self.graph is not None, "an eager proposal lays out from host rows"
         n = len(rows)
         assert n <= self.batch, (n, self.batch)
@@ -178,6 +180,8 @@ class DeviceProposal:
             self._longest = int(np.max(rows)) + self.tree_rows if n else self.tree_rows
             packed = self._grow()
         self.replays += self.graph is not None
+        if not to_host:
+            return 0, packed[:, :n]
         return self._readback.start(packed[:, :n]), packed[:, :n]  # the proposal's one device-to-host copy
 
     def collect(self, ticket: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

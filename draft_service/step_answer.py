@@ -74,7 +74,7 @@ class StepAnswerer:
         counts, tokens = feeds[:B, 0].clamp(1, W), feeds[:B, 1:W + 1].clamp(0, vocab - 1)
         pending = self.drafter.step_on_device([q.seq_id for q in call.seqs], [q.start for q in call.seqs],
                                               [q.most for q in call.seqs], counts, tokens,
-                                              rows[:B * W].view(B, W, rows.shape[1]), call.settings)
+                                              rows[:B * W].view(B, W, rows.shape[1]), call.settings, to_host=False)
         trees = pending.on_device
         if trees is None:  # grown eagerly (a CPU): the trees are on the host already
             got = pending.collect()

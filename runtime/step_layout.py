@@ -123,7 +123,8 @@ class Readback:
             return self._ticket
         n = t.numel()
         if self._buffer is None or self._buffer.dtype != t.dtype or self._buffer.numel() < n:
-            self._buffer = torch.empty(max(n, 1024), dtype=t.dtype, pin_memory=True)
+            with torch.inference_mode(False):  # a normal tensor: later copies may come from outside inference mode
+                self._buffer = torch.empty(max(n, 1024), dtype=t.dtype, pin_memory=True)
         self._view = self._buffer[:n].view(t.shape)
         self._view.copy_(t, non_blocking=True)
         self._event.record()

@@ -63,8 +63,8 @@ class FaultyDrafter:
         if mode == "chained_garbage":  # takes chained steps (the others: ordinary steps only)
             self.step_on_device, self.settle, self.rows = self._step_on_device, inner.settle, inner.rows
 
-    def _step_on_device(self, *args):
-        return BrokenChainedTrees(self.inner.step_on_device(*args), self.vocab)
+    def _step_on_device(self, *args, **kwargs):
+        return BrokenChainedTrees(self.inner.step_on_device(*args, **kwargs), self.vocab)
 
     def step(self, feeds, proposals):
         trees = self.inner.step(feeds, proposals)

@@ -119,6 +119,10 @@ def test_a_readback_gives_the_tensor_as_it_was_queued_and_refuses_a_stale_ticket
     with pytest.raises(AssertionError, match="after the next one started"):
         rb.wait(first)
     assert rb.wait(second).tolist() == [[100.0, 101.0, 102.0, 103.0]]
+    with torch.inference_mode():  # the buffer grows in inference mode, then serves a copy outside it
+        third = rb.start(torch.arange(5000.0, device=device))
+    assert rb.wait(third)[-1] == 4999.0
+    assert rb.wait(rb.start(t[0].float())).tolist() == [100.0, 101.0, 102.0, 103.0]
 
 
 def test_trees_written_on_the_device_give_the_layout_the_host_builds():

@@ -102,7 +102,7 @@ class Engine:
         # Target-only decoding: the next decode step is launched before this one's tokens reach the
         # host (``_launch_decode``), its token ids taken from the sampled ones on the device.
         self.decode_ahead = drafter is None
-        self._ahead_decode = None  # (plan, chunks, output) of the step so launched
+        self._ahead_decode = None  # (plan, chunks, output, None) of the step so launched
         self.decode_steps_ahead = 0
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True,
@@ -189,12 +189,13 @@ class Engine:
         decode_only = not any(s.prefilling for s, _ in plan)
         tree_nodes = max((s.tree.num_nodes for s, _ in plan if s.tree), default=0)
         with_tree = [s for s, _ in plan if s.tree]
-        padded = padded_trees(with_tree) if with_tree else None  # for the layout and the acceptance
+        on_device = None  # the trees the step verified from the device, in plan order
         if ahead is None:
+            padded = padded_trees(with_tree) if with_tree else None  # for the layout and the acceptance
             chunks = self._chunks(plan, with_tree, padded)
             out = self.target.runner.step(chunks)
         else:
-            chunks, out = ahead
+            padded, (chunks, out, on_device) = None, ahead
         logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
         plain, trees = [], []
         for i, (seq, n) in enumerate(plan):
@@ -207,8 +208,11 @@ class Engine:
         # step's ONE device-to-host copy: the plain tokens and what acceptance chose, together.
         sampled = self.sampler.sample(take_rows(out.logits, [int(logits_at[i]) for i, *_ in due]),
                                       [seq for _, seq, *_ in due]) if due else None
+        if len(trees) < len(plan):  # (a sequence of the plan finished since: the host layout)
+            on_device = None
         pending = self.verifier.accept([seq for _, seq, _ in trees], [int(logits_at[i]) for i, *_ in trees],
-                                       [out.query_start_loc[i] for i, *_ in trees], out, padded) if trees else None
+                                       [out.query_start_loc[i] for i, *_ in trees], out, padded,
+                                       on_device) if trees else None
         parts = [t for t in (sampled, pending.device_values() if pending else None) if t is not None]
         chained = None
         if pending and not plain and self.speculation.chains(pending.seqs):
@@ -270,14 +274,14 @@ class Engine:
             plan.append((seq, 1))
             chunks.append(SeqChunk(_PLACEHOLDER, seq.num_cached, blocks.block_table(seq.seq_id), logits_rows=(0,)))
         self.decode_steps_ahead += 1
-        return plan, chunks, self.target.runner.step(chunks, ids=sampled)
+        return plan, chunks, self.target.runner.step(chunks, ids=sampled), None
 
-    def _verify_ahead(self, chained) -> tuple[list, tuple[list[SeqChunk], StepOutput] | None]:
+    def _verify_ahead(self, chained) -> tuple[list, tuple[list[SeqChunk], StepOutput, torch.Tensor] | None]:
         """Schedule the step and, when it is exactly the chained trees (the same sequences, none
         finished, none whose context or max_tokens cuts its tree), launch their verification from
         the trees on the device, before their copy reaches the host. The step's layout goes to the
         device before the trees are asked for: through the link, while the draft service answers.
-        Returns the plan and (chunks, output), or (None, None) for the usual path."""
+        Returns the plan and (chunks, output, the trees on the device), or (None, None) for the usual path."""
         n = chained.nodes_hint
         if n is None:  # the first of its shape through the link: the answer says
             n = chained.on_device.shape[2] if chained.on_device is not None else None
@@ -294,7 +298,7 @@ class Engine:
         if out is None:
             return None, None
         self.steps_ahead += 1
-        return plan, (chunks, out)
+        return plan, (chunks, out, chained.on_device)
 
     def _chunks(self, plan: list[tuple[Sequence, int]], with_tree: list[Sequence], padded) -> list[SeqChunk]:
         """The step's inputs in plan order: tree chunks (``with_tree``, the plan's sequences with a

@@ -102,31 +102,55 @@ class TreeVerifier:
         self.staging = Staging(target.device)  # the acceptance inputs: one host-to-device copy
 
     def accept(self, seqs: list[Sequence], logits_start: list[int], row_start: list[int],
-               out: StepOutput, padded: tuple | None = None) -> PendingVerification:
+               out: StepOutput, padded: tuple | None = None, on_device: torch.Tensor | None = None) -> PendingVerification:
         """Launch acceptance, KV compaction and the gather of the draft's features, all on the
         device; nothing waits. ``logits_start[i]``/``row_start[i]``: where sequence i's rows begin
         in ``out.logits`` and in the flat batch (``out.captured``); ``padded``: ``padded_trees(seqs)``,
-        when the caller has it (the step's layout made it)."""
+        when the caller has it (the step's layout made it). ``on_device``: the step's trees where it
+        verified them from the device (int64 [4, B, n], every tree of n nodes, its logits rows one
+        after the other): acceptance reads them there, not from host copies."""
         eng = self.target
-        tokens, host_parents, depths, nodes = padded or padded_trees(seqs)  # (B, N+1), root in column 0
-        num_nodes = nodes + 1  # with the root
-        cols = np.minimum(np.arange(tokens.shape[1])[None, :], nodes[:, None])
-        idx = np.asarray(logits_start)[:, None] + cols  # (B, N+1); padding repeats a row
         table = pad_rows([eng.blocks.block_table(s.seq_id) for s in seqs])
         prefix = np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=len(seqs))
         rows = np.asarray(row_start, dtype=np.int64)
-        max_depth = int(depths.max())
-        idx, tokens, parents, num_nodes, table, prefix, rows, depths = self.staging.upload(
-            [idx, tokens, host_parents, num_nodes, table, prefix, rows, depths])
-        if self.replay is not None:  # REPLAY (benchmarks only): the trace says how many nodes are accepted
-            result = self.replay.accept([s.seq_id for s in seqs], host_parents, nodes + 1, out.logits[idx])
+        if on_device is not None and self.replay is None:
+            result, tokens, table, prefix, rows = self._accept_on_device(seqs, logits_start, out, on_device,
+                                                                         [table, prefix, rows])
         else:
-            result = self._accept(seqs, out.logits[idx], tokens, parents, num_nodes, max_depth, depths)
+            tokens, host_parents, depths, nodes = padded or padded_trees(seqs)  # (B, N+1), root in column 0
+            num_nodes = nodes + 1  # with the root
+            cols = np.minimum(np.arange(tokens.shape[1])[None, :], nodes[:, None])
+            idx = np.asarray(logits_start)[:, None] + cols  # (B, N+1); padding repeats a row
+            max_depth = int(depths.max())
+            idx, tokens, parents, num_nodes, table, prefix, rows, depths = self.staging.upload(
+                [idx, tokens, host_parents, num_nodes, table, prefix, rows, depths])
+            if self.replay is not None:  # REPLAY (benchmarks only): the trace says how many nodes are accepted
+                result = self.replay.accept([s.seq_id for s in seqs], host_parents, nodes + 1, out.logits[idx])
+            else:
+                result = self._accept(seqs, out.logits[idx], tokens, parents, num_nodes, max_depth, depths)
         src, dst = self.kernels.compaction_slots(result.path, result.num_accepted, prefix, table,
                                                  eng.kv_cache.block_size)
         self.kernels.compact_kv(eng.kv_cache.data, src, dst)
         features = out.captured[rows[:, None] + result.path.clamp(min=0)] if out.captured is not None else None
         return PendingVerification(seqs, result, features, tokens)
+
+    def _accept_on_device(self, seqs: list[Sequence], logits_start: list[int], out: StepOutput, trees: torch.Tensor,
+                          arrays: list[np.ndarray]):
+        """``accept``'s inputs from trees on the device ([4, B, n]: tokens | parents | depths | scores,
+        every tree of n nodes): the roots and ``arrays`` go up in one copy, the [B, n + 1] layout
+        (root in column 0) is made there. Returns the result, the trees' tokens and ``arrays`` on the device."""
+        B, n = trees.shape[1], trees.shape[2]
+        assert list(logits_start) == list(range(0, B * (n + 1), n + 1)), "each tree's logits rows, one after the other"
+        roots = np.fromiter((s.output_ids[-1] for s in seqs), dtype=np.int64, count=B)
+        roots, num_nodes, *arrays = self.staging.upload([roots, np.full(B, n + 1, dtype=np.int64), *arrays])
+        tokens = torch.cat([roots[:, None], trees[0]], dim=1)  # (B, n + 1)
+        parents = torch.nn.functional.pad(trees[1] + 1, (1, 0), value=-1)  # node i's parent column; the root: -1
+        depths = torch.nn.functional.pad(trees[2], (1, 0))
+        logits = out.logits[:B * (n + 1)].view(B, n + 1, -1)
+        # The trees' depth bound (each grown to its shape's depth at most): the same acceptance as their
+        # deepest node's depth, with no host copy to find it.
+        max_depth = seqs[0].tree_settings.depth
+        return (self._accept(seqs, logits, tokens, parents, num_nodes, max_depth, depths), tokens, *arrays)
 
     def finish(self, pending: PendingVerification, host: list[int]) -> list[Verified]:
         """Commit what acceptance chose; ``host`` is ``pending.device_values()`` on the host."""
