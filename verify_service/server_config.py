@@ -28,7 +28,7 @@ class VerifyServerConfig:
     listen: str = DEFAULT_PUBLIC
     internal: str = DEFAULT_INTERNAL
     draft_timeout_s: float = 10.0  # a draft answering slower than this is dropped (plain decoding)
-    chain_min_seqs: int = 2  # chained steps through the draft link for steps of at least this many sequences
+    chain_min_seqs: int = 1  # chained steps through the draft link for steps of at least this many sequences
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_tokens_default: int = 256
     max_open_streams: int = 256  # Generate streams at once; more get RESOURCE_EXHAUSTED at once
@@ -123,10 +123,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="adaptive speculation's cost table (JSON): read when FILE exists and was measured on this "
                         "device, dtype and model; else measured at start-up (seconds) and written to FILE")
     p.add_argument("--draft-timeout-s", type=float, default=10.0)
-    p.add_argument("--chain-min-seqs", type=int, default=2, metavar="N",
+    p.add_argument("--chain-min-seqs", type=int, default=1, metavar="N",
                    help="chained steps through the draft link (the draft's work queued on the GPU behind acceptance) "
-                        "for steps of at least N sequences; smaller ones pass through the hosts (measured on an "
-                        "H200: chained steps gain at 16 sequences, lose at one)")
+                        "for steps of at least N sequences; smaller ones pass through the hosts")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     p.add_argument("--max-tokens-default", type=int, default=256)
     p.add_argument("--max-open-streams", type=int, default=256,
