@@ -157,7 +157,7 @@ class DraftCoordinator:
         seqs = pending.seqs
         self.chained_steps += 1
         return self.drafter.step_on_device([s.seq_id for s in seqs], [s.num_cached for s in seqs],
-                                           [s.tree.num_nodes + 1 for s in seqs], counts, tokens, pending.features,
+                                           pending.most, counts, tokens, pending.features,
                                            seqs[0].tree_settings)
 
     def settle(self, verified: list[Verified]) -> None:

@@ -172,15 +172,19 @@ class Engine:
         """Run one batched forward; returns the tokens committed by it."""
         t0 = time.perf_counter()
         chained, self._chained = self._chained, None
-        plan, ahead = None, None
+        plan, ahead, deferred = None, None, None
         if self._ahead_decode is not None:  # launched by the last step: its sequences that finished since are skipped
             plan, *ahead = self._ahead_decode
             self._ahead_decode = None
         elif chained is not None:
             # The last step's draft grew these trees behind its acceptance: verified straight from
-            # the device where the step holds them alone, else laid out once they reach the host.
+            # the device where the step holds them alone (their host copies are attached once this
+            # step's acceptance and next draft are queued), else laid out once they reach the host.
             plan, ahead = self._verify_ahead(chained)
-            self.speculation.attach(chained.collect())
+            if ahead is None:
+                self.speculation.attach(chained.collect())
+            else:
+                deferred = chained
         if ahead is None:
             plan = self.scheduler.schedule(lambda s: 1 + s.tree.num_nodes if s.tree else 1)
         if not plan:
@@ -200,7 +204,7 @@ class Engine:
         plain, trees = [], []
         for i, (seq, n) in enumerate(plan):
             if seq.seq_id in self.sequences:  # (a step launched ahead may hold sequences finished since)
-                (trees if seq.tree else plain).append((i, seq, n))
+                (trees if seq.tree or deferred else plain).append((i, seq, n))
         feeds: dict[int, DraftFeed] = {}
         self.last_step_verified_trees = bool(trees)
         due = self._advance_plain(plain, out, feeds)
@@ -209,7 +213,7 @@ class Engine:
         sampled = self.sampler.sample(take_rows(out.logits, [int(logits_at[i]) for i, *_ in due]),
                                       [seq for _, seq, *_ in due]) if due else None
         if len(trees) < len(plan):  # (a sequence of the plan finished since: the host layout)
-            on_device = None
+            on_device = deferred = self._attach(deferred)
         pending = self.verifier.accept([seq for _, seq, _ in trees], [int(logits_at[i]) for i, *_ in trees],
                                        [out.query_start_loc[i] for i, *_ in trees], out, padded,
                                        on_device) if trees else None
@@ -221,6 +225,7 @@ class Engine:
             # the next step collects the trees (``attach_trees``) just before it lays them out.
             ticket = self._readback.start(parts[0])
             chained = self.speculation.draft_on_device(pending)
+            deferred = self._attach(deferred)
             host = self._readback.wait(ticket).tolist()
         elif sampled is not None and not trees and len(due) == len(plan) and self._decode_ahead_ok(due):
             # The copy of this step's tokens goes first: the next step, queued behind it, is not waited for.
@@ -228,6 +233,7 @@ class Engine:
             self._ahead_decode = self._launch_decode(due, sampled)
             host = self._readback.wait(ticket).tolist()
         else:
+            deferred = self._attach(deferred)
             host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
         events, decodes = [], []  # decodes: (chunk, sequence, token) whose one row goes in the batch
         for (i, seq, start, n), token in zip(due, host[:len(due)]):
@@ -255,6 +261,12 @@ class Engine:
             context = float(np.mean([s.num_cached for s, _ in plan]))
             self.policy.observe_step(len(plan), tree_nodes, context, (time.perf_counter() - t0 - draft_s) * 1e3)
         return events
+
+    def _attach(self, deferred) -> None:
+        """Give the sequences the trees of ``deferred`` (chained trees the step verified from the
+        device), once they reach the host; returns None (what the caller holds then)."""
+        if deferred is not None:
+            self.speculation.attach(deferred.collect())
 
     def _decode_ahead_ok(self, due) -> bool:
         """Whether the next step may be launched now, before this decode step's tokens are read: no

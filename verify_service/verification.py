@@ -75,6 +75,7 @@ class PendingVerification:
     result: object  # kernels.acceptance.AcceptResult
     features: torch.Tensor  # [B, max_depth + 1, k * hidden]: the captured rows along each accepted path
     tokens: torch.Tensor  # int64 [B, N+1]: the trees' tokens on the device, the root's in column 0
+    most: list[int]  # each sequence's node count + 1: the most rows its feed brings
 
     def feeds_on_device(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's feed of each sequence, before the host knows it: the counts k + 1 [B] and the
@@ -116,12 +117,14 @@ class TreeVerifier:
         if on_device is not None and self.replay is None:
             result, tokens, table, prefix, rows = self._accept_on_device(seqs, logits_start, out, on_device,
                                                                          [table, prefix, rows])
+            most = [on_device.shape[2] + 1] * len(seqs)
         else:
             tokens, host_parents, depths, nodes = padded or padded_trees(seqs)  # (B, N+1), root in column 0
             num_nodes = nodes + 1  # with the root
             cols = np.minimum(np.arange(tokens.shape[1])[None, :], nodes[:, None])
             idx = np.asarray(logits_start)[:, None] + cols  # (B, N+1); padding repeats a row
             max_depth = int(depths.max())
+            most = num_nodes.tolist()
             idx, tokens, parents, num_nodes, table, prefix, rows, depths = self.staging.upload(
                 [idx, tokens, host_parents, num_nodes, table, prefix, rows, depths])
             if self.replay is not None:  # REPLAY (benchmarks only): the trace says how many nodes are accepted
@@ -132,7 +135,7 @@ class TreeVerifier:
                                                  eng.kv_cache.block_size)
         self.kernels.compact_kv(eng.kv_cache.data, src, dst)
         features = out.captured[rows[:, None] + result.path.clamp(min=0)] if out.captured is not None else None
-        return PendingVerification(seqs, result, features, tokens)
+        return PendingVerification(seqs, result, features, tokens, most)
 
     def _accept_on_device(self, seqs: list[Sequence], logits_start: list[int], out: StepOutput, trees: torch.Tensor,
                           arrays: list[np.ndarray]):
