@@ -57,6 +57,7 @@ class PendingTrees:
     ticket: int = 0
     on_device: torch.Tensor | None = None  # int64 [4, n, nodes]: tokens | parents | depths | score bits
     trees: dict[int, CandidateTree] | None = None  # once collected (or made eagerly)
+    outlives_next_draft = False  # the next proposal of the shape reuses the copy's buffer: collect first
 
     @property
     def nodes_hint(self) -> int | None:

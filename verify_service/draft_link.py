@@ -462,6 +462,8 @@ class RemotePendingTrees:
     behind the draft's work on this side's stream) and ``collect()`` (by sequence, on the host). The
     first of the two waits for the draft's answer; a failed session gives None and no trees."""
 
+    outlives_next_draft = True  # the copy is the verify side's own until the next answer: collect after the next call
+
     def __init__(self, remote: RemoteDraft, session: Session | None, call: ChainCall | None, settings: TreeSettings,
                  sent_ns: int = 0):
         self.seq_ids = [q.seq_id for q in call.seqs] if call is not None else []

@@ -224,6 +224,8 @@ class Engine:
             # device, then waits for acceptance alone: the host commits while the draft runs, and
             # the next step collects the trees (``attach_trees``) just before it lays them out.
             ticket = self._readback.start(parts[0])
+            if deferred is not None and not deferred.outlives_next_draft:  # its copy's buffer is the next draft's
+                deferred = self._attach(deferred)
             chained = self.speculation.draft_on_device(pending)
             deferred = self._attach(deferred)
             host = self._readback.wait(ticket).tolist()
