@@ -19,18 +19,11 @@ import triton
 import triton.language as tl
 
 from kernels.acceptance import AcceptResult
+from kernels.triton_jit import jit_unspecialized
 
 # One compiled variant serves every step: tree widths up to 64 columns share one tile, and neither
 # the integer sizes nor the arrays' alignment (rows sliced out of larger tensors) select another.
 MIN_BLOCK = 64
-
-
-def _jit(**options):
-    """``triton.jit`` without alignment specialisation where this Triton offers the option."""
-    try:
-        return triton.jit(do_not_specialize_on_alignment=options["do_not_specialize"], **options)
-    except TypeError:  # an older Triton: integer arguments only
-        return triton.jit(**options)
 
 
 def greedy_accept_triton(target_argmax: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor,
@@ -47,8 +40,8 @@ def greedy_accept_triton(target_argmax: torch.Tensor, node_tokens: torch.Tensor,
     return AcceptResult(path, num_accepted, bonus)
 
 
-@_jit(do_not_specialize=["argmax_ptr", "tokens_ptr", "parents_ptr", "num_nodes_ptr", "path_ptr", "accepted_ptr",
-                         "bonus_ptr", "width", "max_depth"])
+@jit_unspecialized("argmax_ptr", "tokens_ptr", "parents_ptr", "num_nodes_ptr", "path_ptr", "accepted_ptr",
+                   "bonus_ptr", "width", "max_depth")
 def _greedy_accept_kernel(argmax_ptr, tokens_ptr, parents_ptr, num_nodes_ptr, path_ptr, accepted_ptr, bonus_ptr,
                           width, max_depth, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -88,8 +81,8 @@ def compaction_slots_triton(path: torch.Tensor, num_accepted: torch.Tensor, pref
     return src, dst
 
 
-@_jit(do_not_specialize=["path_ptr", "accepted_ptr", "prefix_ptr", "tables_ptr", "src_ptr", "dst_ptr", "width",
-                         "table_width", "block_size"])
+@jit_unspecialized("path_ptr", "accepted_ptr", "prefix_ptr", "tables_ptr", "src_ptr", "dst_ptr", "width",
+                   "table_width", "block_size")
 def _compaction_slots_kernel(path_ptr, accepted_ptr, prefix_ptr, tables_ptr, src_ptr, dst_ptr, width, table_width,
                              block_size, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)

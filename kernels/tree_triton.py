@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_jit import jit_unspecialized
+
 MIN_BLOCK = 16  # one compiled variant for every tree of up to 16 nodes (slots), the next for 32, ...
 
 
@@ -37,7 +39,7 @@ def sanitize_trees_triton(packed: torch.Tensor, vocab_size: int, max_depth: int)
     return out, valid.bool()
 
 
-@triton.jit
+@jit_unspecialized("in_ptr", "stride_plane", "stride_tree", "out_ptr", "valid_ptr", "B", "n", "vocab", "max_depth")
 def _sanitize_kernel(in_ptr, stride_plane, stride_tree, out_ptr, valid_ptr, B, n, vocab, max_depth,
                      BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -79,7 +81,7 @@ def packed_tree_mask_triton(parents: torch.Tensor, num_nodes: torch.Tensor) -> t
     return out
 
 
-@triton.jit
+@jit_unspecialized("parents_ptr", "num_nodes_ptr", "out_ptr", "N", "words")
 def _tree_mask_kernel(parents_ptr, num_nodes_ptr, out_ptr, N, words, BLOCK: tl.constexpr, WORDS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK)  # slots: 0 the root, i + 1 node i

@@ -175,6 +175,8 @@ class ModelRunner:
                     self.step([prefill, _chain_chunk(max(tree_tokens), start + tokens, bs)])
         if tree_tokens:
             self._warm_acceptance(max(tree_tokens), bs)
+            for width in sorted(set(tree_tokens)):
+                self._warm_tree_layout(width)
         torch.cuda.synchronize()
         buckets = self._buckets()
         tree_q = {min((b.tokens for b in buckets if b.tree and b.tokens >= n), default=0) for n in tree_tokens}
@@ -189,6 +191,14 @@ class ModelRunner:
         result = k.greedy_accept(cols, cols, cols - 1, torch.tensor([width], device=dev), width - 1)
         k.compaction_slots(result.path, result.num_accepted, torch.zeros(1, dtype=torch.int64, device=dev),
                            torch.zeros(1, -(-width // block_size), dtype=torch.int64, device=dev), block_size)
+
+    def _warm_tree_layout(self, width: int) -> None:
+        """Compile the kernels that lay out trees on the device (a chained step's check of the draft
+        service's trees, their packed ancestor masks) for trees of ``width`` columns, root included."""
+        dev, k, n = self.device, self.kernels, width - 1
+        if n >= 1:
+            trees, _ = k.sanitize_trees(torch.zeros(4, 1, n, dtype=torch.int64, device=dev), 1, 1)
+            k.packed_tree_mask(trees[1], torch.tensor([n], device=dev))
 
     def _bucket(self, chunks: list[SeqChunk]) -> Bucket | None:
         """The smallest captured bucket that holds this step (else the smallest), if it is a decode or
