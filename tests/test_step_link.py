@@ -291,8 +291,9 @@ def test_chained_steps_through_cuda_ipc_give_the_target_only_output(dirs, tmp_pa
         assert got == together == want
         metrics = s.client.metrics()
         assert metrics["chained_steps"] > 20 and metrics["draft_errors"] == 0
-        # Batches of one to four sequences compiled nothing after the warm-ups (each would stall a step).
-        late = [line for line in (s.verify.log() + s.draft.log()).splitlines() if "after the" in line and "warm-up" in line]
+        # Batches of one to four sequences compiled nothing on the verify side after its warm-up (each
+        # compilation stalls a step; the tree-layout kernels once did at every new batch size).
+        late = [line for line in s.verify.log().splitlines() if "after the verify service's warm-up" in line]
         assert late == []
     finally:
         s.close()
