@@ -76,3 +76,16 @@ def pytest_collection_modifyitems(config, items):
 def test_device() -> str:
     """Device for engine tests: EAGLE3_TEST_DEVICE, else cpu."""
     return os.environ.get("EAGLE3_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """``torch.empty`` returns NaN-filled float tensors and -7-filled integer ones while a test runs:
+    a kernel that leaves part of an output unwritten shows it."""
+    empty = torch.empty
+
+    def bad_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-7)
+
+    monkeypatch.setattr(torch, "empty", bad_empty)

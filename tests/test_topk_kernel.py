@@ -17,16 +17,7 @@ from kernels.tree import draft_topk_ref  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def poisoned(monkeypatch):
-    """``torch.empty`` returns NaN-filled float tensors and -7-filled integer ones while a test runs."""
-    empty = torch.empty
-
-    def bad_empty(*args, **kwargs):
-        out = empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-7)
-
-    monkeypatch.setattr(torch, "empty", bad_empty)
+pytestmark = pytest.mark.usefixtures("poisoned_empty")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("vocab", [16, 1000, BLOCK + 1, 32000, 49152])

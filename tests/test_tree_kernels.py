@@ -26,16 +26,7 @@ def implementations():
     return impls + [pytest.param(sanitize_trees_triton, packed_tree_mask_triton, id="triton")]
 
 
-@pytest.fixture(autouse=True)
-def poisoned(monkeypatch):
-    """``torch.empty`` returns -7-filled integer tensors (NaN-filled float ones) while a test runs."""
-    empty = torch.empty
-
-    def bad_empty(*args, **kwargs):
-        out = empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-7)
-
-    monkeypatch.setattr(torch, "empty", bad_empty)
+pytestmark = pytest.mark.usefixtures("poisoned_empty")  # tests/conftest.py
 
 
 def broken_trees(rng, count: int, vocab: int, n: int) -> list[tuple[np.ndarray, ...]]:
