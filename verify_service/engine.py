@@ -204,7 +204,7 @@ class Engine:
         plain, trees = [], []
         for i, (seq, n) in enumerate(plan):
             if seq.seq_id in self.sequences:  # (a step launched ahead may hold sequences finished since)
-                (trees if seq.tree or deferred else plain).append((i, seq, n))
+                (trees if seq.tree or deferred is not None else plain).append((i, seq, n))
         feeds: dict[int, DraftFeed] = {}
         self.last_step_verified_trees = bool(trees)
         due = self._advance_plain(plain, out, feeds)
@@ -222,7 +222,7 @@ class Engine:
         if pending and not plain and self.speculation.chains(pending.seqs):
             # A step of trees alone queues the draft's extend and next trees behind acceptance on the
             # device, then waits for acceptance alone: the host commits while the draft runs, and
-            # the next step collects the trees (``attach_trees``) just before it lays them out.
+            # the next step collects the trees once it has queued their verification and acceptance.
             ticket = self._readback.start(parts[0])
             if deferred is not None and not deferred.outlives_next_draft:  # its copy's buffer is the next draft's
                 deferred = self._attach(deferred)
