@@ -52,8 +52,9 @@ def main() -> None:
     ap.add_argument("--tree", default="chain:3", help="TREE:DEPTH[:TOP_K[:NODES]] (the services' tree; unset parts: "
                                                       "the device's defaults)")
     ap.add_argument("--concurrency", type=int, action="append",
-                    help="requests in flight at once (default 1); each value is a run, the in-process engine "
-                         "decoding as many sequences together")
+                    help="requests in flight at once (default 1); each value is a run, in the order given (a value "
+                         "given twice runs twice on the same server: its first and a later run), the in-process "
+                         "engine decoding as many sequences together")
     ap.add_argument("--adaptive-speculation", default="off", choices=["on", "off"],
                     help="the verify service picks each step's tree size (or plain decoding)")
     ap.add_argument("--exact", action="store_true",
@@ -66,7 +67,7 @@ def main() -> None:
                     help="the verify service's --chain-min-seqs (default: its own default)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    levels = sorted(set(args.concurrency or [1]))
+    levels = args.concurrency or [1]
     model = str(ensure_default_model(progress=False))
     tmp = Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
     head = args.head
