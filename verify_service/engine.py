@@ -298,7 +298,8 @@ class Engine:
         Returns the plan and (chunks, output, the trees on the device), or (None, None) for the usual path."""
         n = chained.nodes_hint
         if n is None:  # the first of its shape through the link: the answer says
-            n = chained.on_device.shape[2] if chained.on_device is not None else None
+            trees = chained.on_device
+            n = None if trees is None else trees.shape[2]
         if n is None or not self.speculation.full_trees(chained.seq_ids):
             return None, None
         ids = set(chained.seq_ids)
