@@ -157,6 +157,8 @@ class DeviceProposal:
         assert more_rows is None or self.graph is not None, "an eager proposal lays out from host rows"
         n = len(rows)
         assert n <= self.batch, (n, self.batch)
+        if self._sending:  # the last launch's copy of the host buffer must have run before it is rewritten
+            self._sent.synchronize()
         host = self._host_view
         B, W = self.batch, self.tables.shape[1]
         host[:] = 0

@@ -227,12 +227,19 @@ def _attend_keys(acc, m_i, l_i, q, lo, hi, b, t, qi, row_ok, m_start, first_kv, 
         s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)  # (M, N), raw
         if MASKED:
             if HAS_MASK:
-                rel = keys[None, :] - m_start  # column in the token's mask row
-                word_idx = tl.maximum(rel, 0) // 32
-                in_mask = (rel >= 0) & (word_idx < mask_words)
-                word = tl.load(mask_ptr + t[:, None] * stride_mask + word_idx, mask=row_ok[:, None] & in_mask,
-                               other=0)
-                visible = (rel < 0) | (((word >> (tl.maximum(rel, 0) % 32)) & 1) != 0)
+                # The tile's keys span at most BLOCK_N // 32 + 1 of a row's mask words: each row loads
+                # those few words once (vectors over the rows), and every key picks its own.
+                rel = keys - m_start  # (N,): column in the tokens' mask rows
+                first_word = tl.maximum(start - m_start, 0) // 32
+                pick = tl.maximum(rel, 0) // 32 - first_word  # (N,): which of the loaded words
+                word = tl.zeros(s.shape, dtype=tl.int32)
+                rows_at = mask_ptr + t * stride_mask + first_word  # (M,)
+                for j in tl.static_range(BLOCK_N // 32 + 1):  # (the bound broadcast over the rows: the interpreter)
+                    w = tl.load(rows_at + j, mask=row_ok & ((first_word + j + 0 * t) < mask_words), other=0)
+                    word = tl.where(pick[None, :] == j, w[:, None], word)
+                in_mask = (rel >= 0) & (tl.maximum(rel, 0) // 32 < mask_words)
+                bit = ((word >> (tl.maximum(rel, 0) % 32)[None, :]) & 1) != 0
+                visible = (rel < 0)[None, :] | (bit & in_mask[None, :])
             else:
                 visible = keys[None, :] <= (first_kv + qi)[:, None]
             visible = visible & key_ok[None, :] & row_ok[:, None]

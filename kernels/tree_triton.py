@@ -92,10 +92,14 @@ def _tree_mask_kernel(parents_ptr, num_nodes_ptr, out_ptr, N, words, BLOCK: tl.c
     jump = tl.where(real, tl.minimum(tl.maximum(parent, -1), N - 1) + 1, 0)  # slot -> its parent's slot
     cur = s.to(tl.int64)
     bits = tl.zeros([BLOCK, WORDS], dtype=tl.int32)
-    for _ in range(N + 1):  # a slot's ancestors, then the root (its own parent) again and again
+    # A slot's ancestors, one level an iteration, until every walk has reached the root: the tree's
+    # depth iterations, not its width (parents come before children: at most N steps in any case).
+    steps = 0
+    while (tl.max(cur, 0) > 0) & (steps <= N):
         bit = tl.full([BLOCK, WORDS], 1, tl.int32) << (cur % 32).to(tl.int32)[:, None]
         bits |= tl.where((cur // 32)[:, None] == w[None, :], bit, 0)
         cur = tl.sum(tl.where(cur[:, None] == s[None, :], jump[None, :], 0), 1)  # (BLOCK,): cur's parent slot
-    bits |= tl.where(w[None, :] == 0, 1, 0)  # the root, for a slot whose walk was cut (it never is)
+        steps += 1
+    bits |= tl.where(w[None, :] == 0, 1, 0)  # the root: every slot's last ancestor
     rows = b * (N + 1) + s
     tl.store(out_ptr + rows[:, None] * words + w[None, :], bits, mask=(s[:, None] <= N) & (w[None, :] < words))

@@ -34,4 +34,6 @@ def build_engine(cfg: EngineConfig, spec: SpecConfig | None = None, adaptive: bo
     drafter.warm_up([spec.settings.capped(n) for n in sizes] if adaptive else None,
                     engine.feed_buffer.max_rows or cfg.max_batch_tokens, chained=policy is None)
     target.runner.warm_up(cfg.max_batch_tokens, tuple(n + 1 for n in sizes))
+    if policy is None:  # chained steps: their acceptance graphs
+        engine.verifier.warm_up(spec.settings.node_budget, spec.settings.depth)
     return engine

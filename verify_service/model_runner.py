@@ -57,6 +57,9 @@ class StepOutput:
     hidden: torch.Tensor  # [T, hidden] final-normed hidden of every new token
     captured: torch.Tensor | None  # [T, k * hidden] EAGLE-3 features, when capture layers are set
     query_start_loc: list[int]  # chunk i owns rows query_start_loc[i]:query_start_loc[i+1]
+    # The captured forward whose static inputs and outputs these are, when the step replayed one alone
+    # (what comes after it may be captured on them too: ``TreeVerifier``'s acceptance graphs).
+    graph: "_Graph | None" = None
 
 
 def graph_buckets(max_num_seqs: int, max_tree_tokens: int, prompt_tokens: int = 0) -> list[Bucket]:
@@ -81,6 +84,7 @@ class _Graph:
                  hidden: torch.Tensor, captured: torch.Tensor | None):
         self.layout, self.graph = layout, graph
         self.logits, self.hidden, self.captured = logits, hidden, captured
+        self.followers: dict = {}  # graphs captured on this one's inputs and outputs (they die with it)
 
 
 class ModelRunner:
@@ -339,8 +343,7 @@ class ModelRunner:
         ancestor masks into the graph's inputs. None when no captured graph holds the step or the
         trees are not B trees of n nodes: the caller lays the trees out on the host."""
         B, n = len(chunks), len(chunks[0].token_ids) - 1
-        graph = next((self._graphs[b] for b in self._fitting(True, B, n + 1) if self._graphs.get(b) is not None),
-                     None) if self.cuda_graphs else None
+        graph = self.tree_graph(B, n)
         if graph is None or not graph.layout.fits(chunks):
             return None
         qsl = graph.layout.fill(chunks, mask_on_device=True)  # (a layout filled for nothing is refilled next)
@@ -351,6 +354,12 @@ class ModelRunner:
         mask = self.kernels.packed_tree_mask(parents, torch.full((B,), n, dtype=torch.int64, device=parents.device))
         graph.layout.write_trees(tokens, depths, mask)
         return self._run(graph, qsl)
+
+    def tree_graph(self, B: int, n: int) -> _Graph | None:
+        """The captured verification graph a step of B trees of n nodes replays (None: none holds it)."""
+        if not self.cuda_graphs:
+            return None
+        return next((self._graphs[b] for b in self._fitting(True, B, n + 1) if self._graphs.get(b) is not None), None)
 
     def _replay(self, graph: _Graph, chunks: list[SeqChunk], on_device=None) -> StepOutput:
         """``on_device(layout)``: device work that completes the inputs after the host's fill."""
@@ -365,7 +374,7 @@ class ModelRunner:
         self.graph_steps += 1
         T = int(qsl[-1])
         captured = graph.captured[:T].clone() if graph.captured is not None else None  # outlives the step
-        return StepOutput(graph.logits[:T], graph.hidden[:T], captured, qsl.tolist())
+        return StepOutput(graph.logits[:T], graph.hidden[:T], captured, qsl.tolist(), graph)
 
 
 def _is_prompt(c: SeqChunk) -> bool:

@@ -139,7 +139,8 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
     remote, exporter = _remote_draft(target, cfg, status, metrics)
     on_step = metrics.step_seconds.observe if metrics else lambda seconds: None
     policy = policy_for(target, cfg.limits, cfg.cost_table) if remote and cfg.adaptive_speculation else None
-    loop = EngineThread(Engine(target, remote, cfg.limits, policy) if remote else Engine(target), on_step)
+    engine = Engine(target, remote, cfg.limits, policy) if remote else Engine(target)
+    loop = EngineThread(engine, on_step)
     loop.publish_with(snapshot_fn(loop, remote))  # metrics never wait for a step
     if metrics is not None:
         metrics.attach(lambda timeout_s: latest_stats(loop, remote))
@@ -157,6 +158,8 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
     tree_tokens = () if internal is None or cfg.limits is None else \
         tuple(n + 1 for n in tree_sizes(cfg.limits)) if cfg.adaptive_speculation else (cfg.limits.node_budget + 1,)
     warm_s = target.runner.warm_up(cfg.engine.max_batch_tokens, tree_tokens)
+    if tree_tokens and policy is None:  # chained steps' acceptance graphs
+        engine.verifier.warm_up(cfg.limits.node_budget, cfg.limits.depth)
     if warm_s:
         log.info("kernels compiled and decode and verification graphs captured in %.1f s", warm_s)
         CompileWatch(log, "the verify service's warm-up").start()

@@ -76,21 +76,73 @@ class PendingVerification:
     features: torch.Tensor  # [B, max_depth + 1, k * hidden]: the captured rows along each accepted path
     tokens: torch.Tensor  # int64 [B, N+1]: the trees' tokens on the device, the root's in column 0
     most: list[int]  # each sequence's node count + 1: the most rows its feed brings
+    computed: tuple | None = None  # (feeds_on_device(), device_values()), when a graph computed them already
 
     def feeds_on_device(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's feed of each sequence, before the host knows it: the counts k + 1 [B] and the
         tokens [B, D] that follow the features along the path (the accepted nodes', then the bonus
         token; columns past k: padding). No host sync."""
-        r = self.result
-        along = torch.gather(self.tokens, 1, r.path.clamp(min=0))  # column j: path node j's token
-        following = torch.cat([along[:, 1:], along[:, :1]], dim=1)
-        following.scatter_(1, r.num_accepted[:, None].long(), r.bonus[:, None].to(following.dtype))
-        return r.num_accepted.long() + 1, following
+        if self.computed is not None:
+            return self.computed[0]
+        return _feeds(self.result, self.tokens)
 
     def device_values(self) -> torch.Tensor:
         """What the host needs, flat: every path, then the accepted counts, then the bonus tokens."""
-        r = self.result
-        return torch.cat([r.path.flatten(), r.num_accepted, r.bonus])
+        if self.computed is not None:
+            return self.computed[1]
+        return _values(self.result)
+
+
+def _feeds(r, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``PendingVerification.feeds_on_device`` of acceptance result ``r`` over the trees' ``tokens``."""
+    along = torch.gather(tokens, 1, r.path.clamp(min=0))  # column j: path node j's token
+    following = torch.cat([along[:, 1:], along[:, :1]], dim=1)
+    following.scatter_(1, r.num_accepted[:, None].long(), r.bonus[:, None].to(following.dtype))
+    return r.num_accepted.long() + 1, following
+
+
+def _values(r) -> torch.Tensor:
+    """``PendingVerification.device_values`` of acceptance result ``r``."""
+    return torch.cat([r.path.flatten(), r.num_accepted, r.bonus])
+
+
+class _AcceptGraph:
+    """Greedy acceptance of B trees of n nodes (depth at most D), its KV compaction, the gather of the
+    draft's features and its feeds, captured as one CUDA graph on a forward graph's static inputs and
+    outputs: a chained step's acceptance costs the host one replay, not some thirty launches. The trees'
+    tokens are read where the step's layout holds them (its input ids, the roots' among them), the
+    prefixes from its sequence lengths, the block tables from its tables; only the parents come in
+    (``parents``, copied from the trees before each replay)."""
+
+    def __init__(self, verifier: "TreeVerifier", source, B: int, n: int, D: int):
+        k, kv = verifier.kernels, verifier.target.kv_cache
+        lay, rows, dev = source.layout, B * (n + 1), source.logits.device
+        self.parents = torch.zeros(B, n, dtype=torch.int64, device=dev)
+        num_nodes = torch.full((B,), n + 1, dtype=torch.int64, device=dev)
+        starts = torch.arange(B, device=dev)[:, None] * (n + 1)  # each tree's first row in the step
+        self._constants = (num_nodes, starts)  # the graph reads them: they live as long as it does
+
+        def body(compact: bool):
+            tokens = lay.input_ids[:rows].view(B, n + 1)
+            parents = torch.nn.functional.pad(self.parents + 1, (1, 0), value=-1)
+            argmax = source.logits[:rows].view(B, n + 1, -1).argmax(dim=-1)
+            result = k.greedy_accept(argmax, tokens, parents, num_nodes, D)
+            prefix = lay.meta.seq_lens[:B] - (n + 1)
+            src, dst = k.compaction_slots(result.path, result.num_accepted, prefix, lay.meta.block_tables[:B],
+                                          kv.block_size)
+            if compact:  # (not in the warm-up run: moving the KV twice would move it wrongly)
+                k.compact_kv(kv.data, src, dst)
+            features = source.captured[starts + result.path.clamp(min=0)] if source.captured is not None else None
+            return result, tokens, features, (_feeds(result, tokens), _values(result))
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            body(compact=False)  # compiles the kernels before the capture
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # a private memory pool: no other graph reuses its outputs
+            self.result, self.tokens, self.features, self.computed = body(compact=True)
 
 
 class TreeVerifier:
@@ -101,6 +153,10 @@ class TreeVerifier:
         self.replay = replay
         self.kernels = target.runner.kernels
         self.staging = Staging(target.device)  # the acceptance inputs: one host-to-device copy
+        # Greedy acceptance of trees verified from the device by a forward graph, as a graph of its
+        # own (``_AcceptGraph``); off: launched op by op (tests compare the two).
+        self.graph_acceptance = True
+        self.graph_accepts = 0  # acceptances that replayed such a graph (a metric; tests read it)
 
     def accept(self, seqs: list[Sequence], logits_start: list[int], row_start: list[int],
                out: StepOutput, padded: tuple | None = None, on_device: torch.Tensor | None = None) -> PendingVerification:
@@ -110,6 +166,9 @@ class TreeVerifier:
         when the caller has it (the step's layout made it). ``on_device``: the step's trees where it
         verified them from the device (int64 [4, B, n], every tree of n nodes, its logits rows one
         after the other): acceptance reads them there, not from host copies."""
+        if on_device is not None and self.replay is None and out.graph is not None and self.graph_acceptance \
+                and all(s.params.greedy for s in seqs):
+            return self._accept_graphed(seqs, out, on_device)
         eng = self.target
         table = pad_rows([eng.blocks.block_table(s.seq_id) for s in seqs])
         prefix = np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=len(seqs))
@@ -136,6 +195,41 @@ class TreeVerifier:
         self.kernels.compact_kv(eng.kv_cache.data, src, dst)
         features = out.captured[rows[:, None] + result.path.clamp(min=0)] if out.captured is not None else None
         return PendingVerification(seqs, result, features, tokens, most)
+
+    @torch.inference_mode()
+    def warm_up(self, nodes: int, depth: int) -> int:
+        """Capture the acceptance graphs of chained steps of trees of ``nodes`` nodes and ``depth``
+        levels, for every batch size a verification graph holds (server start-up: none is captured
+        in the middle of serving). Returns how many were captured."""
+        runner, captured = self.target.runner, 0
+        for B in range(1, runner.max_num_seqs + 1):
+            graph = runner.tree_graph(B, nodes)
+            if graph is not None:
+                captured += self._accept_graph(graph, B, nodes, depth)[1]
+        return captured
+
+    def _accept_graph(self, graph, B: int, n: int, D: int) -> tuple[_AcceptGraph, bool]:
+        """The acceptance graph on forward ``graph`` for (B trees, n nodes, depth D), and whether it was
+        captured now."""
+        key = ("accept", B, n, D)
+        g = graph.followers.get(key)
+        if g is not None:
+            return g, False
+        g = graph.followers[key] = _AcceptGraph(self, graph, B, n, D)
+        return g, True
+
+    @torch.inference_mode()
+    def _accept_graphed(self, seqs: list[Sequence], out: StepOutput, trees: torch.Tensor) -> PendingVerification:
+        """``accept`` of greedy trees verified from the device by ``out.graph``: one replay of the
+        acceptance graph for (B trees, n nodes, depth), captured at start-up (``warm_up``) or first use."""
+        B, n, D = trees.shape[1], trees.shape[2], seqs[0].tree_settings.depth
+        g, _ = self._accept_graph(out.graph, B, n, D)
+        g.parents.copy_(trees[1])
+        g.graph.replay()
+        self.graph_accepts += 1
+        # The features are the caller's (a feed may wait in the draft's buffer past the next replay).
+        features = g.features.clone() if g.features is not None else None
+        return PendingVerification(seqs, g.result, features, g.tokens, [n + 1] * B, g.computed)
 
     def _accept_on_device(self, seqs: list[Sequence], logits_start: list[int], out: StepOutput, trees: torch.Tensor,
                           arrays: list[np.ndarray]):
