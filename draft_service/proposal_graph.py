@@ -115,12 +115,14 @@ class DeviceProposal:
         B = batch
         # Host inputs, sent in one copy: rows | live | tables.
         self._meta = torch.zeros(2 * B + B * table_width, dtype=torch.int64, device=dev)
-        self._host = torch.zeros_like(self._meta, device="cpu", pin_memory=dev.type == "cuda")
-        self._host_view = self._host.numpy()
-        # Recorded after each copy of ``_host``: the next launch rewrites it only once that copy has run
-        # (a launch need not wait for the last one's trees: a draft service's chained steps never do).
-        self._sent = torch.cuda.Event() if dev.type == "cuda" else None
-        self._sending = False
+        # Two pinned host buffers, used in turn; each one's copy to the device is recorded, and a launch
+        # rewrites a buffer only once its last copy has run (two launches ago: normally long done; a
+        # launch need not wait for the last one's trees, and a draft service's chained steps never do).
+        self._hosts = [torch.zeros_like(self._meta, device="cpu", pin_memory=dev.type == "cuda") for _ in range(2)]
+        self._host_views = [h.numpy() for h in self._hosts]
+        self._sent = [torch.cuda.Event() if dev.type == "cuda" else None for _ in range(2)]
+        self._sending = [False, False]
+        self._turn = 0
         self.rows, self.live = self._meta[:B], self._meta[B:2 * B]
         self.tables = self._meta[2 * B:].view(B, table_width)
         self.root_logp = torch.zeros(B, net.d2t.shape[0], dtype=torch.float32, device=dev)
@@ -157,9 +159,11 @@ class DeviceProposal:
         assert more_rows is None or self.graph is not None, "an eager proposal lays out from host rows"
         n = len(rows)
         assert n <= self.batch, (n, self.batch)
-        if self._sending:  # the last launch's copy of the host buffer must have run before it is rewritten
-            self._sent.synchronize()
-        host = self._host_view
+        self._turn ^= 1
+        turn = self._turn
+        if self._sending[turn]:
+            self._sent[turn].synchronize()
+        host = self._host_views[turn]
         B, W = self.batch, self.tables.shape[1]
         host[:] = 0
         host[:n] = rows
@@ -167,10 +171,10 @@ class DeviceProposal:
         table_block = host[2 * B:].reshape(B, W)
         for i, t in enumerate(tables):
             table_block[i, :len(t)] = t
-        self._meta.copy_(self._host, non_blocking=True)
-        if self._sent is not None:
-            self._sent.record()
-            self._sending = True
+        self._meta.copy_(self._hosts[turn], non_blocking=True)
+        if self._sent[turn] is not None:
+            self._sent[turn].record()
+            self._sending[turn] = True
         if more_rows is not None:
             self.rows[:n].add_(more_rows)
         self.root_logp[:n].copy_(root_logp)
