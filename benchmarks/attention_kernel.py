@@ -114,7 +114,7 @@ def main() -> None:
         for tokens in args.tokens:
             q, k, v, meta = setup(context, tokens, args.heads, args.kv_heads, args.head_dim)
             read_us = 2 * k[:, :, :, :].numel() * k.element_size() / (bw * 1e9) * 1e6
-            default = attention_config(tokens, g, args.head_dim)
+            default = attention_config(tokens, g, args.head_dim, tree=tokens > 1)
             auto = splits_of(default, meta, g, args.kv_heads)
             configs = [default] + [dataclasses.replace(default, splits=n) for n in args.splits if n != auto] + \
                 ([c for c in SWEEP if c != default and c.block_m >= g] if args.sweep else [])

@@ -17,7 +17,6 @@ One step over T new tokens (H = draft width, Ht = target width)::
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from draft_service.eagle_config import DraftConfig
@@ -93,15 +92,20 @@ class EagleNet(nn.Module):
         assert self.embed_weight is not None, "call attach_embedding() before forward()"
         ctx = StepContext(meta, kv_cache, self.cos, self.sin, kernels)
         h = hidden if hidden.shape[-1] == self.config.hidden_size else self.fc(hidden)  # (T, H)
-        emb = F.embedding(input_ids, self.embed_weight).to(h.dtype)  # (T, H)
+        # Indexing, not F.embedding: the same rows, through the GPU's row-gather kernel rather than
+        # index_select's (which is slow for a draft level's few rows).
+        emb = self.embed_weight[input_ids].to(h.dtype)  # (T, H)
         return self.midlayer(emb, h, ctx)
 
-    def compute_logits(self, out: torch.Tensor, kernels: KernelSet | None = None) -> torch.Tensor:
+    def compute_logits(self, out: torch.Tensor, kernels: KernelSet | None = None, float32: bool = True) -> torch.Tensor:
         """Draft-vocabulary logits [N, draft_vocab] in float32 for pre-norm outputs [N, H] (the norm and
-        the LM head through ``kernels`` when given)."""
+        the LM head through ``kernels`` when given). ``float32`` off: in the head's dtype (for a top-k
+        that upcasts as it reads: no float32 copy of the whole vocabulary's logits)."""
         if kernels is None:
-            return self.lm_head(self.norm(out)).float()
-        return kernels.linear(kernels.rms_norm(out, self.norm.weight, self.norm.eps)[0], self.lm_head.weight).float()
+            logits = self.lm_head(self.norm(out))
+        else:
+            logits = kernels.linear(kernels.rms_norm(out, self.norm.weight, self.norm.eps)[0], self.lm_head.weight)
+        return logits.float() if float32 else logits
 
     def fuse_projections(self) -> None:
         """Inference only: one q/k/v and one gate/up matmul (``runtime/layers.py``)."""

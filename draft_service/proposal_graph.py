@@ -246,7 +246,7 @@ class DeviceProposal:
                        self.kv, self.kernels)
         # Logits, not log-probs: the builder's top-k normalises them (``draft_topk``), a log-softmax
         # over the whole draft vocabulary first would only repeat that.
-        logits = self.net.compute_logits(out, self.kernels)
+        logits = self.net.compute_logits(out, self.kernels, float32=False)  # the top-k reads them as they are
         return out.view(B, F, -1), logits.view(B, F, -1), mask
 
     def _capture(self, pool) -> None:

@@ -79,15 +79,27 @@ class _NodePool:
         """Empty again, keeping the buffers (a static shape's next tree: what a graph replays)."""
         self.size = 0
 
-    def next_scores(self, shape: torch.Size) -> torch.Tensor:
-        """The score slots of the next nodes to append, a view [B, ...] of ``shape`` to compute into."""
-        return self._scores[:, self.size:self.size + shape[1:].numel()].view(shape)
+    # The whole buffers [B, capacity], for kernels that write the nodes ``reserve`` made room for.
+    all_tokens = property(lambda self: self._tokens)
+    all_parents = property(lambda self: self._parents)
+    all_scores = property(lambda self: self._scores)
+
+    def reserve(self, n: int, depth: int) -> int:
+        """Room for one level's n nodes at ``depth`` (their depths written here, their tokens, parents
+        and scores by the caller, at the returned first pool index onwards)."""
+        lo, hi = self.size, self.size + n
+        assert hi <= self._tokens.shape[1], "pool capacity exceeded"
+        if self._constants.get((lo, hi)) != (depth, None):
+            self._depths[:, lo:hi] = depth
+            self._constants[lo, hi] = (depth, None)
+        self.size = hi
+        return lo
 
     def append(self, tokens: torch.Tensor, parents: torch.Tensor | int, depth: int,
                scores: torch.Tensor | None) -> int:
         """Add one level's n nodes: tokens, parents and scores [B, n], or [B, F, k] with n = F * k
         (broadcast views are written as they are); an int ``parents``: every node's; ``scores`` None:
-        already in place (``next_scores``). Returns the first new pool index.
+        already in place (written by the caller). Returns the first new pool index.
 
         Pool order is level order, so a range of pool indices has the same depth in every tree a
         builder grows (and an int parent, the same parent): a reused pool writes those constants once,
@@ -221,17 +233,16 @@ class DynamicTreeBuilder(_PoolBuilder):
     def expand(self, logprobs: torch.Tensor) -> Frontier | None:
         f = self._frontier
         assert f is not None and f.depth < self.depth, "no level left to expand"
-        b, nf, k = logprobs.shape[0], logprobs.shape[1], self.top_k
+        nf, k = logprobs.shape[1], self.top_k
         assert nf == f.pool_idx.shape[1], "log-probs must follow the frontier"
         tokens, lp = self._level_topk(logprobs, k)  # (B, F, k): candidate c = (c // k)-th parent
-        # score = parent's score + log p, computed straight into the pool's next slots
-        scores = torch.add(self._frontier_scores[:, :, None], lp, out=self._pool.next_scores(lp.shape))
-        lo = self._pool.append(tokens, f.pool_idx[:, :, None].expand(b, nf, k), f.depth + 1, None)
-        # Global top-k; the stable sort sends equal scores to the earlier candidate.
-        order = scores.view(b, nf * k).sort(dim=1, descending=True, stable=True)
-        best = order.indices[:, :k]  # (B, k)
-        self._frontier = Frontier(best + lo, tokens.view(b, nf * k).gather(1, best), best // k, f.depth + 1)
-        self._frontier_scores = order.values[:, :k]
+        # Every candidate (score = parent's score + log p) into the pool; the global top-k, equal scores
+        # to the earlier candidate, is the next frontier.
+        pool = self._pool
+        lo = pool.reserve(nf * k, f.depth + 1)
+        idx, best_tokens, slots, self._frontier_scores = self._kernels.expand_frontier(
+            self._frontier_scores, lp, tokens, f.pool_idx, pool.all_tokens, pool.all_parents, pool.all_scores, lo, k)
+        self._frontier = Frontier(idx, best_tokens, slots, f.depth + 1)
         return self._next()
 
     def finish(self) -> list[CandidateTree]:

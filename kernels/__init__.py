@@ -45,6 +45,7 @@ class KernelSet:
     sanitize_trees: Callable  # trees another process wrote -> (checked trees or stand-ins, valid)
     tree_positions: Callable
     draft_topk: Callable
+    expand_frontier: Callable  # a dynamic tree's level: candidates scored into the pool, the best kept
     name: str
 
 
@@ -70,6 +71,7 @@ REFERENCE = KernelSet(
     sanitize_trees=tree.sanitize_trees_ref,
     tree_positions=tree.tree_positions_ref,
     draft_topk=tree.draft_topk_ref,
+    expand_frontier=tree.expand_frontier_ref,
     name="reference",
 )
 

@@ -104,3 +104,27 @@ def draft_topk_ref(logits: torch.Tensor, k: int, d2t: torch.Tensor) -> tuple[tor
     assert 0 < k <= logits.shape[-1], f"top-k {k} over a draft vocabulary of {logits.shape[-1]}"
     log_probs, draft_ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
     return draft_ids + d2t[draft_ids], log_probs
+
+
+def expand_frontier_ref(frontier_scores: torch.Tensor, log_probs: torch.Tensor, tokens: torch.Tensor,
+                        frontier_idx: torch.Tensor, pool_tokens: torch.Tensor, pool_parents: torch.Tensor,
+                        pool_scores: torch.Tensor, lo: int, keep: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One level of an EAGLE-2 dynamic tree: every frontier node's top-k children become candidates.
+
+    ``frontier_scores`` [B, F] (cumulative log-probs), the children's ``log_probs`` and target
+    ``tokens`` [B, F, k], the frontier's pool indices ``frontier_idx`` [B, F]. Candidate c (child
+    c % k of frontier node c // k) scores frontier_scores + log_prob and is written to the pool
+    (tokens, parents, scores [B, capacity], mutated) at index ``lo + c``. Returns the ``keep``
+    best candidates, best first (equal scores: the earlier candidate first): their pool indices,
+    tokens, frontier slots (c // k) and scores, each [B, keep]: the next frontier.
+    """
+    b, nf, k = log_probs.shape
+    n = nf * k
+    scores = pool_scores[:, lo:lo + n].view(b, nf, k)
+    torch.add(frontier_scores[:, :, None], log_probs, out=scores)
+    pool_tokens[:, lo:lo + n].view(b, nf, k).copy_(tokens)
+    pool_parents[:, lo:lo + n].view(b, nf, k).copy_(frontier_idx[:, :, None].expand(b, nf, k))
+    order = scores.view(b, n).sort(dim=1, descending=True, stable=True)
+    best = order.indices[:, :keep]
+    return best + lo, tokens.reshape(b, n).gather(1, best), best // k, order.values[:, :keep]

@@ -103,3 +103,53 @@ def _tree_mask_kernel(parents_ptr, num_nodes_ptr, out_ptr, N, words, BLOCK: tl.c
     bits |= tl.where(w[None, :] == 0, 1, 0)  # the root: every slot's last ancestor
     rows = b * (N + 1) + s
     tl.store(out_ptr + rows[:, None] * words + w[None, :], bits, mask=(s[:, None] <= N) & (w[None, :] < words))
+
+
+def expand_frontier_triton(frontier_scores: torch.Tensor, log_probs: torch.Tensor, tokens: torch.Tensor,
+                           frontier_idx: torch.Tensor, pool_tokens: torch.Tensor, pool_parents: torch.Tensor,
+                           pool_scores: torch.Tensor, lo: int, keep: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``expand_frontier_ref``'s signature and results, in one launch: a program a sequence scores
+    its candidates, writes them to the pool, ranks them all at once as a stable descending sort
+    would ([n, n] comparisons) and writes the best ``keep`` in rank order."""
+    B, F, k = log_probs.shape
+    dev = log_probs.device
+    idx = torch.empty(B, keep, dtype=torch.int64, device=dev)
+    toks = torch.empty(B, keep, dtype=torch.int64, device=dev)
+    slots = torch.empty(B, keep, dtype=torch.int64, device=dev)
+    best = torch.empty(B, keep, dtype=torch.float32, device=dev)
+    if B:
+        assert all(t.is_contiguous() for t in (pool_tokens, pool_parents, pool_scores)), "pool buffers: contiguous"
+        _expand_kernel[(B,)](frontier_scores.contiguous(), log_probs.contiguous(), tokens.contiguous(),
+                             frontier_idx.contiguous(), pool_tokens, pool_parents, pool_scores, idx, toks, slots, best,
+                             F, k, pool_tokens.shape[1], lo, keep,
+                             BLOCK=max(MIN_BLOCK, triton.next_power_of_2(F * k)))
+    return idx, toks, slots, best
+
+
+@jit_unspecialized("fs_ptr", "lp_ptr", "tok_ptr", "fidx_ptr", "pool_tok_ptr", "pool_par_ptr", "pool_sc_ptr",
+                   "out_idx_ptr", "out_tok_ptr", "out_slot_ptr", "out_sc_ptr", "F", "K", "P", "lo", "keep")
+def _expand_kernel(fs_ptr, lp_ptr, tok_ptr, fidx_ptr, pool_tok_ptr, pool_par_ptr, pool_sc_ptr, out_idx_ptr,
+                   out_tok_ptr, out_slot_ptr, out_sc_ptr, F, K, P, lo, keep, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)  # candidate: child c % K of frontier node c // K
+    n = F * K
+    ok = c < n
+    parent = c // K
+    scores = tl.load(fs_ptr + b * F + parent, mask=ok, other=0.0) + tl.load(lp_ptr + b * n + c, mask=ok, other=0.0)
+    tokens = tl.load(tok_ptr + b * n + c, mask=ok, other=0)
+    pool = b * P + lo + c
+    tl.store(pool_sc_ptr + pool, scores, mask=ok)
+    tl.store(pool_tok_ptr + pool, tokens, mask=ok)
+    tl.store(pool_par_ptr + pool, tl.load(fidx_ptr + b * F + parent, mask=ok, other=-1), mask=ok)
+    # A candidate's rank: the candidates ahead of it in a stable descending sort (a higher score, or
+    # the same score at a lower index). The first ``keep`` ranks are the next frontier, in rank order.
+    other = tl.arange(0, BLOCK)[None, :]
+    ahead = (scores[None, :] > scores[:, None]) | ((scores[None, :] == scores[:, None]) & (other < c[:, None]))
+    rank = tl.sum((ahead & (other < n)).to(tl.int32), 1)
+    kept = ok & (rank < keep)
+    out = b * keep + rank
+    tl.store(out_idx_ptr + out, (c + lo).to(tl.int64), mask=kept)
+    tl.store(out_tok_ptr + out, tokens, mask=kept)
+    tl.store(out_slot_ptr + out, (c // K).to(tl.int64), mask=kept)
+    tl.store(out_sc_ptr + out, scores, mask=kept)

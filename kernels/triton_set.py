@@ -9,7 +9,7 @@ from kernels.attention_triton import paged_attention_triton, prepare_attention_t
 from kernels.fused_triton import rms_norm_triton, rope_write_kv_triton, silu_mul_triton
 from kernels.acceptance_triton import compaction_slots_triton, greedy_accept_triton
 from kernels.topk_triton import draft_topk_triton
-from kernels.tree_triton import packed_tree_mask_triton, sanitize_trees_triton
+from kernels.tree_triton import expand_frontier_triton, packed_tree_mask_triton, sanitize_trees_triton
 
 TRITON = dataclasses.replace(
     REFERENCE,
@@ -24,5 +24,6 @@ TRITON = dataclasses.replace(
     compaction_slots=compaction_slots_triton,
     packed_tree_mask=packed_tree_mask_triton,
     sanitize_trees=sanitize_trees_triton,
+    expand_frontier=expand_frontier_triton,
     name="triton",
 )

@@ -131,3 +131,42 @@ def test_no_trees(sanitize, packed_mask):
     assert trees.shape == (4, 0, 5) and valid.shape == (0,)
     assert packed_mask(torch.zeros(0, 5, dtype=torch.int64, device=DEVICE),
                        torch.zeros(0, dtype=torch.int64, device=DEVICE)).shape == (0, 1)
+
+
+def expand_implementations():
+    impls = [pytest.param(None, id="reference")]
+    try:
+        from kernels.tree_triton import expand_frontier_triton
+    except ImportError:
+        return impls
+    return impls + [pytest.param(expand_frontier_triton, id="triton")]
+
+
+@pytest.mark.parametrize("expand", expand_implementations())
+@pytest.mark.parametrize("batch,frontier,k,keep", [(1, 10, 10, 10), (3, 4, 3, 4), (2, 1, 8, 5), (5, 7, 9, 9)])
+def test_expand_frontier_keeps_the_stable_sorts_best(expand, batch, frontier, k, keep):
+    """A dynamic tree's level (``expand_frontier``): every candidate's score, token and parent written to
+    the pool at its index, the rest of the pool untouched, and the best ``keep`` candidates in a
+    stable descending sort's order, with many equal scores (log-probs drawn from a few values, some
+    -inf) so the order of ties decides. The reference is the sort itself, on a copy of the pool."""
+    from kernels.tree import expand_frontier_ref
+
+    gen = torch.Generator().manual_seed(batch * 100 + frontier * 10 + k)
+    cap, lo = frontier * k + 13, 7
+    choices = torch.tensor([0.0, -0.5, -1.25, -3.0, float("-inf")])
+    fs = choices[torch.randint(0, 4, (batch, frontier), generator=gen)]  # finite: a frontier node's score
+    lp = choices[torch.randint(0, 5, (batch, frontier, k), generator=gen)]
+    tokens = torch.randint(0, 50_000, (batch, frontier, k), generator=gen)
+    fidx = torch.randint(0, lo, (batch, frontier), generator=gen)
+    pools = [(torch.full((batch, cap), -3, dtype=torch.int64), torch.full((batch, cap), -4, dtype=torch.int64),
+              torch.full((batch, cap), 9.5)) for _ in range(2)]
+    args = [t.to(DEVICE) for t in (fs, lp, tokens, fidx)]
+    pools = [[t.to(DEVICE) for t in p] for p in pools]
+    want = expand_frontier_ref(*args, *pools[0], lo, keep)
+    got = (expand or expand_frontier_ref)(*args, *pools[1], lo, keep)
+    for w, g in zip(want, got):
+        assert g.dtype == w.dtype and torch.equal(g.cpu(), w.cpu())
+    for w, g in zip(pools[0], pools[1]):
+        assert torch.equal(g.cpu(), w.cpu())
+    assert torch.equal(pools[1][1][:, lo:lo + frontier * k].cpu(), fidx.repeat_interleave(k, dim=1))
+    assert (pools[1][0][:, :lo] == -3).all() and (pools[1][0][:, lo + frontier * k:] == -3).all()
