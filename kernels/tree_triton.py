@@ -21,9 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.tree import expand_frontier_ref
 from kernels.triton_jit import jit_unspecialized
 
 MIN_BLOCK = 16  # one compiled variant for every tree of up to 16 nodes (slots), the next for 32, ...
+MAX_EXPAND = 128  # candidates a level's kernel ranks at most ([n, n] comparisons in one program's registers)
 
 
 def sanitize_trees_triton(packed: torch.Tensor, vocab_size: int, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,8 +113,12 @@ def expand_frontier_triton(frontier_scores: torch.Tensor, log_probs: torch.Tenso
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``expand_frontier_ref``'s signature and results, in one launch: a program a sequence scores
     its candidates, writes them to the pool, ranks them all at once as a stable descending sort
-    would ([n, n] comparisons) and writes the best ``keep`` in rank order."""
+    would ([n, n] comparisons) and writes the best ``keep`` in rank order. Levels of more than
+    ``MAX_EXPAND`` candidates (top-k above 11) take the reference: the same results, by a sort."""
     B, F, k = log_probs.shape
+    if F * k > MAX_EXPAND:
+        return expand_frontier_ref(frontier_scores, log_probs, tokens, frontier_idx, pool_tokens, pool_parents,
+                                   pool_scores, lo, keep)
     dev = log_probs.device
     idx = torch.empty(B, keep, dtype=torch.int64, device=dev)
     toks = torch.empty(B, keep, dtype=torch.int64, device=dev)

@@ -143,7 +143,8 @@ def expand_implementations():
 
 
 @pytest.mark.parametrize("expand", expand_implementations())
-@pytest.mark.parametrize("batch,frontier,k,keep", [(1, 10, 10, 10), (3, 4, 3, 4), (2, 1, 8, 5), (5, 7, 9, 9)])
+@pytest.mark.parametrize("batch,frontier,k,keep", [(1, 10, 10, 10), (3, 4, 3, 4), (2, 1, 8, 5), (5, 7, 9, 9),
+                                                    (2, 16, 16, 16)])  # (the last: beyond MAX_EXPAND, by a sort)
 def test_expand_frontier_keeps_the_stable_sorts_best(expand, batch, frontier, k, keep):
     """A dynamic tree's level (``expand_frontier``): every candidate's score, token and parent written to
     the pool at its index, the rest of the pool untouched, and the best ``keep`` candidates in a

@@ -16,6 +16,7 @@ entries (r and the accepted nodes; b is the next newest token) and the rest is r
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,8 @@ from verify_service.replay import AcceptanceReplay
 from verify_service.sampler import Sampler
 from verify_service.sequence import Sequence
 from verify_service.target import Target
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +171,9 @@ class TreeVerifier:
         after the other): acceptance reads them there, not from host copies."""
         if on_device is not None and self.replay is None and out.graph is not None and self.graph_acceptance \
                 and all(s.params.greedy for s in seqs):
-            return self._accept_graphed(seqs, out, on_device)
+            pending = self._accept_graphed(seqs, out, on_device)
+            if pending is not None:
+                return pending
         eng = self.target
         table = pad_rows([eng.blocks.block_table(s.seq_id) for s in seqs])
         prefix = np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=len(seqs))
@@ -208,22 +213,30 @@ class TreeVerifier:
                 captured += self._accept_graph(graph, B, nodes, depth)[1]
         return captured
 
-    def _accept_graph(self, graph, B: int, n: int, D: int) -> tuple[_AcceptGraph, bool]:
-        """The acceptance graph on forward ``graph`` for (B trees, n nodes, depth D), and whether it was
-        captured now."""
+    def _accept_graph(self, graph, B: int, n: int, D: int) -> tuple[_AcceptGraph | None, bool]:
+        """The acceptance graph on forward ``graph`` for (B trees, n nodes, depth D) (None: no memory to
+        capture it, those steps accept op by op), and whether it was captured now."""
         key = ("accept", B, n, D)
-        g = graph.followers.get(key)
-        if g is not None:
-            return g, False
-        g = graph.followers[key] = _AcceptGraph(self, graph, B, n, D)
-        return g, True
+        if key in graph.followers:
+            return graph.followers[key], False
+        try:
+            g = _AcceptGraph(self, graph, B, n, D)
+        except torch.OutOfMemoryError:  # results stay exact: these steps' acceptance runs op by op
+            log.warning("no GPU memory to capture the acceptance graph of %d trees of %d nodes", B, n)
+            g = None
+            torch.cuda.empty_cache()
+        graph.followers[key] = g
+        return g, g is not None
 
     @torch.inference_mode()
-    def _accept_graphed(self, seqs: list[Sequence], out: StepOutput, trees: torch.Tensor) -> PendingVerification:
+    def _accept_graphed(self, seqs: list[Sequence], out: StepOutput, trees: torch.Tensor) -> PendingVerification | None:
         """``accept`` of greedy trees verified from the device by ``out.graph``: one replay of the
-        acceptance graph for (B trees, n nodes, depth), captured at start-up (``warm_up``) or first use."""
+        acceptance graph for (B trees, n nodes, depth), captured at start-up (``warm_up``) or first use
+        (None: no graph for them)."""
         B, n, D = trees.shape[1], trees.shape[2], seqs[0].tree_settings.depth
         g, _ = self._accept_graph(out.graph, B, n, D)
+        if g is None:
+            return None
         g.parents.copy_(trees[1])
         g.graph.replay()
         self.graph_accepts += 1
