@@ -25,6 +25,7 @@ import torch
 from link.protocol import DraftFeed
 from runtime.step_layout import SeqChunk, Staging, pad_rows
 from runtime.tree import CandidateTree, ancestor_masks, pad_trees
+from verify_service.accept_graph import AcceptGraph, feeds_of, values_of
 from verify_service.model_runner import StepOutput
 from verify_service.replay import AcceptanceReplay
 from verify_service.sampler import Sampler
@@ -87,65 +88,13 @@ class PendingVerification:
         token; columns past k: padding). No host sync."""
         if self.computed is not None:
             return self.computed[0]
-        return _feeds(self.result, self.tokens)
+        return feeds_of(self.result, self.tokens)
 
     def device_values(self) -> torch.Tensor:
         """What the host needs, flat: every path, then the accepted counts, then the bonus tokens."""
         if self.computed is not None:
             return self.computed[1]
-        return _values(self.result)
-
-
-def _feeds(r, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``PendingVerification.feeds_on_device`` of acceptance result ``r`` over the trees' ``tokens``."""
-    along = torch.gather(tokens, 1, r.path.clamp(min=0))  # column j: path node j's token
-    following = torch.cat([along[:, 1:], along[:, :1]], dim=1)
-    following.scatter_(1, r.num_accepted[:, None].long(), r.bonus[:, None].to(following.dtype))
-    return r.num_accepted.long() + 1, following
-
-
-def _values(r) -> torch.Tensor:
-    """``PendingVerification.device_values`` of acceptance result ``r``."""
-    return torch.cat([r.path.flatten(), r.num_accepted, r.bonus])
-
-
-class _AcceptGraph:
-    """Greedy acceptance of B trees of n nodes (depth at most D), its KV compaction, the gather of the
-    draft's features and its feeds, captured as one CUDA graph on a forward graph's static inputs and
-    outputs: a chained step's acceptance costs the host one replay, not some thirty launches. The trees'
-    tokens are read where the step's layout holds them (its input ids, the roots' among them), the
-    prefixes from its sequence lengths, the block tables from its tables; only the parents come in
-    (``parents``, copied from the trees before each replay)."""
-
-    def __init__(self, verifier: "TreeVerifier", source, B: int, n: int, D: int):
-        k, kv = verifier.kernels, verifier.target.kv_cache
-        lay, rows, dev = source.layout, B * (n + 1), source.logits.device
-        self.parents = torch.zeros(B, n, dtype=torch.int64, device=dev)
-        num_nodes = torch.full((B,), n + 1, dtype=torch.int64, device=dev)
-        starts = torch.arange(B, device=dev)[:, None] * (n + 1)  # each tree's first row in the step
-        self._constants = (num_nodes, starts)  # the graph reads them: they live as long as it does
-
-        def body(compact: bool):
-            tokens = lay.input_ids[:rows].view(B, n + 1)
-            parents = torch.nn.functional.pad(self.parents + 1, (1, 0), value=-1)
-            argmax = source.logits[:rows].view(B, n + 1, -1).argmax(dim=-1)
-            result = k.greedy_accept(argmax, tokens, parents, num_nodes, D)
-            prefix = lay.meta.seq_lens[:B] - (n + 1)
-            src, dst = k.compaction_slots(result.path, result.num_accepted, prefix, lay.meta.block_tables[:B],
-                                          kv.block_size)
-            if compact:  # (not in the warm-up run: moving the KV twice would move it wrongly)
-                k.compact_kv(kv.data, src, dst)
-            features = source.captured[starts + result.path.clamp(min=0)] if source.captured is not None else None
-            return result, tokens, features, (_feeds(result, tokens), _values(result))
-
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            body(compact=False)  # compiles the kernels before the capture
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):  # a private memory pool: no other graph reuses its outputs
-            self.result, self.tokens, self.features, self.computed = body(compact=True)
+        return values_of(self.result)
 
 
 class TreeVerifier:
@@ -157,7 +106,7 @@ class TreeVerifier:
         self.kernels = target.runner.kernels
         self.staging = Staging(target.device)  # the acceptance inputs: one host-to-device copy
         # Greedy acceptance of trees verified from the device by a forward graph, as a graph of its
-        # own (``_AcceptGraph``); off: launched op by op (tests compare the two).
+        # own (``AcceptGraph``); off: launched op by op (tests compare the two).
         self.graph_acceptance = True
         self.graph_accepts = 0  # acceptances that replayed such a graph (a metric; tests read it)
 
@@ -213,14 +162,14 @@ class TreeVerifier:
                 captured += self._accept_graph(graph, B, nodes, depth)[1]
         return captured
 
-    def _accept_graph(self, graph, B: int, n: int, D: int) -> tuple[_AcceptGraph | None, bool]:
+    def _accept_graph(self, graph, B: int, n: int, D: int) -> tuple[AcceptGraph | None, bool]:
         """The acceptance graph on forward ``graph`` for (B trees, n nodes, depth D) (None: no memory to
         capture it, those steps accept op by op), and whether it was captured now."""
         key = ("accept", B, n, D)
         if key in graph.followers:
             return graph.followers[key], False
         try:
-            g = _AcceptGraph(self, graph, B, n, D)
+            g = AcceptGraph(self.kernels, self.target.kv_cache, graph, B, n, D)
         except torch.OutOfMemoryError:  # results stay exact: these steps' acceptance runs op by op
             log.warning("no GPU memory to capture the acceptance graph of %d trees of %d nodes", B, n)
             g = None
