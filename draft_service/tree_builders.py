@@ -84,41 +84,36 @@ class _NodePool:
     all_parents = property(lambda self: self._parents)
     all_scores = property(lambda self: self._scores)
 
-    def reserve(self, n: int, depth: int) -> int:
-        """Room for one level's n nodes at ``depth`` (their depths written here, their tokens, parents
-        and scores by the caller, at the returned first pool index onwards)."""
+    def reserve(self, n: int, depth: int, parent: int | None = None) -> int:
+        """Room for one level's n nodes at ``depth`` (and, an int ``parent``, every node's parent); their
+        tokens, parents and scores are the caller's to write from the returned first pool index on.
+
+        Pool order is level order, so a range of pool indices has the same depth in every tree a
+        builder grows (and an int parent, the same parent): a reused pool writes those constants once,
+        and a graph captured after that never writes them."""
         lo, hi = self.size, self.size + n
         assert hi <= self._tokens.shape[1], "pool capacity exceeded"
-        if self._constants.get((lo, hi)) != (depth, None):
+        if self._constants.get((lo, hi)) != (depth, parent):
             self._depths[:, lo:hi] = depth
-            self._constants[lo, hi] = (depth, None)
+            if parent is not None:
+                self._parents[:, lo:hi] = parent
+            self._constants[lo, hi] = (depth, parent)
         self.size = hi
         return lo
 
     def append(self, tokens: torch.Tensor, parents: torch.Tensor | int, depth: int,
                scores: torch.Tensor | None) -> int:
-        """Add one level's n nodes: tokens, parents and scores [B, n], or [B, F, k] with n = F * k
-        (broadcast views are written as they are); an int ``parents``: every node's; ``scores`` None:
-        already in place (written by the caller). Returns the first new pool index.
-
-        Pool order is level order, so a range of pool indices has the same depth in every tree a
-        builder grows (and an int parent, the same parent): a reused pool writes those constants once,
-        and a graph captured after that never writes them."""
+        """Add one level's n nodes (``reserve``, then write them): tokens, parents and scores [B, n], or
+        [B, F, k] with n = F * k (broadcast views are written as they are); an int ``parents``: every
+        node's; ``scores`` None: written by the caller. Returns the first new pool index."""
         shape = tokens.shape
-        lo, hi = self.size, self.size + shape[1:].numel()
-        assert hi <= self._tokens.shape[1], "pool capacity exceeded"
+        lo = self.reserve(shape[1:].numel(), depth, parents if isinstance(parents, int) else None)
+        hi = self.size
         self._tokens[:, lo:hi].view(shape).copy_(tokens)
         if isinstance(parents, torch.Tensor):
             self._parents[:, lo:hi].view(shape).copy_(parents)
         if scores is not None:
             self._scores[:, lo:hi].view(shape).copy_(scores)
-        constant = (depth, parents if isinstance(parents, int) else None)
-        if self._constants.get((lo, hi)) != constant:
-            self._depths[:, lo:hi] = depth
-            if isinstance(parents, int):
-                self._parents[:, lo:hi] = parents
-            self._constants[lo, hi] = constant
-        self.size = hi
         return lo
 
     def tree_tensors(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
