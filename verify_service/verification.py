@@ -17,6 +17,7 @@ entries (r and the accepted nodes; b is the next newest token) and the rest is r
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,11 +156,14 @@ class TreeVerifier:
         """Capture the acceptance graphs of chained steps of trees of ``nodes`` nodes and ``depth``
         levels, for every batch size a verification graph holds (server start-up: none is captured
         in the middle of serving). Returns how many were captured."""
-        runner, captured = self.target.runner, 0
+        runner, captured, t0 = self.target.runner, 0, time.perf_counter()
         for B in range(1, runner.max_num_seqs + 1):
             graph = runner.tree_graph(B, nodes)
             if graph is not None:
                 captured += self._accept_graph(graph, B, nodes, depth)[1]
+        if captured:
+            log.info("captured %d acceptance graphs (trees of %d nodes) in %.1f s", captured, nodes,
+                     time.perf_counter() - t0)
         return captured
 
     def _accept_graph(self, graph, B: int, n: int, D: int) -> tuple[AcceptGraph | None, bool]:
