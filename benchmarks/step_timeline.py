@@ -71,9 +71,12 @@ def patched(engine, clock: dict | None = None):
                    (Readback, "wait", "wait_readback")]
         graphs = getattr(engine.drafter, "graphs", None)
         if graphs is not None:
-            phases += [(graphs, "run_extend", "extend_graph"), (graphs, "run_extend_on_device", "extend_graph")]
+            phases.append((graphs, "run_extend", "extend_graph"))
         for proposal in getattr(engine.drafter, "_proposals", {}).values():
             phases.append((proposal, "run", "proposal_run"))
+        for chain in getattr(engine.drafter, "_chains", {}).values():
+            if chain is not None:
+                phases.append((chain, "launch", "chained_graph"))
         for obj, name, label in phases:
             _wrap(obj, name, label, stack, clock)
         _wrap(engine, "step", STEP, stack, clock)

@@ -1,7 +1,8 @@
 """CUDA graphs of the draft extend: the draft head's layers, LM head and log-softmax over each
 step's accepted tokens replayed as one graph, captured per padded batch (a power of two).
 
-(Tree levels run inside the whole-proposal graph, ``proposal_graph.py``.) An extend holds up to
+(Tree levels run inside the whole-proposal graph, ``proposal_graph.py``; a chained step's extend of rows
+still on the device runs inside its proposal's graph, ``chain_graph.py``.) An extend holds up to
 ``extend_tokens`` (the tree depth + 1) rows a sequence, packed at the front; the rows past a
 step's own write no KV (slot -1) and give outputs no one reads; padding sequences bring no rows.
 Eagerly it costs some forty kernel launches from Python; replayed, one graph plus the copy that
@@ -34,8 +35,9 @@ import torch
 from draft_service.eagle_net import EagleNet
 from kernels import KernelSet
 from kernels.metadata import AttentionMetadata
-from runtime.kv_cache import PagedKVCache
 from draft_service.proposal_graph import padded_batch
+from runtime.graphs import capture_graph
+from runtime.kv_cache import PagedKVCache
 from runtime.step_layout import SeqChunk
 
 log = logging.getLogger(__name__)
@@ -54,9 +56,6 @@ class _Graph:
     views: dict[str, tuple[int, tuple[int, ...]]]  # field -> (offset, shape) in meta_buffer
     last: torch.Tensor  # [B, H]: each sequence's last row's output
     logp: torch.Tensor  # float32 [B, draft vocab], each sequence's last row
-    # "extend_rows" only: rows still on the device, packed by the graph: counts [B], tokens [B, F],
-    # features [B, F, k * H] (the meta buffer's counts and ids are then unused)
-    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def extend_layout(starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor, block_size: int,
@@ -99,6 +98,22 @@ def pack_rows(counts: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor
     return ids, hidden
 
 
+def extend_forward(net: EagleNet, kv: PagedKVCache, kernels: KernelSet, ids: torch.Tensor, features: torch.Tensor,
+                   starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor, rows_per_seq: int,
+                   max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft extend laid out on the device (``extend_layout``): rows packed ``rows_per_seq`` a
+    sequence, ``ids`` [B * rows_per_seq] and ``features`` [B * rows_per_seq, width], written to the
+    KV rows ``starts ..`` of ``tables``. Returns each sequence's last row's output [B, H] and its
+    log-probs over the draft vocabulary [B, Vd] (float32)."""
+    lay = extend_layout(starts, counts, tables, kv.block_size, rows_per_seq)
+    meta = AttentionMetadata(query_start_loc=lay["qsl"], seq_lens=lay["seq_lens"], block_tables=tables,
+                             slot_mapping=lay["slots"], positions=lay["positions"], token_seq=lay["token_seq"],
+                             token_q_idx=lay["q_idx"], max_query_len=rows_per_seq, max_seq_len=max_seq_len)
+    out = net(ids, features, kernels.prepare_attention(meta), kv, kernels)
+    last = out[lay["rows"]]
+    return last, torch.log_softmax(net.compute_logits(last, kernels), dim=-1)
+
+
 class DraftGraphs:
     def __init__(self, net: EagleNet, kv: PagedKVCache, kernels: KernelSet, table_width: int, max_seq_len: int,
                  extend_tokens: int):
@@ -106,7 +121,7 @@ class DraftGraphs:
         self.table_width, self.max_seq_len = table_width, max_seq_len
         self.extend_tokens = extend_tokens
         self.device = net.norm.weight.device
-        self._graphs: dict[tuple[str, int, int], _Graph | None] = {}
+        self._graphs: dict[tuple[int, int], _Graph | None] = {}
         self._pool = None
         self._ring: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []  # buffer, view, last copy
         self._turn = 0
@@ -134,7 +149,7 @@ class DraftGraphs:
         Q = self.extend_tokens if max(n) <= self.extend_tokens else self.backlog_rows(B)
         if max(n) > Q:
             return None
-        g = self._graph("extend", B, Q, hidden.shape[1])
+        g = self._graph(B, Q, hidden.shape[1])
         if g is None:
             return None
         buf, turn, v = self._pinned(g)
@@ -150,41 +165,11 @@ class DraftGraphs:
         self.replays += 1
         return g.last, g.logp
 
-    def run_extend_on_device(self, chunks: list[SeqChunk], counts: torch.Tensor, tokens: torch.Tensor,
-                             features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``run_extend`` of rows still on the device: sequence i (``chunks[i]``: its first row and block
-        table) brings ``counts[i]`` rows, the features ``features[i]`` [D, width] paired with the tokens
-        ``tokens[i]`` [D] (columns past the count: padding). The host sends what it knows (first rows,
-        tables); the rows are packed on the device (``pack_rows``); nothing waits. None when D exceeds
-        ``extend_tokens``."""
-        B, D = padded_batch(len(chunks)), tokens.shape[1]
-        if D > self.extend_tokens:
-            return None
-        g = self._graph("extend_rows", B, self.extend_tokens, features.shape[2])
-        if g is None:
-            return None
-        buf, turn, v = self._pinned(g)
-        k = len(chunks)
-        self._fill(v, chunks)
-        self._send(g, buf, turn)  # then the counts, tokens and features, from the device
-        g_counts, g_tokens, g_features = g.rows
-        if B > k:
-            g_counts[k:].zero_()  # padding sequences: no rows
-        g_counts[:k].copy_(counts)
-        g_tokens[:k, :D].copy_(tokens)
-        g_features[:k, :D].copy_(features)
-        g.graph.replay()
-        self.replays += 1
-        return g.last, g.logp
-
-    def capture_extend(self, batch: int, hidden_size: int, chained: bool = False) -> None:
-        """Capture the extend graphs (a step's rows, a backlog's; ``chained``: also a step's rows fed
-        from the device, ``run_extend_on_device``) of a padded ``batch`` now (start-up) rather than on
-        first use."""
+    def capture_extend(self, batch: int, hidden_size: int) -> None:
+        """Capture the extend graphs (a step's rows, a backlog's) of a padded ``batch`` now (start-up)
+        rather than on first use."""
         for rows in sorted({self.extend_tokens, self.backlog_rows(batch)}):
-            self._graph("extend", padded_batch(batch), rows, hidden_size)
-        if chained:
-            self._graph("extend_rows", padded_batch(batch), self.extend_tokens, hidden_size)
+            self._graph(padded_batch(batch), rows, hidden_size)
 
     @staticmethod
     def _fill(v: dict[str, np.ndarray], chunks: list[SeqChunk]) -> None:
@@ -234,19 +219,18 @@ class DraftGraphs:
                 self._ring[i] = (buf, buf.numpy(), None)
                 self._views = {k: v for k, v in self._views.items() if k[1] != i}  # views of the old buffer
 
-    def _graph(self, kind: str, B: int, F: int, hidden_size: int) -> _Graph | None:
-        key = (kind, B, F)
+    def _graph(self, B: int, F: int, hidden_size: int) -> _Graph | None:
+        key = (B, F)
         if key not in self._graphs:
             try:
-                self._graphs[key] = self._capture(kind, B, F, hidden_size)
+                self._graphs[key] = self._capture(B, F, hidden_size)
             except torch.OutOfMemoryError:  # exact either way: this shape runs eagerly
-                log.warning("no GPU memory to capture a draft %s graph for %d x %d rows: it runs eagerly", kind, B, F)
+                log.warning("no GPU memory to capture a draft extend graph for %d x %d rows: it runs eagerly", B, F)
                 self._graphs[key] = None
                 torch.cuda.empty_cache()
         return self._graphs[key]
 
-    def _capture(self, kind: str, B: int, F: int, hidden_size: int) -> _Graph:
-        assert kind in ("extend", "extend_rows"), kind
+    def _capture(self, B: int, F: int, hidden_size: int) -> _Graph:
         T, dev = B * F, self.device
         shapes = {"starts": (B,), "counts": (B,), "tables": (B, self.table_width), "ids": (T,)}
         views, at = {}, 0
@@ -256,31 +240,9 @@ class DraftGraphs:
         meta_buffer = torch.zeros(at, dtype=torch.int64, device=dev)
         field = {name: meta_buffer[o:o + int(np.prod(s))].view(s) for name, (o, s) in views.items()}
         # Placeholder inputs for the capture: every sequence without rows (counts 0), writing nothing.
-        dtype = self.net.norm.weight.dtype
-        hidden = torch.zeros(T, hidden_size, dtype=dtype, device=dev)
-        rows = None if kind == "extend" else (torch.zeros(B, dtype=torch.int64, device=dev),
-                                              torch.zeros(B, F, dtype=torch.int64, device=dev),
-                                              torch.zeros(B, F, hidden_size, dtype=dtype, device=dev))
-
-        def forward():
-            counts, ids, feats = (field["counts"], field["ids"], hidden) if rows is None else \
-                (rows[0], *pack_rows(*rows, T))
-            lay = extend_layout(field["starts"], counts, field["tables"], self.kv.block_size, F)
-            meta = AttentionMetadata(query_start_loc=lay["qsl"], seq_lens=lay["seq_lens"], block_tables=field["tables"],
-                                     slot_mapping=lay["slots"], positions=lay["positions"],
-                                     token_seq=lay["token_seq"], token_q_idx=lay["q_idx"], max_query_len=F,
-                                     max_seq_len=self.max_seq_len)
-            out = self.net(ids, feats, self.kernels.prepare_attention(meta), self.kv, self.kernels)
-            last = out[lay["rows"]]
-            return last, torch.log_softmax(self.net.compute_logits(last, self.kernels), dim=-1)
-
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            forward()  # compiles the kernels and settles the allocator before capture
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            last, logp = forward()
+        hidden = torch.zeros(T, hidden_size, dtype=self.net.norm.weight.dtype, device=dev)
+        graph, (last, logp) = capture_graph(lambda: extend_forward(
+            self.net, self.kv, self.kernels, field["ids"], hidden, field["starts"], field["counts"], field["tables"],
+            F, self.max_seq_len), dev, self.pool)
         self._grow_ring(meta_buffer.numel())
-        return _Graph(graph, hidden, meta_buffer, views, last, logp, rows)
+        return _Graph(graph, hidden, meta_buffer, views, last, logp)

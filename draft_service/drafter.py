@@ -25,6 +25,7 @@ import torch
 
 from common.config import ModelConfig
 from common.tree_settings import TreeSettings
+from draft_service.chain_graph import ChainedProposal
 from draft_service.draft_graphs import DraftGraphs
 from draft_service.eagle_config import DraftConfig
 from draft_service.eagle_loader import load_eagle
@@ -102,10 +103,13 @@ class EagleDrafter:
         self.last_logp: dict[int, torch.Tensor] = {}  # [Vd] its log-probs over the draft vocabulary
         rows = spec.settings.draft_tree_rows
         self._table_width, self._capacity = blocks_for(max_model_len + rows, block_size), max_model_len + rows
-        self.graphs = DraftGraphs(net, self.kv, kernels, self._table_width, self._capacity, spec.settings.depth + 1) \
+        self._extend_tokens = spec.settings.depth + 1  # a step's rows a sequence: its accepted tokens at most
+        self.graphs = DraftGraphs(net, self.kv, kernels, self._table_width, self._capacity, self._extend_tokens) \
             if cuda_graphs and self.device.type == "cuda" and kernels.name == "triton" else None
         self.max_num_seqs = max_num_seqs
         self._proposals: dict[tuple[TreeSettings, int], DeviceProposal] = {}  # (shape, padded batch)
+        self._chains: dict[tuple[TreeSettings, int], ChainedProposal | None] = {}  # the same, chained steps
+        self._feature_width = len(capture_layers) * cfg.target_hidden_size
 
     @classmethod
     def from_checkpoint(cls, spec: SpecConfig, target: ModelConfig, target_embedding: torch.Tensor,
@@ -130,8 +134,9 @@ class EagleDrafter:
         ``max_num_seqs`` (a capture in the middle of serving stalls its step by tens of
         milliseconds, and batches change as sequences finish); and compile the eager extend of
         prompt pieces up to ``prompt_rows`` rows (a kernel compilation stalls its step as long).
-        ``chained``: also the extend fed from the device (``step_on_device``: an engine in this
-        process without a policy). Returns the seconds it took (0 without graphs)."""
+        ``chained``: also the chained steps' graphs, extend and proposal in one (``step_on_device``:
+        an engine in this process without a policy, a draft service's session that takes them).
+        Returns the seconds it took (0 without graphs)."""
         if self.graphs is None:
             return 0.0
         t0 = time.perf_counter()
@@ -141,7 +146,9 @@ class EagleDrafter:
             b = min(batch, self.max_num_seqs)
             for settings in shapes or [self.spec.settings]:
                 self._proposal(settings, b)
-            self.graphs.capture_extend(b, len(self.capture_layers) * self.net.config.target_hidden_size, chained)
+                if chained:
+                    self._chained(settings, b)
+            self.graphs.capture_extend(b, self._feature_width)
             if b >= self.max_num_seqs:
                 break
             batch *= 2
@@ -193,26 +200,34 @@ class EagleDrafter:
             # Its own most rows, not the batch's widest, and never past the context: a sequence at its
             # end brings fewer rows than the others (its tree was cut), and its table must fit the graphs'.
             self.blocks.ensure_capacity(seq_id, min(start + min(D, m) + settings.draft_tree_rows, self._capacity))
-        graphed = None
-        if self.graphs is not None and D <= self.graphs.extend_tokens:
-            chunks = [SeqChunk(np.zeros(0, np.int64), start, self.blocks.block_table(i)) for i, start in zip(seq_ids, starts)]
-            graphed = self.graphs.run_extend_on_device(chunks, counts, tokens, features.to(self.dtype))
-        if graphed is None:  # eagerly (a CPU, no graph for the shape): the host needs the counts
-            n = counts.tolist()
+        chain = self._chained(settings, len(seq_ids)) if D <= self._extend_tokens else None
+        if chain is None:  # eagerly (a CPU, no graph for the shape): the host needs the counts
+            # Clamped as the graph clamps them: they may come from another process (the draft link).
+            n = [min(c, m) for c, m in zip(counts.clamp(1, D).tolist(), most)]
+            tokens = tokens.clamp(0, self.net.embed_weight.shape[0] - 1)
             self._extend([DraftFeed(i, start, features[j, :n[j]], tokens[j, :n[j]].cpu().numpy())
                           for j, (i, start) in enumerate(zip(seq_ids, starts))])
             return PendingTrees(trees=self._propose_on_device([ProposeRequest(i, settings.depth, settings)
                                                                for i in seq_ids], settings))
-        # Copies: the graph's outputs are overwritten by its next replay.
-        last, logp = graphed[0][:len(seq_ids)].clone(), graphed[1][:len(seq_ids)].clone()
-        proposal, rows, more = self._proposal(settings, len(seq_ids)), np.asarray(starts, dtype=np.int64), counts
-        if proposal.graph is None:  # an eager proposal lays its levels out from the host's rows: a wait
-            rows, more = rows + np.asarray(counts.tolist(), dtype=np.int64), None
-        ticket, on_device = proposal.launch(logp, last, rows, [self.blocks.block_table(i) for i in seq_ids],
-                                            more_rows=more, to_host=to_host)
-        for j, i in enumerate(seq_ids):
-            self.last_out[i], self.last_logp[i] = last[j], logp[j]
-        return PendingTrees(seq_ids, proposal if to_host else None, ticket, on_device)
+        self._keep_roots(chain, seq_ids)
+        on_device = chain.launch(seq_ids, np.asarray(starts, dtype=np.int64), np.asarray(most, dtype=np.int64),
+                                 [self.blocks.block_table(i) for i in seq_ids], counts, tokens, features)
+        for j, i in enumerate(seq_ids):  # views: ``_keep_roots`` copies them out before a replay overwrites them
+            self.last_out[i], self.last_logp[i] = chain.last[j], chain.logp[j]
+        proposal = chain.proposal
+        return PendingTrees(seq_ids, proposal if to_host else None, proposal.copy_out(on_device) if to_host else 0,
+                            on_device)
+
+    def _keep_roots(self, chain: ChainedProposal, seq_ids: list[int]) -> None:
+        """Copy out the roots (newest rows' outputs and log-probs) that ``chain``'s next replay would
+        overwrite: those of the sequences its last replay fed that this one does not (it refreshes its own)."""
+        if chain.graph is None:  # eager launches leave fresh roots: nothing to copy
+            return
+        held, fed = chain.last.untyped_storage().data_ptr(), set(seq_ids)
+        for i in chain.seq_ids:
+            out = self.last_out.get(i)
+            if i not in fed and out is not None and out.untyped_storage().data_ptr() == held:
+                self.last_out[i], self.last_logp[i] = out.clone(), self.last_logp[i].clone()
 
     def settle(self, rows: dict[int, int]) -> None:
         """The committed rows of the sequences ``step_on_device`` fed, now known on the host: the
@@ -336,21 +351,43 @@ class EagleDrafter:
 
     def _proposal(self, settings: TreeSettings, n: int) -> DeviceProposal:
         """The device proposal of ``settings`` for ``n`` sequences (a padded batch), made on first use."""
-        batch = min(padded_batch(n), max(self.max_num_seqs, n))
-        key = (settings, batch)
+        key = (settings, self._padded(n))
         if key not in self._proposals:
-            def make(graph: bool) -> DeviceProposal:
-                return DeviceProposal(self.net, self.kv, self.kernels, lambda: self._builder(settings), settings.depth,
-                                      settings.draft_tree_rows, batch, self._table_width, self._capacity, graph=graph,
-                                      pool=self.graphs.pool if graph else None)
             try:
-                self._proposals[key] = make(self.graphs is not None)
+                self._proposals[key] = self._new_proposal(*key, graph=self.graphs is not None)
             except torch.OutOfMemoryError:  # the same trees, eagerly
                 log.warning("no GPU memory to capture the proposal graph of %s for %d sequences: it runs eagerly",
-                            settings.describe(), batch)
+                            settings.describe(), key[1])
                 torch.cuda.empty_cache()
-                self._proposals[key] = make(False)
+                self._proposals[key] = self._new_proposal(*key, graph=False)
         return self._proposals[key]
+
+    def _chained(self, settings: TreeSettings, n: int) -> ChainedProposal | None:
+        """The chained step's graph (``chain_graph.py``) of ``settings`` for ``n`` sequences (a padded
+        batch), captured on first use; None without graphs, or without the GPU memory to capture it
+        (then the step runs eagerly: the same trees)."""
+        if self.graphs is None:
+            return None
+        key = (settings, self._padded(n))
+        if key not in self._chains:
+            try:
+                self._chains[key] = ChainedProposal(self._new_proposal(*key, graph=False), self._extend_tokens,
+                                                    self._feature_width, pool=self.graphs.pool)
+            except torch.OutOfMemoryError:
+                log.warning("no GPU memory to capture the chained step's graph of %s for %d sequences: "
+                            "it runs eagerly", settings.describe(), key[1])
+                torch.cuda.empty_cache()
+                self._chains[key] = None
+        return self._chains[key]
+
+    def _padded(self, n: int) -> int:
+        """The batch a proposal's graph for ``n`` sequences is captured for."""
+        return min(padded_batch(n), max(self.max_num_seqs, n))
+
+    def _new_proposal(self, settings: TreeSettings, batch: int, graph: bool) -> DeviceProposal:
+        return DeviceProposal(self.net, self.kv, self.kernels, lambda: self._builder(settings), settings.depth,
+                              settings.draft_tree_rows, batch, self._table_width, self._capacity, graph=graph,
+                              pool=self.graphs.pool if graph else None)
 
     def _feed_level(self, ids, builder, frontier: Frontier, parent_out, fed):
         """Run the draft on one frontier level; returns outputs [B, F, H], log-probs [B, F, Vd].

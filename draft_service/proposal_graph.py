@@ -36,6 +36,7 @@ from draft_service.eagle_net import EagleNet
 from draft_service.tree_builders import Frontier
 from kernels import KernelSet
 from kernels.metadata import AttentionMetadata
+from runtime.graphs import capture_graph
 from runtime.kv_cache import PagedKVCache
 from runtime.step_layout import Readback
 
@@ -158,23 +159,7 @@ class DeviceProposal:
         [4, n, nodes] (tokens | parents | depths | score bits; valid until the next launch)."""
         assert more_rows is None or self.graph is not None, "an eager proposal lays out from host rows"
         n = len(rows)
-        assert n <= self.batch, (n, self.batch)
-        self._turn ^= 1
-        turn = self._turn
-        if self._sending[turn]:
-            self._sent[turn].synchronize()
-        host = self._host_views[turn]
-        B, W = self.batch, self.tables.shape[1]
-        host[:] = 0
-        host[:n] = rows
-        host[B:B + n] = 1
-        table_block = host[2 * B:].reshape(B, W)
-        for i, t in enumerate(tables):
-            table_block[i, :len(t)] = t
-        self._meta.copy_(self._hosts[turn], non_blocking=True)
-        if self._sent[turn] is not None:
-            self._sent[turn].record()
-            self._sending[turn] = True
+        self.send(rows, tables)
         if more_rows is not None:
             self.rows[:n].add_(more_rows)
         self.root_logp[:n].copy_(root_logp)
@@ -184,11 +169,38 @@ class DeviceProposal:
             packed = self._packed
         else:
             self._longest = int(np.max(rows)) + self.tree_rows if n else self.tree_rows
-            packed = self._grow()
+            packed = self.grow(self.root_logp, self.root_out)
         self.replays += self.graph is not None
-        if not to_host:
-            return 0, packed[:, :n]
-        return self._readback.start(packed[:, :n]), packed[:, :n]  # the proposal's one device-to-host copy
+        return (self.copy_out(packed[:, :n]) if to_host else 0), packed[:, :n]
+
+    def copy_out(self, trees: torch.Tensor) -> int:
+        """Start the copy of ``trees`` (this proposal's, [4, n, nodes]) to the host, the proposal's one
+        device-to-host copy; returns the ticket ``collect`` takes."""
+        return self._readback.start(trees)
+
+    def send(self, rows: np.ndarray, tables: list[list[int]], live: np.ndarray | int = 1) -> None:
+        """The host's inputs of ``len(rows)`` sequences (their committed draft rows and block tables; the
+        rest of the batch: padding, not ``live``) to ``rows``, ``live`` and ``tables``: one copy from the
+        pinned buffer whose turn it is. ``live``: what the sequences' entries hold (any value above 0:
+        a chained step's most rows a sequence, ``chain_graph.py``)."""
+        n = len(rows)
+        assert n <= self.batch, (n, self.batch)
+        self._turn ^= 1
+        turn = self._turn
+        if self._sending[turn]:
+            self._sent[turn].synchronize()
+        host = self._host_views[turn]
+        B, W = self.batch, self.tables.shape[1]
+        host[:] = 0
+        host[:n] = rows
+        host[B:B + n] = live
+        table_block = host[2 * B:].reshape(B, W)
+        for i, t in enumerate(tables):
+            table_block[i, :len(t)] = t
+        self._meta.copy_(self._hosts[turn], non_blocking=True)
+        if self._sent[turn] is not None:
+            self._sent[turn].record()
+            self._sending[turn] = True
 
     def collect(self, ticket: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The trees of ``launch``'s ``ticket`` on the host (waits for the copy): tokens, parents,
@@ -198,11 +210,14 @@ class DeviceProposal:
 
     # --- the computation (captured once, or run eagerly) ----------------------------------
 
-    def _grow(self) -> torch.Tensor:
+    def grow(self, root_logp: torch.Tensor, root_out: torch.Tensor) -> torch.Tensor:
+        """The trees grown from the roots' log-probs [B, Vd] and outputs [B, H], laid out from ``rows``,
+        ``live`` and ``tables`` (as they are on the device when it runs: a graph captures it), packed
+        int64 [4, B, nodes]: tokens | parents | depths | score bits."""
         builder = self.builder
-        frontier = builder.start(self.root_logp)
+        frontier = builder.start(root_logp)
         kv = self._kv_layout()
-        parent_out, mask = self.root_out[:, None], None  # (B, 1, H): the root's output; its mask: none
+        parent_out, mask = root_out[:, None], None  # (B, 1, H): the root's output; its mask: none
         while frontier is not None and frontier.depth < self.depth:
             parent_out, logits, mask = self._level(frontier, parent_out, mask, kv)
             frontier = builder.expand(logits)
@@ -252,13 +267,4 @@ class DeviceProposal:
     def _capture(self, pool) -> None:
         """Warm up eagerly on a side stream (compiles kernels, builds a static shape's level tensors),
         then capture. The placeholder inputs are not live: nothing is written to the cache."""
-        dev = self.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            self._grow()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._packed = self._grow()
-        self.graph = graph
+        self.graph, self._packed = capture_graph(lambda: self.grow(self.root_logp, self.root_out), self.device, pool)

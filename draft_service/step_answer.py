@@ -70,10 +70,9 @@ class StepAnswerer:
                                         f"the draft holds {held.get(q.seq_id, 0)}")
         if self.chain_events:
             torch.cuda.current_stream(rows.device).wait_event(self.chain_events[0])
-        vocab = self.bufs["embedding"].shape[0]
-        counts, tokens = feeds[:B, 0].clamp(1, W), feeds[:B, 1:W + 1].clamp(0, vocab - 1)
+        # The counts and tokens come from another process: the drafter clamps them into range on the device.
         pending = self.drafter.step_on_device([q.seq_id for q in call.seqs], [q.start for q in call.seqs],
-                                              [q.most for q in call.seqs], counts, tokens,
+                                              [q.most for q in call.seqs], feeds[:B, 0], feeds[:B, 1:W + 1],
                                               rows[:B * W].view(B, W, rows.shape[1]), call.settings, to_host=False)
         trees = pending.on_device
         if trees is None:  # grown eagerly (a CPU): the trees are on the host already

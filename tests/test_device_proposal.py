@@ -155,3 +155,51 @@ def test_a_backlog_beyond_the_graphs_rows_goes_in_rounds_with_the_same_result(di
         torch.testing.assert_close(committed_kv(rounds, s), committed_kv(whole, s))
     same_trees(whole._propose_on_device(requests, whole.spec.settings),
                rounds._propose_on_device(requests, rounds.spec.settings))
+
+
+@pytest.mark.parametrize("kernels, seqs", [("reference", 3), ("triton", 1), ("triton", 3)])
+def test_the_chained_step_gives_the_extend_then_the_proposal(dirs, kernels, seqs):
+    """A chained step as one computation (``ChainedProposal``: its CUDA graph on a GPU, elsewhere the
+    ops it captures, eagerly) gives the trees, roots and committed KV of the eager extend then
+    proposal, over three steps in a padded batch; a count past a sequence's most rows and tokens
+    outside the vocabulary (the draft link's rows are untrusted) are clamped the same way on both paths."""
+    from draft_service.chain_graph import ChainedProposal
+
+    if kernels == "triton":
+        pytest.importorskip("triton")
+    fused, width, vocab = drafter_for(dirs, "dynamic", kernels)
+    eager, _, _ = drafter_for(dirs, "dynamic", kernels)
+    eager.graphs = None  # the extend, then the proposal, launch by launch
+    settings, dev = fused.spec.settings, fused.device
+    if dev.type != "cuda":
+        fused._chained = lambda s, n: fused._chains.setdefault((s, fused._padded(n)), ChainedProposal(
+            fused._new_proposal(s, fused._padded(n), graph=False), fused._extend_tokens, fused._feature_width,
+            graph=False))
+    gen = torch.Generator().manual_seed(4)
+    seq_ids = list(range(1, seqs + 1))
+    prompts = [DraftFeed(s, 0, torch.randn(5 + s, width, generator=gen).to(dev),
+                         torch.randint(0, vocab, (5 + s,), generator=gen).numpy()) for s in seq_ids]
+    for d in (fused, eager):
+        d.step(prompts, [])
+    D = fused._extend_tokens
+    for step in range(3):
+        starts = [fused.rows[s] for s in seq_ids]
+        most = [D, 2, D][:seqs] if step == 1 else [D] * seqs
+        counts = torch.randint(1, D + 1, (seqs,), generator=gen)
+        if step == 1 and seqs > 1:
+            counts[1] = D  # past its most (2)
+        tokens = torch.randint(0, vocab, (seqs, D), generator=gen)
+        tokens[0, 0] = vocab + 7 if step == 2 else tokens[0, 0]
+        features = torch.randn(seqs, D, width, generator=gen)
+        got = [d.step_on_device(seq_ids, starts, most, counts.to(dev), tokens.to(dev), features.to(dev),
+                                settings).collect() for d in (fused, eager)]
+        same_trees(*got)
+        for s, a, b, m in zip(seq_ids, starts, counts.tolist(), most):
+            fused.settle({s: a + min(b, m)})
+            assert eager.rows[s] == fused.rows[s]
+            torch.testing.assert_close(fused.last_out[s], eager.last_out[s], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fused.last_logp[s], eager.last_logp[s], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(committed_kv(fused, s), committed_kv(eager, s), rtol=1e-5, atol=1e-5)
+    chain = fused._chains[(settings, padded_batch(seqs))]
+    assert len(fused._chains) == 1 and (chain.graph is not None) == (dev.type == "cuda")
+    assert chain.replays == (3 if dev.type == "cuda" else 0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels import KernelSet
+from runtime.graphs import capture_graph
 from runtime.kv_cache import PagedKVCache
 
 
@@ -56,16 +57,12 @@ class AcceptGraph:
             prefix = lay.meta.seq_lens[:B] - (n + 1)
             src, dst = k.compaction_slots(result.path, result.num_accepted, prefix, lay.meta.block_tables[:B],
                                           kv.block_size)
-            if compact:  # (not in the warm-up run: moving the KV twice would move it wrongly)
+            if compact:
                 k.compact_kv(kv.data, src, dst)
             features = source.captured[starts + result.path.clamp(min=0)] if source.captured is not None else None
             return result, tokens, features, (feeds_of(result, tokens), values_of(result))
 
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            body(compact=False)  # compiles the kernels before the capture
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):  # a private memory pool: no other graph reuses its outputs
-            self.result, self.tokens, self.features, self.computed = body(compact=True)
+        # The warm-up run compacts nothing (moving the KV twice would move it wrongly); a private memory
+        # pool: no other graph reuses its outputs.
+        self.graph, (self.result, self.tokens, self.features, self.computed) = capture_graph(
+            lambda: body(compact=True), dev, warm=lambda: body(compact=False))

@@ -31,6 +31,7 @@ from kernels import KernelSet
 from kernels.attention import unpack_mask
 from kernels.metadata import AttentionMetadata
 from runtime.block_manager import blocks_for
+from runtime.graphs import capture_graph
 from runtime.kv_cache import PagedKVCache
 from runtime.step_layout import Bucket, SeqChunk, Staging, StaticLayout, layout_step
 from verify_service.model import CausalLM
@@ -261,16 +262,9 @@ class ModelRunner:
                              self.capture_layers)
             return self.model.compute_logits(out.hidden, self.kernels.linear), out.hidden, out.captured
 
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            forward()  # compiles the kernels and settles the allocator before capture
-        torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits, hidden, captured = forward()
+        graph, (logits, hidden, captured) = capture_graph(forward, self.device, self._pool)
         return _Graph(layout, graph, logits, hidden, captured)
 
     def _graph_meta(self, layout: StaticLayout) -> AttentionMetadata:
