@@ -203,3 +203,19 @@ def test_the_chained_step_gives_the_extend_then_the_proposal(dirs, kernels, seqs
     chain = fused._chains[(settings, padded_batch(seqs))]
     assert len(fused._chains) == 1 and (chain.graph is not None) == (dev.type == "cuda")
     assert chain.replays == (3 if dev.type == "cuda" else 0)
+    if seqs < 3:
+        return
+    # The same graph for another batch of as many: the roots of the sequence it leaves out (3), which
+    # the replay overwrites in the graph's buffers, are kept; its next proposal is the eager drafter's.
+    prompt = DraftFeed(4, 0, torch.randn(4, width, generator=gen).to(dev), np.arange(4) + 1)
+    for d in (fused, eager):
+        d.step([prompt], [])
+    fed = [1, 2, 4]
+    starts, counts = [fused.rows[s] for s in fed], torch.full((3,), 2)
+    args = (counts.to(dev), torch.ones(3, D, dtype=torch.long, device=dev), torch.randn(3, D, width, generator=gen).to(dev))
+    for d in (fused, eager):
+        d.step_on_device(fed, starts, [D] * 3, *args, settings).collect()
+    fused.settle({s: a + 2 for s, a in zip(fed, starts)})
+    request = [ProposeRequest(3, settings.depth)]
+    same_trees(fused._propose_on_device(request, settings), eager._propose_on_device(request, settings))
+    assert chain.replays == (4 if dev.type == "cuda" else 0)
