@@ -484,3 +484,52 @@ def test_a_perfect_draft_speculates_when_trees_are_cheap_and_not_when_dear(dirs,
     else:
         assert decisions.most_common(1)[0][0] == 0 and decisions[0] >= 3 * sum(decisions[n] for n in (1, 2, 3, 4))
         assert drafter.calls < len(result.token_ids) / 3  # plain steps do not call the draft
+
+
+class HeldPlainThenTrees(AdaptivePolicy):
+    """Plain decoding held (``choose_held``: the decision the real policy repeats without looking at the
+    sequences) for the first 40 decisions, then the largest tree: the held plain steps are launched
+    before the last one's tokens are read (``Engine._decode_ahead_ok``)."""
+
+    def choose_held(self, quick_key):
+        if sum(self.decisions.values()) >= 40:
+            return False
+        self.choice, self.last_held = 0, True
+        self.decisions[0] += 1
+        return True
+
+    def choose(self, batch, context, seq_ids, budgets, quick_key=None):
+        self.choice, self.last_held = (0 if sum(self.decisions.values()) < 40 else self.sizes[-1]), False
+        self.decisions[self.choice] += 1
+        return self.choice
+
+
+def test_held_plain_decoding_is_launched_ahead_and_feeds_the_draft_every_row(dirs):
+    """With a draft attached, steps of held plain decoding are launched before the last one's tokens
+    reach the host, as target-only decoding is: the same tokens as without it and as target-only
+    decoding, the draft fed every row in order (then trees from them), nothing left allocated."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (50, 30, 45)]
+    want = [r.token_ids for r in Engine(target_for(dirs[0])).generate(PROMPTS[:3], params)]
+    runs = []
+    for ahead in (True, False):
+        engine = eagle_engine(dirs, "dynamic", HeldPlainThenTrees, table(1.0))
+        assert engine.decode_ahead  # with a policy: on by default
+        engine.decode_ahead = ahead
+        fed, step = [], engine.drafter.step
+        engine.drafter.step = lambda feeds, proposals: fed.extend(
+            (f.seq_id, f.start, f.features.clone(), list(f.next_tokens)) for f in feeds) or step(feeds, proposals)
+        ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:3], params)]
+        out = {i: [] for i in ids}
+        while engine.has_work:
+            for ev in engine.step():
+                out[ev.seq_id] += ev.token_ids
+            for i, seq in engine.sequences.items():  # every committed row reached the draft or waits for it
+                rows = engine.drafter.rows.get(i, 0)
+                waiting = engine.feed_buffer._per_seq[i]
+                assert rows + waiting == seq.num_tokens - 1 - (seq.pending_feature is not None)
+        runs.append(([out[i] for i in ids], engine.decode_steps_ahead, engine.speculation_totals(), fed))
+        assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
+    (got, launched, trees, fed), (unahead, none, trees_too, fed_too) = runs
+    assert got == want == unahead and launched > 20 and none == 0 and trees.steps > 0 and trees == trees_too
+    assert len(fed) == len(fed_too) and all(a[:2] == b[:2] and a[3] == b[3] and torch.equal(a[2], b[2])
+                                            for a, b in zip(fed, fed_too))  # the draft was fed the same rows

@@ -46,6 +46,7 @@ class DraftCoordinator:
         self.draft_errors = 0  # invalid trees refused (each fell back to one plain step)
         self.chain = True  # chain the draft after acceptance where it can (``chains``); False: tests' A/B
         self.chained_steps = 0  # steps whose draft work went in behind acceptance (``draft_on_device``)
+        self._plain_next = False  # the policy chose plain decoding for the next step already (``plain_ahead``)
 
     def release(self, seq: Sequence) -> None:
         """A finished or cancelled sequence: its waiting rows, its draft state, its policy estimates."""
@@ -90,6 +91,18 @@ class DraftCoordinator:
                         np.fromiter((s.num_cached - 1 for s in seqs), np.int64, len(seqs)), feats,
                         np.asarray(tokens, dtype=np.int64))
 
+    def plain_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether the next step of these decoding sequences is plain decoding, decided now, before
+        this step's tokens are read (so the engine may launch it at once): a policy that holds plain
+        decoding for the batch, and every sequence's feature fed by ``decode_rows`` (none waits for
+        its successor, none has a tree). True counts the decision; the step's ``draft`` then asks
+        for no trees."""
+        if self.policy is None or any(s.pending_feature is not None or s.tree is not None for s in seqs):
+            return False
+        quick = (len(self.scheduler.running), sum(s.speculate for s in seqs))  # as ``_requests`` keys it
+        self._plain_next = self.policy.choose_held(quick)
+        return self._plain_next
+
     def draft(self, feeds: dict[int, DraftFeed], rows: FeedRows | None = None) -> float:
         """Send the draft what became final (``feeds`` per sequence, ``rows`` for many; of live
         sequences only); ask for trees for every decoding sequence, of the size the policy picks when
@@ -104,7 +117,8 @@ class DraftCoordinator:
         if overflow:
             self._send(overflow, [])
         backlog = self.feed_buffer.rows - sum(len(f.next_tokens) for f in live)  # rows of earlier steps wait
-        requests = self._requests(fed) if getattr(self.drafter, "connected", True) else []
+        decided, self._plain_next = self._plain_next, False  # (the next step, launched already, is plain)
+        requests = self._requests(fed) if not decided and getattr(self.drafter, "connected", True) else []
         if not requests and (self.policy is not None or not self.feed_buffer.rows):
             return 0.0
         start = time.perf_counter()

@@ -99,9 +99,10 @@ class Engine:
         self._readback = Readback(target.device)  # a chained step's acceptance, read while the draft runs
         self._chained = None  # the trees the draft grows behind the last step's acceptance (``attach_trees``)
         self.steps_ahead = 0  # steps verified from the chained trees on the device (``_verify_ahead``)
-        # Target-only decoding: the next decode step is launched before this one's tokens reach the
-        # host (``_launch_decode``), its token ids taken from the sampled ones on the device.
-        self.decode_ahead = drafter is None
+        # Plain decoding (target-only, or a policy holding plain decoding with a draft attached): the
+        # next decode step is launched before this one's tokens reach the host (``_launch_decode``),
+        # its token ids taken from the sampled ones on the device.
+        self.decode_ahead = drafter is None or policy is not None
         self._ahead_decode = None  # (plan, chunks, output, None) of the step so launched
         self.decode_steps_ahead = 0
 
@@ -271,11 +272,14 @@ class Engine:
             self.speculation.attach(deferred.collect())
 
     def _decode_ahead_ok(self, due) -> bool:
-        """Whether the next step may be launched now, before this decode step's tokens are read: no
-        draft, every sequence decoding one token and due another after it (none at its length
-        limit: the next step's KV stays within what it reserved), no request waiting to start."""
+        """Whether the next step may be launched now, before this decode step's tokens are read: every
+        sequence decoding one token and due another after it (none at its length limit: the next
+        step's KV stays within what it reserved), no request waiting to start, and the next step
+        plain decoding too (no draft, or the policy holds plain decoding: ``plain_ahead``, last, as
+        it counts the decision)."""
         return self.decode_ahead and not self.scheduler.waiting and all(
-            n == 1 and len(seq.output_ids) + 1 < seq.max_new_tokens for _, seq, _, n in due)
+            n == 1 and len(seq.output_ids) + 1 < seq.max_new_tokens for _, seq, _, n in due) and (
+            self.speculation is None or self.speculation.plain_ahead([seq for _, seq, _, _ in due]))
 
     def _launch_decode(self, due, sampled: torch.Tensor) -> tuple:
         """The next decode step of ``due``'s sequences, queued now: each sequence's token sampled this
