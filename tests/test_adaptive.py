@@ -487,12 +487,14 @@ def test_a_perfect_draft_speculates_when_trees_are_cheap_and_not_when_dear(dirs,
 
 
 class HeldPlainThenTrees(AdaptivePolicy):
-    """Plain decoding held (``choose_held``: the decision the real policy repeats without looking at the
-    sequences) for the first 40 decisions, then the largest tree: the held plain steps are launched
-    before the last one's tokens are read (``Engine._decode_ahead_ok``)."""
+    """Plain decoding for the first 40 decisions, every other one held (``choose_held``: the decision the
+    real policy repeats without looking at the sequences), then the largest tree. Both kinds of plain
+    decision are taken before the step's tokens are read, and the next step launched at once
+    (``Engine._decode_ahead_ok``)."""
 
     def choose_held(self, quick_key):
-        if sum(self.decisions.values()) >= 40:
+        n = sum(self.decisions.values())
+        if n >= 40 or n % 2:
             return False
         self.choice, self.last_held = 0, True
         self.decisions[0] += 1
@@ -530,6 +532,6 @@ def test_held_plain_decoding_is_launched_ahead_and_feeds_the_draft_every_row(dir
         runs.append(([out[i] for i in ids], engine.decode_steps_ahead, engine.speculation_totals(), fed))
         assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
     (got, launched, trees, fed), (unahead, none, trees_too, fed_too) = runs
-    assert got == want == unahead and launched > 20 and none == 0 and trees.steps > 0 and trees == trees_too
+    assert got == want == unahead and launched > 30 and none == 0 and trees.steps > 0 and trees == trees_too
     assert len(fed) == len(fed_too) and all(a[:2] == b[:2] and a[3] == b[3] and torch.equal(a[2], b[2])
                                             for a, b in zip(fed, fed_too))  # the draft was fed the same rows

@@ -46,7 +46,7 @@ class DraftCoordinator:
         self.draft_errors = 0  # invalid trees refused (each fell back to one plain step)
         self.chain = True  # chain the draft after acceptance where it can (``chains``); False: tests' A/B
         self.chained_steps = 0  # steps whose draft work went in behind acceptance (``draft_on_device``)
-        self._plain_next = False  # the policy chose plain decoding for the next step already (``plain_ahead``)
+        self._decided: int | None = None  # the policy's choice for the next step, taken early (``plain_ahead``)
 
     def release(self, seq: Sequence) -> None:
         """A finished or cancelled sequence: its waiting rows, its draft state, its policy estimates."""
@@ -92,16 +92,23 @@ class DraftCoordinator:
                         np.asarray(tokens, dtype=np.int64))
 
     def plain_ahead(self, seqs: list[Sequence]) -> bool:
-        """Whether the next step of these decoding sequences is plain decoding, decided now, before
-        this step's tokens are read (so the engine may launch it at once): a policy that holds plain
-        decoding for the batch, and every sequence's feature fed by ``decode_rows`` (none waits for
-        its successor, none has a tree). True counts the decision; the step's ``draft`` then asks
-        for no trees."""
+        """Whether the next step of these sequences (the whole batch, each decoding one token) is plain
+        decoding, decided now, before this step's tokens are read, so that the engine may launch it
+        at once: with a policy, every sequence's feature fed by ``decode_rows`` (none waits for its
+        successor, none has a tree). The policy's choice is taken here, as ``draft`` would take it
+        (the batch's context one token short), and ``draft`` then follows it: plain, no trees; a tree
+        size, trees of that size."""
         if self.policy is None or any(s.pending_feature is not None or s.tree is not None for s in seqs):
             return False
-        quick = (len(self.scheduler.running), sum(s.speculate for s in seqs))  # as ``_requests`` keys it
-        self._plain_next = self.policy.choose_held(quick)
-        return self._plain_next
+        ready = [s for s in seqs if s.speculate]
+        quick = (len(self.scheduler.running), len(ready))  # as ``_requests`` keys it
+        if self.policy.choose_held(quick):
+            self._decided = 0
+        elif ready:
+            context = sum(s.num_tokens for s in seqs) / len(seqs)
+            self._decided = self.policy.choose(len(seqs), context, [s.seq_id for s in ready],
+                                               [s.tree_settings.node_budget for s in ready], quick)
+        return self._decided == 0
 
     def draft(self, feeds: dict[int, DraftFeed], rows: FeedRows | None = None) -> float:
         """Send the draft what became final (``feeds`` per sequence, ``rows`` for many; of live
@@ -117,8 +124,8 @@ class DraftCoordinator:
         if overflow:
             self._send(overflow, [])
         backlog = self.feed_buffer.rows - sum(len(f.next_tokens) for f in live)  # rows of earlier steps wait
-        decided, self._plain_next = self._plain_next, False  # (the next step, launched already, is plain)
-        requests = self._requests(fed) if not decided and getattr(self.drafter, "connected", True) else []
+        decided, self._decided = self._decided, None
+        requests = self._requests(fed, decided) if getattr(self.drafter, "connected", True) else []
         if not requests and (self.policy is not None or not self.feed_buffer.rows):
             return 0.0
         start = time.perf_counter()
@@ -207,12 +214,15 @@ class DraftCoordinator:
             self.drafter.step(call, [])
         return self.drafter.step(calls[-1], requests)
 
-    def _requests(self, fed: set[int]) -> list[ProposeRequest]:
+    def _requests(self, fed: set[int], decided: int | None = None) -> list[ProposeRequest]:
         """A tree request per decoding sequence that speculates and was fed this step, capped to the
-        policy's choice; none for a sequence whose context or ``max_tokens`` leaves no room."""
+        policy's choice (``decided``: taken already, by ``plain_ahead``); none for a sequence whose
+        context or ``max_tokens`` leaves no room."""
+        if decided == 0:
+            return []
         running = self.scheduler.running
         quick = (len(running), len(fed))
-        if self.policy is not None and self.policy.choose_held(quick):  # plain decoding held: no look at each
+        if decided is None and self.policy is not None and self.policy.choose_held(quick):  # held: no look at each
             return []
         ready, decoding, context = [], 0, 0  # one pass over the sequences
         for seq in running:
@@ -226,8 +236,9 @@ class DraftCoordinator:
         if self.policy is None:
             trees = [seq.tree_settings for seq in ready]
         else:  # sequences at their last token count as candidates: the choice comes first (plain: done)
-            nodes = self.policy.choose(decoding, context / decoding, [s.seq_id for s in ready],
-                                       [s.tree_settings.node_budget for s in ready], quick)
+            nodes = decided if decided is not None else self.policy.choose(
+                decoding, context / decoding, [s.seq_id for s in ready], [s.tree_settings.node_budget for s in ready],
+                quick)
             if nodes == 0:
                 return []
             trees = [self.policy.settings(seq.tree_settings, nodes) for seq in ready]
