@@ -535,3 +535,17 @@ def test_held_plain_decoding_is_launched_ahead_and_feeds_the_draft_every_row(dir
     assert got == want == unahead and launched > 30 and none == 0 and trees.steps > 0 and trees == trees_too
     assert len(fed) == len(fed_too) and all(a[:2] == b[:2] and a[3] == b[3] and torch.equal(a[2], b[2])
                                             for a, b in zip(fed, fed_too))  # the draft was fed the same rows
+
+
+def test_requests_that_do_not_speculate_decode_ahead_beside_a_policy(dirs):
+    """Requests that ask for no speculation, on an engine with a draft and a policy: plain decoding
+    whatever the policy would pick, launched ahead as target-only decoding is, the same tokens."""
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    want = [r.token_ids for r in Engine(target_for(dirs[0])).generate(PROMPTS[:2], params)]
+    engine = eagle_engine(dirs, "dynamic", ChaosPolicy, table(1.0))
+    ids = [engine.add_request(p, params, speculate=False) for p in PROMPTS[:2]]
+    out = {i: [] for i in ids}
+    for ev in engine.run_until_done():
+        out[ev.seq_id] += ev.token_ids
+    assert [out[i] for i in ids] == want and engine.decode_steps_ahead > 10
+    assert engine.speculation_totals().steps == 0 and not engine.drafter.rows

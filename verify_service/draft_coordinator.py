@@ -102,9 +102,9 @@ class DraftCoordinator:
             return False
         ready = [s for s in seqs if s.speculate]
         quick = (len(self.scheduler.running), len(ready))  # as ``_requests`` keys it
-        if self.policy.choose_held(quick):
+        if self.policy.choose_held(quick) or not ready:  # (no sequence that speculates: plain decoding)
             self._decided = 0
-        elif ready:
+        else:
             context = sum(s.num_tokens for s in seqs) / len(seqs)
             self._decided = self.policy.choose(len(seqs), context, [s.seq_id for s in ready],
                                                [s.tree_settings.node_budget for s in ready], quick)
