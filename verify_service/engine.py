@@ -99,7 +99,7 @@ class Engine:
         self._readback = Readback(target.device)  # a chained step's acceptance, read while the draft runs
         self._chained = None  # the trees the draft grows behind the last step's acceptance (``attach_trees``)
         self.steps_ahead = 0  # steps verified from the chained trees on the device (``_verify_ahead``)
-        # Plain decoding (target-only, or a policy holding plain decoding with a draft attached): the
+        # Plain decoding (target-only, or plain steps a policy chooses with a draft attached): the
         # next decode step is launched before this one's tokens reach the host (``_launch_decode``),
         # its token ids taken from the sampled ones on the device.
         self.decode_ahead = drafter is None or policy is not None
@@ -275,8 +275,8 @@ class Engine:
         """Whether the next step may be launched now, before this decode step's tokens are read: every
         sequence decoding one token and due another after it (none at its length limit: the next
         step's KV stays within what it reserved), no request waiting to start, and the next step
-        plain decoding too (no draft, or the policy holds plain decoding: ``plain_ahead``, last, as
-        it counts the decision)."""
+        plain decoding too (no draft, or the policy chooses plain decoding: ``plain_ahead``, last, as
+        it takes the policy's decision)."""
         return self.decode_ahead and not self.scheduler.waiting and all(
             n == 1 and len(seq.output_ids) + 1 < seq.max_new_tokens for _, seq, _, n in due) and (
             self.speculation is None or self.speculation.plain_ahead([seq for _, seq, _, _ in due]))
