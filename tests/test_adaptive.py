@@ -18,10 +18,12 @@ from runtime.tree import CandidateTree
 from tiny_eagle import make_eagle_dir
 from tiny_models import make_model_dir, target_for, tiny_config
 from common.tree_settings import tree_sizes
-from verify_service.adaptive import AdaptivePolicy, DraftCost, PolicyConfig, _learned, accepted_within, policy_for
+from verify_service.acceptance_estimate import accepted_within
+from verify_service.adaptive import AdaptivePolicy, PolicyConfig, policy_for
 from verify_service.cost_table import CostGrid, CostTable, calibrate, interp1
 from verify_service.engine import Engine
 from verify_service.feed_buffer import FeedBuffer, FeedRows
+from verify_service.learned_costs import DraftCost, learned_at
 
 PROMPTS = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2]]
 TOKENS = (1, 2, 3, 4, 5, 6, 9, 17, 33, 60)
@@ -176,14 +178,16 @@ def test_probes_stay_within_their_share_of_the_time():
 def test_a_probe_from_plain_decoding_tries_the_size_the_global_estimate_picks():
     """A sequence whose own trees accepted nothing decodes plainly; its probes try the size the batch's
     trees show pays (the largest here), which alone can bring its estimate of that size back: a probe
-    of the smallest tree updates no larger size. Where the global estimate says plain decoding too,
-    the probe is the smallest tree."""
+    of the smallest tree updates no larger size. Where the batch's trees pay, such probes come four
+    times as often, and cost only what they take beyond plain decoding's time for the tokens the
+    global estimate expects of them (nothing here: a tight budget does not hold them back). Where the
+    global estimate says plain decoding too, the probe is the smallest tree, at the usual period."""
     policy = AdaptivePolicy(table(per_token_ms=1.0), TreeSettings("chain", 4),
-                            PolicyConfig(probe_every=4, probe_share=1.0, draft_prior_fraction=0.0))
+                            PolicyConfig(probe_every=8, probe_share=0.001, draft_prior_fraction=0.0))
     seen(policy, accepted=4, seq_id=1, nodes=4)  # the batch's trees: every node accepted
     seen(policy, accepted=0, seq_id=2, nodes=4, times=5)  # this sequence's: nothing
     choices = [policy.choose(1, 1024, [2], [4]) for _ in range(8)]
-    assert choices == [0, 0, 0, 4, 0, 0, 0, 4]
+    assert choices == [0, 4, 0, 4, 0, 4, 0, 4]
     low = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4),
                          PolicyConfig(probe_every=4, probe_share=1.0, draft_prior_fraction=0.0))
     seen(low, accepted=0, seq_id=1, nodes=4)
@@ -201,6 +205,35 @@ def test_the_probes_budget_counts_recent_steps_not_the_time_since_start():
     choices = [policy.choose(64, 1024, [1], [4]) for _ in range(400)]
     probes = [i for i, c in enumerate(choices) if c]
     assert 1 <= len(probes) <= 8, probes  # 64 ms extra per 576 ms of plain steps: ~6 in 400 decisions
+
+
+def test_a_probe_from_plain_decoding_pays_for_the_rows_the_draft_must_catch_up():
+    """Leaving plain decoding, the draft first extends every row the plain steps left it (its cost
+    learned per row from such calls): with thousands waiting, that alone exceeds the probes' share and
+    the probe waits; with none waiting, the same probe runs."""
+    def probes(backlog_rows: int) -> list[int]:
+        policy = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4),
+                                PolicyConfig(probe_every=4, probe_share=0.1, draft_prior_fraction=0.01))
+        seen(policy, accepted=0)
+        policy.observe_draft(1, 4, 1.0)  # a call for trees alone ...
+        policy.observe_draft(1, 4, 51.0, backlog=1000)  # ... and one that first caught up 1,000 rows
+        assert policy.diagnostics()["backlog_row_us"] == pytest.approx(50.0)
+        policy.backlog_rows = backlog_rows
+        return [i for i in range(40) if policy.choose(1, 1024, [0], [4])]
+    assert probes(0) and not probes(5000)
+
+
+def test_leaving_plain_decoding_pays_for_the_rows_the_draft_must_catch_up():
+    """A tree after plain steps first extends the rows they left the draft: spread over the steps a
+    decision holds, a large backlog outweighs a small gain; a few rows do not."""
+    policy = AdaptivePolicy(table(per_token_ms=0.1), TreeSettings("chain", 3), PolicyConfig(probe_every=0))
+    seen(policy, accepted=1, nodes=3)
+    assert policy.best(1, 1024, [0], [3]) > 0
+    policy.observe_draft(1, 3, 106.0, backlog=1000)  # 6 ms of trees (the prior), 0.1 ms a row caught up
+    policy.backlog_rows = 1000
+    assert policy.best(1, 1024, [0], [3]) == 0  # 100 ms over a hold of 8 steps: 12.5 ms a step
+    policy.backlog_rows = 10
+    assert policy.best(1, 1024, [0], [3]) > 0
 
 
 def test_a_probe_the_budget_holds_back_leaves_plain_decoding_held():
@@ -258,14 +291,22 @@ def test_a_held_plain_decision_is_repeated_without_looking_at_the_sequences():
 
 
 def test_an_unseen_batch_takes_the_nearest_learned_costs_scaled_with_the_batch():
-    assert _learned({}, 8) is None
-    assert _learned({64: 2.0, 4: 1.0}, 128) == 4.0  # larger: the nearest (64), x 128/64
-    assert _learned({64: 2.0, 4: 1.0}, 8) == 2.0  # between: the nearest in powers of two (4), x 8/4
-    assert _learned({64: 2.0}, 16) == 2.0  # smaller: as costly as the nearest, not less
-    assert _learned({64: -0.5}, 128) == -0.5  # a negative residual is not scaled
+    assert learned_at({}, 8) is None
+    assert learned_at({64: 2.0, 4: 1.0}, 128) == pytest.approx(2.0 * 2 ** 0.5)  # larger: the nearest (64), x sqrt(2)
+    assert learned_at({64: 2.0, 4: 1.0}, 8) == pytest.approx(2 ** 0.5)  # between: the nearest in powers of two (4)
+    assert learned_at({64: 2.0}, 16) == 2.0  # smaller: as costly as the nearest, not less
+    assert learned_at({64: -0.5}, 128) == -0.5  # a negative residual is not scaled
     policy = AdaptivePolicy(table(per_token_ms=1.0), TreeSettings("chain", 3), PolicyConfig(probe_every=0))
     policy.observe_draft(64, 3, 8.0)  # 2 ms a level at 64 sequences
-    assert policy.draft_ms(128, 3, 1024) == pytest.approx(16.0)  # 4 levels at 4 ms, not the prior
+    assert policy.draft_ms(128, 3, 1024) == pytest.approx(8.0 * 2 ** 0.5)  # 4 levels at 2.8 ms, not the prior
+    # A plain step's residual is the step's, not the sequences': taken flat to a larger batch (scaled,
+    # plain decoding there would look dearer than it is, and trees cheaper by comparison).
+    policy = AdaptivePolicy(table(per_token_ms=1.0), TreeSettings("chain", 3), PolicyConfig(probe_every=0,
+                                                                                         cost_weight=1.0))
+    policy.observe_step(1, 0, 1024, 10.5)  # plain: 0.5 ms beyond the forward
+    policy.observe_step(1, 3, 1024, 13.5)  # a tree step: 0.5 ms beyond its forward of 13 ms
+    assert policy.step_ms(16, 1024, 0, 16) == pytest.approx(10.0 + 0.5)
+    assert policy._verify_ms(16, 4, 1024) == pytest.approx(10.0 + 3 * 16 + 0.5 * 4)
 
 
 def test_the_draft_cost_has_a_fixed_part_and_a_part_per_level():
@@ -376,6 +417,35 @@ def test_feed_buffer_takes_batched_rows_merged_per_sequence_in_order():
     buf.add([step([5, 5], [7, 7])])  # a row twice
     with pytest.raises(AssertionError, match="in order"):
         buf.take()
+
+
+def test_the_largest_trees_cost_what_chained_steps_measured_where_the_drafter_chains():
+    """A chained step has no draft call: its draft's device time is in the step that verifies its trees.
+    Those steps teach the largest size's cost (forward + their own residual) in place of the
+    unchained model (forward + tree residual + draft call), only where the drafter chains."""
+    limits = TreeSettings("chain", 3)
+    policy = AdaptivePolicy(table(per_token_ms=0.1), limits, PolicyConfig(probe_every=0, cost_weight=1.0))
+    seen(policy, accepted=1, nodes=3)
+    policy.observe_draft(1, 3, 14.0)  # a draft call costs more than a tree of one accepted node brings
+    policy.observe_step(1, 3, 1024, 10.5)
+    assert policy.best(1, 1024, [0], [3]) == 0
+    policy.observe_step(1, 3, 1024, 13.0, chained=True)  # the same trees chained: 13 ms, the draft in it
+    assert policy.best(1, 1024, [0], [3]) == 0  # the drafter does not chain: the model stays unchained
+    policy.chainable = True
+    assert policy.best(1, 1024, [0], [3]) == 3 and policy.step_ms(1, 1024, 3, 1) == pytest.approx(13.0)
+    assert policy.step_ms(1, 1024, 2, 1) > 20.0  # smaller sizes are asked for by a draft call: unchained
+    assert policy.step_ms(2, 1024, 3, 1) > 20.0  # a batch where some sequences decode plainly: unchained
+    # A batch bucket without a chained step measured: the unchained model until a tree step ran there
+    # (the scheduler may split that batch's trees over several steps: none would ever be measured),
+    # then the tree step without its draft (optimistic: the next chained step teaches the real cost).
+    assert policy.step_ms(2, 1024, 3, 2) > 20.0
+    policy.observe_step(2, 3, 1024, 11.0)  # an unchained tree step of 2 sequences: residual 0.4
+    assert policy.step_ms(2, 1024, 3, 2) == pytest.approx(10.6 + 0.4)  # forward + tree residual, no draft
+    policy.observe_step(2, 3, 1024, 30.0, chained=True)
+    assert policy.step_ms(2, 1024, 3, 2) == pytest.approx(30.0)
+    policy.observe_step(1, 3, 1024, 90.0, chained=True)  # a stalled chained step: never dearer than unchained
+    assert policy.step_ms(1, 1024, 3, 1) == pytest.approx(10.5 + 14.0)
+    assert policy.diagnostics()["steps"]["chained tree b1"]["steps"] == 2
 
 
 # --- end to end -----------------------------------------------------------------------------------
@@ -529,10 +599,12 @@ def test_held_plain_decoding_is_launched_ahead_and_feeds_the_draft_every_row(dir
                 rows = engine.drafter.rows.get(i, 0)
                 waiting = engine.feed_buffer._per_seq[i]
                 assert rows + waiting == seq.num_tokens - 1 - (seq.pending_feature is not None)
-        runs.append(([out[i] for i in ids], engine.decode_steps_ahead, engine.speculation_totals(), fed))
+        measured = sum(v["steps"] for k, v in engine.policy.diagnostics()["steps"].items() if k.startswith("plain"))
+        runs.append(([out[i] for i in ids], engine.decode_steps_ahead, engine.speculation_totals(), fed, measured))
         assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
-    (got, launched, trees, fed), (unahead, none, trees_too, fed_too) = runs
+    (got, launched, trees, fed, timed), (unahead, none, trees_too, fed_too, untimed) = runs
     assert got == want == unahead and launched > 30 and none == 0 and trees.steps > 0 and trees == trees_too
+    assert timed > 0 and untimed == 0  # plain steps are timed as plain stretches run them: launched ahead
     assert len(fed) == len(fed_too) and all(a[:2] == b[:2] and a[3] == b[3] and torch.equal(a[2], b[2])
                                             for a, b in zip(fed, fed_too))  # the draft was fed the same rows
 
@@ -549,3 +621,36 @@ def test_requests_that_do_not_speculate_decode_ahead_beside_a_policy(dirs):
         out[ev.seq_id] += ev.token_ids
     assert [out[i] for i in ids] == want and engine.decode_steps_ahead > 10
     assert engine.speculation_totals().steps == 0 and not engine.drafter.rows
+
+
+class Fixed(AdaptivePolicy):
+    """Always trees of ``nodes`` (default: the largest)."""
+    nodes = None
+
+    def choose(self, batch, context, seq_ids, budgets, quick_key=None):
+        self.choice, self.last_held = self.nodes or self.sizes[-1], False
+        self.decisions[self.choice] += 1
+        return self.choice
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_a_policy_that_picks_the_largest_trees_chains_them_behind_acceptance(dirs, largest):
+    """With a policy, steps of the requests' own (largest) trees grow the next trees on the device
+    behind acceptance, as without one (``DraftCoordinator.chains``), and learn their cost as chained
+    steps; a smaller choice calls the draft for capped trees. The tokens are target-only's either way."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 25)]
+    want = [r.token_ids for r in Engine(target_for(dirs[0])).generate(PROMPTS[:2], params)]
+    policy_cls = type("Pick", (Fixed,), {"nodes": None if largest else 4})
+    engine = eagle_engine(dirs, "dynamic", policy_cls, table(1.0))
+    assert engine.policy.chainable
+    assert [r.token_ids for r in engine.generate(PROMPTS[:2], params)] == want
+    chained = engine.speculation.chained_steps
+    steps = engine.policy.diagnostics()["steps"]
+    if largest:
+        assert chained > 10 and sum(v["steps"] for k, v in steps.items() if k.startswith("chained tree")) > 5
+        # The last steps, whose chained trees max_tokens cut away, ran behind a chained draft: not plain costs.
+        assert not any(k.startswith("plain") for k in steps), steps
+    else:
+        assert chained == 0 and not any(k.startswith("chained") for k in steps)
+        assert engine.speculation_totals().steps > 10
+    assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0

@@ -32,8 +32,7 @@ def build_engine(cfg: EngineConfig, spec: SpecConfig | None = None, adaptive: bo
     # tree and, with the policy, every size it may pick.
     sizes = tree_sizes(spec.settings) if adaptive else (spec.settings.node_budget,)
     drafter.warm_up([spec.settings.capped(n) for n in sizes] if adaptive else None,
-                    engine.feed_buffer.max_rows or cfg.max_batch_tokens, chained=policy is None)
+                    engine.feed_buffer.max_rows or cfg.max_batch_tokens, chained=True)
     target.runner.warm_up(cfg.max_batch_tokens, tuple(n + 1 for n in sizes))
-    if policy is None:  # chained steps: their acceptance graphs
-        engine.verifier.warm_up(spec.settings.node_budget, spec.settings.depth)
+    engine.verifier.warm_up(spec.settings.node_budget, spec.settings.depth)  # chained steps' acceptance graphs
     return engine

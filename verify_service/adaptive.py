@@ -9,6 +9,12 @@ For B decoding sequences, S of them speculating, and trees of at most n nodes::
 
 forward: the calibrated ``CostTable``. residual: what a step costs beyond the forward (sampling,
 acceptance, compaction, commit), learned online per batch bucket for plain and tree steps apart.
+A chained step (the largest trees, grown on the device behind the last step's acceptance:
+``DraftCoordinator.chains``) has no draft call: its draft's device time lands in the step that
+verifies its trees, so those steps learn a residual of their own that holds the draft, and the
+largest size costs forward + that residual where the drafter chains. At a batch bucket where a tree
+step ran but no chained step yet, the guess is optimistic (the tree step without its draft): the
+largest trees are tried, and the next step of them, chained, teaches their cost.
 draft: the draft's part (extend + tree growth, the link's round trip included), learned online
 per batch bucket as a fixed part plus a part per level (levels = 1 + tree depth), by weighted
 least squares: a draft call has a fixed cost (launches, the copy back, the link) that a
@@ -31,7 +37,8 @@ stretch at the largest tree, probes of the smallest one would never bring it bac
 plain decoding in 83% of the steps where the fixed tree ran 1.47x target-only). A decision is reused
 for up to ``hold_steps`` steps while the batch, its context (to 256 tokens) and what was learned
 (acceptance, draft costs; not the per-step residuals) stay the same. A probe waits while
-the probes' extra cost (modelled: the probe's step against the best one) would exceed
+the probes' extra cost (modelled: the probe's step against the best one, and from plain decoding
+the draft's catch-up of the rows the plain steps left it, learned per row) would exceed
 ``probe_share`` of the steps' modelled time over about the last ``probe_window`` decisions: at a
 batch where trees cost far more than they bring, probing stays a few percent of the time instead of
 a fixed fraction of the steps. (Counted since start, the time of a long stretch where trees were the
@@ -50,13 +57,16 @@ import numpy as np
 
 from common.tree_settings import TreeSettings, tree_sizes
 from runtime.tree import CandidateTree
+from verify_service.acceptance_estimate import Acceptance, accepted_within
 from verify_service.cost_table import CostGrid, CostTable, calibrate, describe
+from verify_service.learned_costs import DraftCost, batch_bucket, learned_at, nearest_bucket
 
 log = logging.getLogger(__name__)
 
 
 OUTLIER_FACTOR = 10.0  # a draft call this many times its expected cost is a stall, not its cost ...
 OUTLIER_RUN = 3  # ... unless this many come in a row
+BACKLOG_ROWS = 256  # a draft call's catch-up of fewer rows is lost in its own noise: not learned per row
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,135 +83,6 @@ class PolicyConfig:
     draft_prior_fraction: float = 0.15  # draft cost per level before one is measured, x a decode forward
 
 
-def accepted_within(tree: CandidateTree, accepted: list[int], sizes) -> np.ndarray:
-    """For each size m: nodes of the accepted path (node indices, root excluded, in path order) the
-    tree's best min(m, N) nodes hold, i.e. what the tree of size m would have accepted.
-
-    Best = highest cumulative draft log-prob; ties to the shallower, then the earlier node (the
-    dynamic builder's order). A path stops at its first node outside the best m."""
-    n = tree.num_nodes
-    order = np.lexsort((np.arange(n), tree.depths, -tree.log_probs))  # last key is the primary one
-    rank = np.empty(n, dtype=np.int64)
-    rank[order] = np.arange(n)
-    worst = np.maximum.accumulate(rank[np.asarray(accepted, dtype=np.int64)]) if accepted else np.zeros(0)
-    return (worst[None, :] < np.minimum(sizes, n)[:, None]).sum(axis=1).astype(np.float64)
-
-
-class Acceptance:
-    """Expected accepted nodes for each tree size, from the trees seen: an exponentially weighted
-    mean per size (bias-corrected, so the first tree of a size counts fully; a prior only while no
-    tree was seen). Above the largest size seen, the last gain per node is carried on: acceptance
-    grows concavely with the size, so the guess is optimistic, the policy tries a larger tree when
-    the guess says it pays, and that tree corrects it. A tree holds every smaller one (the best m
-    nodes), so the curve never decreases."""
-
-    def __init__(self, prior: np.ndarray, weight: float, wider: Acceptance | None = None):
-        self.prior, self.weight = prior, weight
-        self.wider = wider  # a sequence's: the global estimate, whose gains carry it above its own sizes
-        self._sum = np.zeros_like(prior)  # EWMA from zero ...
-        self._mass = np.zeros_like(prior)  # ... and the weight it has gathered: mean = sum / mass
-        self.seen = -1  # index of the largest size seen
-        self.updates = 0
-        self._curve: tuple | None = None  # (the wider one's updates, curve), until the next update
-
-    def update(self, acc: np.ndarray) -> None:
-        """``acc``: what sizes 0..len(acc)-1 would have accepted in one tree."""
-        j, w = len(acc), self.weight
-        self._sum[:j] += w * (acc - self._sum[:j])
-        self._mass[:j] += w * (1.0 - self._mass[:j])
-        self.seen = max(self.seen, j - 1)
-        self.updates += 1
-        self._curve = None
-
-    def trusted_reach(self, trees: int = 10) -> int:
-        """Index of the largest size whose estimate holds at least the weight of ``trees`` trees (-1:
-        none). The weight per size never grows with the size: every tree updates a prefix of sizes."""
-        return int(np.count_nonzero(self._mass >= 1.0 - (1.0 - self.weight) ** trees)) - 1
-
-    def curve(self, sizes, levels: np.ndarray) -> np.ndarray:
-        """[len(sizes)] expected accepted nodes, the guess above the largest size seen included."""
-        stamp = self.wider.updates if self.wider is not None else 0
-        if self._curve is None or self._curve[0] != stamp:
-            self._curve = (stamp, self._estimate(np.asarray(sizes, dtype=np.float64), levels))
-        return self._curve[1]
-
-    def _estimate(self, s: np.ndarray, levels: np.ndarray) -> np.ndarray:
-        top = self.seen
-        if top < 0:
-            return self.prior.copy()
-        v = np.zeros_like(self.prior)
-        v[:top + 1] = np.maximum.accumulate(self._sum[:top + 1] / self._mass[:top + 1])
-        wider = self.wider
-        reach = wider.trusted_reach() if wider is not None else -1
-        if reach > top:
-            # Sizes the batch's trees reached and this sequence's did not: its own estimate at its
-            # largest size plus the gain the global estimate measured from there, up to the largest size
-            # it rests on enough trees for (a sequence that only saw small trees would otherwise carry
-            # its early, steep gain per node on to the largest tree: at a large batch, where only small
-            # trees were tried, that guess started large trees that cost far more than they brought).
-            # Above that, the optimistic guess: one unlucky early tree must not stop the exploring.
-            g = wider.curve(s, levels)
-            v[top + 1:reach + 1] = v[top] + np.maximum(g[top + 1:reach + 1] - g[top], 0.0)
-            top = reach
-        slope = v[0] / s[0] if top == 0 else (v[top] - v[top - 1]) / (s[top] - s[top - 1])
-        v[top + 1:] = np.maximum(v[top] + slope * (s[top + 1:] - s[top]), v[top])
-        return np.minimum(v, levels)
-
-
-def _bucket(batch: int) -> int:
-    """Learned costs are kept per power-of-two batch bucket."""
-    return 1 << max(0, int(batch) - 1).bit_length()
-
-
-def _nearest(buckets, bucket: int) -> tuple[int, float] | None:
-    """The learned bucket to read a cost at ``bucket`` from, and the factor to scale it by: itself
-    (1), else the nearest seen one, scaled up with the batch when ``bucket`` is larger (a cost that
-    grows with the sequences: taking it flat would let a larger batch look as cheap as a smaller one
-    and start a tree it cannot afford); None when no bucket was seen."""
-    if bucket in buckets:
-        return bucket, 1.0
-    if not buckets:
-        return None
-    near = min(buckets, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
-    return near, bucket / near if bucket > near else 1.0
-
-
-def _learned(by_bucket: dict[int, float], bucket: int) -> float | None:
-    """A cost learned per batch bucket, at ``bucket`` (``_nearest``; a negative one is not scaled)."""
-    near = _nearest(by_bucket, bucket)
-    if near is None:
-        return None
-    value = by_bucket[near[0]]
-    return value * near[1] if value > 0 else value
-
-
-class DraftCost:
-    """A draft call's milliseconds against its levels: fixed + per_level x levels, from exponentially
-    weighted means of the observations (levels, ms) and their products (the first observation
-    counts fully)."""
-
-    def __init__(self, weight: float):
-        self.weight = weight
-        self._means: np.ndarray | None = None  # E[L], E[ms], E[L^2], E[L ms]
-
-    def update(self, levels: float, ms: float) -> None:
-        x = np.array([levels, ms, levels * levels, levels * ms])
-        self._means = x if self._means is None else self._means + self.weight * (x - self._means)
-
-    def fit(self, prior_per_level: float) -> tuple[float, float]:
-        """(fixed, per_level): the least-squares line where the levels seen differ, else the prior's
-        slope through the mean; neither part negative."""
-        level, ms, level_sq, level_ms = self._means
-        var = level_sq - level * level
-        per_level = (level_ms - level * ms) / var if var > 0.25 else prior_per_level
-        per_level = min(max(per_level, 0.0), ms / level)  # a fixed part of zero at most: all per level
-        return ms - per_level * level, per_level
-
-    def predict(self, levels: float, prior_per_level: float) -> float:
-        fixed, per_level = self.fit(prior_per_level)
-        return fixed + per_level * levels
-
-
 class AdaptivePolicy:
     def __init__(self, table: CostTable, limits: TreeSettings, config: PolicyConfig = PolicyConfig()):
         self.table, self.limits, self.cfg = table, limits, config
@@ -213,6 +94,10 @@ class AdaptivePolicy:
         self._seq: dict[int, Acceptance] = {}
         self._nodes = np.array(self.sizes, dtype=np.float64)  # nodes the trees of each size really held
         self._residual: dict[bool, dict[int, float]] = {False: {}, True: {}}  # tree step? -> bucket -> ms
+        self._chained_residual: dict[int, float] = {}  # bucket -> ms: chained steps', the draft's time in it
+        self.chainable = False  # the drafter chains the largest trees (the coordinator says)
+        self.backlog_rows = 0  # rows the draft must extend before its next trees (the coordinator says)
+        self._row_ms: float | None = None  # the draft's extend of one such row, learned
         self._draft: dict[int, DraftCost] = {}  # per batch bucket
         self._outliers: dict[int, int] = {}  # per batch bucket: draft calls not learned from, in a row
         self.outliers = 0  # draft calls not learned from (stalls)
@@ -221,6 +106,7 @@ class AdaptivePolicy:
         self.choice = 0
         self.probes = 0
         self._since_probe = 0  # decisions since the last probe
+        self._period = config.probe_every  # decisions between probes, as the latest decision set it
         self._spent_ms = 0.0  # modelled cost of the chosen steps (recent ones: see _account) ...
         self._probe_ms = 0.0  # ... and what the probes added to it
         self._keep = 1.0 - 1.0 / max(config.probe_window, 1)
@@ -255,7 +141,7 @@ class AdaptivePolicy:
         comparisons; False: call ``choose``."""
         q = self._quick
         if q is None or q[0] != quick_key or q[1] != self._version or self._held[2] >= self.cfg.hold_steps \
-                or (self.cfg.probe_every and self._since_probe + 1 >= self.cfg.probe_every):
+                or (self.cfg.probe_every and self._since_probe + 1 >= self._period):
             return False
         self._held[2] += 1
         self._since_probe += 1
@@ -268,13 +154,16 @@ class AdaptivePolicy:
         """argmax over {0} + sizes of expected tokens per ms (no probing, no counting)."""
         if not seq_ids:
             return 0
-        tokens = batch + self._accepted(seq_ids, budgets).sum(axis=0)  # [len(sizes)]
+        tokens = batch + self._accepted(seq_ids, budgets)  # [len(sizes)]
         return self._fastest(batch, context, len(seq_ids), tokens, self.cfg.margin)
 
     def _fastest(self, batch: int, context: float, speculating: int, tokens, margin: float) -> int:
         """The size whose expected ``tokens`` [len(sizes)] per ms beat plain decoding's by ``margin``
-        most; 0 where none does."""
-        rates = [t / self.step_ms(batch, context, m, speculating) for t, m in zip(tokens, self.sizes)]
+        most; 0 where none does. Leaving plain decoding, a tree also pays the draft's catch-up of the
+        rows waiting for it, spread over the steps a decision holds (at the tail of a batch of 64, a
+        few sequences left, trees that would gain a little each started with 5 ms of catch-up)."""
+        catch_up = self.backlog_ms() / max(self.cfg.hold_steps, 1)
+        rates = [t / (self.step_ms(batch, context, m, speculating) + catch_up) for t, m in zip(tokens, self.sizes)]
         i = int(np.argmax(rates))
         return self.sizes[i] if rates[i] > batch / self.step_ms(batch, context, 0, speculating) * (1 + margin) else 0
 
@@ -283,12 +172,28 @@ class AdaptivePolicy:
         return batch + sum(self.expected_accepted(s, min(nodes, b)) for s, b in zip(seq_ids, budgets))
 
     def _accepted(self, seq_ids: list[int], budgets: list[int]) -> np.ndarray:
-        """[S, len(sizes)]: a_i(min(size, budget_i)), each sequence's curve computed once."""
-        rows = np.stack([self._seq.get(s, self._global).curve(self.sizes, self._levels) for s in seq_ids])
-        for i, b in enumerate(budgets):
-            if b < self.sizes[-1]:  # a request's own smaller tree caps what larger choices bring it
-                rows[i] = np.interp(np.minimum(self.sizes, b), (0, *self.sizes), (0.0, *rows[i]))
-        return rows
+        """[len(sizes)]: sum_i a_i(min(size, budget_i)). Sequences without an estimate of their own (no
+        tree verified yet: at a large batch that decodes plainly, all of them) share the global curve,
+        taken once per budget: a decision costs a few operations per sequence, not an array each."""
+        total = np.zeros(len(self.sizes))
+        shared: Counter[int] = Counter()  # budget -> sequences on the global curve
+        for s, b in zip(seq_ids, budgets):
+            own = self._seq.get(s)
+            if own is None:
+                shared[b] += 1
+            else:
+                total += self._capped(own.curve(self.sizes, self._levels), b)
+        if shared:
+            curve = self._global.curve(self.sizes, self._levels)
+            for b, k in shared.items():
+                total += k * self._capped(curve, b)
+        return total
+
+    def _capped(self, curve: np.ndarray, budget: int) -> np.ndarray:
+        """A curve where a request's own smaller tree caps what larger choices bring it."""
+        if budget >= self.sizes[-1]:
+            return curve
+        return np.interp(np.minimum(self.sizes, budget), (0, *self.sizes), (0.0, *curve))
 
     def expected_accepted(self, seq_id: int, nodes: int) -> float:
         """a_i(n), linear between the sizes (a(0) = 0)."""
@@ -299,18 +204,35 @@ class AdaptivePolicy:
         """cost(n) for ``batch`` decoding sequences, ``speculating`` of them with a tree of ``nodes``."""
         j = self.sizes.index(nodes) if nodes else -1
         step = self._verify_ms(batch, 1 + (self._nodes[j] if nodes else 0), context)
-        return step + self.draft_ms(speculating, self._levels[j], context) if nodes else step
+        if not nodes:
+            return step
+        unchained = step + self.draft_ms(speculating, self._levels[j], context)
+        if self.chainable and nodes == self.sizes[-1] and speculating == batch:
+            residual = self._chained_residual.get(batch_bucket(batch))
+            if residual is None:  # not measured at this batch: once a tree step ran there, the optimistic
+                # guess (no draft); before, the unchained model (a batch whose trees the scheduler
+                # splits over several steps measures none: never guessed cheap)
+                return step if batch_bucket(batch) in self._residual[True] else unchained
+            # Never above the unchained step (the same device work without the draft's call): a few
+            # slow first chained steps, learned, would otherwise price the largest trees out for good
+            # (no other choice measures them again).
+            forward = self._forward(batch, 1 + self._nodes[j], context)
+            return min(max(forward + residual, 0.05 * forward), unchained)
+        return unchained
 
     def _verify_ms(self, batch: int, tokens: float, context: float) -> float:
         """A step without its draft: the forward plus the learned residual. The residual may be negative
         (the table measured slower than steps run); a step is never free."""
         forward = self._forward(batch, tokens, context)
-        residual = _learned(self._residual[bool(tokens > 1)], _bucket(batch))
+        # Scaled up to an unseen larger batch for trees (taken flat, a tree there would look cheaper than
+        # it is), never for plain decoding: its residual is the step's, not the sequences' (scaled, batch
+        # 1's 0.4 ms read 6 ms at batch 16, and trees looked faster than plain decoding there).
+        residual = learned_at(self._residual[bool(tokens > 1)], batch_bucket(batch), scaled=tokens > 1)
         return max(forward + (residual or 0.0), 0.05 * forward)
 
     def draft_ms(self, speculating: int, levels: float, context: float) -> float:
         """The draft's part of a step with trees of ``levels`` levels for ``speculating`` sequences."""
-        near = _nearest(self._draft, _bucket(speculating))
+        near = nearest_bucket(self._draft, batch_bucket(speculating))
         if near is None:
             return self._prior_per_level(speculating, context) * (1 + levels)
         bucket, scale = near
@@ -334,23 +256,47 @@ class AdaptivePolicy:
         every = self.cfg.probe_every
         best_ms = self.step_ms(batch, context, best, speculating) if speculating else 0.0
         self._since_probe += 1
-        if not every or self._since_probe < every or best == self.sizes[-1] or not speculating:
+        if not every or best == self.sizes[-1] or not speculating:
             self._account(best_ms)
             return best
-        probe = self._global_best(batch, context, speculating) if best == 0 else \
-            self.sizes[self.sizes.index(best) + 1]
+        if best == 0:
+            # From plain decoding: the size the global estimate picks for the batch. Where that is a tree
+            # (the batch's trees pay, this sequence's own estimate says no: an unlucky stretch, or a
+            # hard passage), probes come four times as often, and their cost is what they take beyond
+            # plain decoding's time for the tokens the global estimate expects of them (at batch 1 a
+            # sequence stuck in plain decoding otherwise waited 32 steps and more for each probe while
+            # the fixed tree ran 1.6x target-only).
+            pick, tokens = self._global_pick(batch, context, speculating)
+            period = max(1, every // 4) if pick else every
+            probe = pick or self.sizes[0]
+        else:
+            pick, period, probe = 0, every, self.sizes[self.sizes.index(best) + 1]
+        self._period = period
+        if self._since_probe < period:
+            self._account(best_ms)
+            return best
         probe_ms = self.step_ms(batch, context, probe, speculating)
-        extra = max(probe_ms - best_ms, 0.0)
+        if pick:  # plain decoding's time for the tokens the probe is expected to commit
+            extra = max(probe_ms - tokens[self.sizes.index(probe)] * best_ms / batch, 0.0)
+        else:
+            extra = max(probe_ms - best_ms, 0.0)
+        # From plain decoding, the probe's draft first extends every row the plain steps left it: at a
+        # large batch thousands (at batch 64, 5.8 ms where a step takes 1.7), no tree's cost.
+        extra += self.backlog_ms() if best == 0 else 0.0
         if self._probe_ms + extra > self.cfg.probe_share * (self._spent_ms + probe_ms):
             self._account(best_ms)
             # Still due: tried again a quarter period on. (Not at the next decision: while it is due,
             # every plain step would take the whole decision, not the held one: at batch 16, 0.1 to
             # 0.2 ms of a 1.4 ms step, H200.)
-            self._since_probe = every - max(1, every // 4)
+            self._since_probe = period - max(1, period // 4)
             return best
         self._since_probe, self.probes = 0, self.probes + 1
         self._account(probe_ms, extra)
         return probe
+
+    def backlog_ms(self) -> float:
+        """What extending the rows waiting for the draft costs (learned; 0 until a call measured it)."""
+        return self.backlog_rows * (self._row_ms or 0.0)
 
     def _account(self, ms: float, probe_extra: float = 0.0) -> None:
         """A decision's modelled step time (and a probe's extra part of it), into the probes' budget:
@@ -358,11 +304,11 @@ class AdaptivePolicy:
         self._spent_ms = self._spent_ms * self._keep + ms
         self._probe_ms = self._probe_ms * self._keep + probe_extra
 
-    def _global_best(self, batch: int, context: float, speculating: int) -> int:
-        """The size the global estimate picks for ``speculating`` of ``batch`` sequences; the smallest
-        where that is plain decoding."""
+    def _global_pick(self, batch: int, context: float, speculating: int) -> tuple[int, np.ndarray]:
+        """The size the global estimate picks for ``speculating`` of ``batch`` sequences (0: plain
+        decoding), and the tokens it expects a step of each size to commit."""
         tokens = batch + speculating * self._global.curve(self.sizes, self._levels)
-        return self._fastest(batch, context, speculating, tokens, 0.0) or self.sizes[0]
+        return self._fastest(batch, context, speculating, tokens, 0.0), tokens
 
     def settings(self, seq_settings: TreeSettings, nodes: int) -> TreeSettings:
         """A sequence's tree for a choice of ``nodes`` (> 0)."""
@@ -388,33 +334,44 @@ class AdaptivePolicy:
         j = seen[-1]
         self._nodes[j] += self.cfg.cost_weight * (min(tree.num_nodes, self.sizes[j]) - self._nodes[j])
 
-    def observe_step(self, batch: int, nodes: int, context: float, ms: float) -> None:
-        """A decode (``nodes`` = 0) or tree step without prefill, its draft's part excluded, took ``ms``."""
+    def observe_step(self, batch: int, nodes: int, context: float, ms: float, chained: bool = False) -> None:
+        """A decode (``nodes`` = 0) or tree step without prefill, its draft call's part excluded, took
+        ``ms``. ``chained``: its trees were grown on the device behind the last step's acceptance (the
+        draft's device time is in ``ms``), all of them the largest size."""
         if not self.cfg.cost_weight:
             return
-        key = (_bucket(batch), nodes > 0)
-        modelled = self._verify_ms(batch, 1 + nodes, context)
-        seen = self.observed.setdefault(f"{'tree' if nodes else 'plain'} b{key[0]}", [0, 0.0, 0.0])
+        key = (batch_bucket(batch), nodes > 0)
+        chained = chained and nodes > 0
+        kind = "chained tree" if chained else "tree" if nodes else "plain"
+        modelled = self.step_ms(batch, context, self.sizes[-1], batch) if chained else \
+            self._verify_ms(batch, 1 + nodes, context)
+        seen = self.observed.setdefault(f"{kind} b{key[0]}", [0, 0.0, 0.0])
         seen[0] += 1
         seen[1] += ms
         seen[2] += modelled
         residual = ms - self._forward(batch, 1 + nodes, context)
-        learned = self._residual[key[1]]
+        learned = self._chained_residual if chained else self._residual[key[1]]
         old = learned.get(key[0])
         learned[key[0]] = residual if old is None else old + self.cfg.cost_weight * (residual - old)
+        if chained and old is None:
+            self._version += 1  # the largest trees' cost changed model: decisions held on the old one end
 
     def observe_draft(self, speculating: int, levels: int, ms: float, backlog: int = 0) -> None:
         """The draft's part of a step that asked ``speculating`` trees of ``levels`` levels took ``ms``;
         ``backlog``: rows of earlier plain steps it extended first (such a call is no tree's cost: only
         counted in the diagnostics)."""
-        seen = self.observed.setdefault(f"draft{' after plain steps' if backlog else ''} b{_bucket(speculating)}",
+        seen = self.observed.setdefault(f"draft{' after plain steps' if backlog else ''} b{batch_bucket(speculating)}",
                                         [0, 0.0, 0.0])
         seen[0] += 1
         seen[1] += ms
         seen[2] += backlog
+        bucket = batch_bucket(speculating)
+        if backlog >= BACKLOG_ROWS and self.cfg.cost_weight:  # beyond its trees' cost, per row caught up
+            row_ms = max(ms - self.draft_ms(speculating, levels, 1024.0), 0.0) / backlog
+            self._row_ms = row_ms if self._row_ms is None else self._row_ms + self.cfg.cost_weight * (
+                row_ms - self._row_ms)
         if not self.cfg.cost_weight or backlog:
             return
-        bucket = _bucket(speculating)
         expected = self.draft_ms(speculating, levels, 1024.0)  # the learned cost, or the prior before one
         if ms > OUTLIER_FACTOR * expected and self._outliers.get(bucket, 0) < OUTLIER_RUN:
             # A stall (a graph captured or a kernel compiled in the draft, a hiccup of the link), not the
@@ -435,9 +392,12 @@ class AdaptivePolicy:
         """What the policy learned and how its model compares with the steps measured (for benchmarks)."""
         return {"decisions": {str(k): v for k, v in sorted(self.decisions.items())}, "probes": self.probes,
                 "draft_outliers": self.outliers,
+                "backlog_row_us": round(float(self._row_ms) * 1e3, 4) if self._row_ms is not None else None,
                 "probe_share_modelled": round(float(self._probe_ms / self._spent_ms), 4) if self._spent_ms else 0.0,
-                "residual_ms": {f"{'tree' if t else 'plain'} b{b}": round(float(v), 4)
-                                for t, by_bucket in self._residual.items() for b, v in by_bucket.items()},
+                "residual_ms": {**{f"{'tree' if t else 'plain'} b{b}": round(float(v), 4)
+                                   for t, by_bucket in self._residual.items() for b, v in by_bucket.items()},
+                                **{f"chained tree b{b}": round(float(v), 4)
+                                   for b, v in self._chained_residual.items()}},
                 "draft_ms": {f"b{b}": dict(zip(("fixed", "per_level"), (round(float(v), 4) for v in
                                                      cost.fit(self._prior_per_level(b, 1024)))))
                              for b, cost in self._draft.items()},

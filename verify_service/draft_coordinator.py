@@ -47,6 +47,8 @@ class DraftCoordinator:
         self.chain = True  # chain the draft after acceptance where it can (``chains``); False: tests' A/B
         self.chained_steps = 0  # steps whose draft work went in behind acceptance (``draft_on_device``)
         self._decided: int | None = None  # the policy's choice for the next step, taken early (``plain_ahead``)
+        if policy is not None:  # the largest trees are chained where the drafter can (``chains``)
+            policy.chainable = hasattr(drafter, "step_on_device")
 
     def release(self, seq: Sequence) -> None:
         """A finished or cancelled sequence: its waiting rows, its draft state, its policy estimates."""
@@ -102,6 +104,7 @@ class DraftCoordinator:
             return False
         ready = [s for s in seqs if s.speculate]
         quick = (len(self.scheduler.running), len(ready))  # as ``_requests`` keys it
+        self.policy.backlog_rows = self.feed_buffer.rows
         if self.policy.choose_held(quick) or not ready:  # (no sequence that speculates: plain decoding)
             self._decided = 0
         else:
@@ -125,6 +128,8 @@ class DraftCoordinator:
             self._send(overflow, [])
         backlog = self.feed_buffer.rows - sum(len(f.next_tokens) for f in live)  # rows of earlier steps wait
         decided, self._decided = self._decided, None
+        if self.policy is not None:
+            self.policy.backlog_rows = backlog
         requests = self._requests(fed, decided) if getattr(self.drafter, "connected", True) else []
         if not requests and (self.policy is not None or not self.feed_buffer.rows):
             return 0.0
@@ -160,13 +165,25 @@ class DraftCoordinator:
     def chains(self, seqs: list[Sequence]) -> bool:
         """Whether a step of these tree sequences alone may hand the draft its rows before the step
         waits for the device (``draft_on_device``): a drafter that takes them there (in this process,
-        or a draft service whose session takes chained steps for all of them: ``chainable``), no
-        policy (trees of the requests' own size, asked for by every sequence), nothing waiting in
-        the feed buffer, one tree shape."""
+        or a draft service whose session takes chained steps for all of them: ``chainable``), nothing
+        waiting in the feed buffer, one tree shape, every sequence speculating; with a policy, its
+        choice for the next step (taken now, before this step's acceptance is read, as ``plain_ahead``
+        takes it) is the requests' own trees. Another choice is kept for ``draft``."""
         chainable = getattr(self.drafter, "chainable", None)
-        return (self.chain and self.policy is None and hasattr(self.drafter, "step_on_device")
-                and not self.feed_buffer.rows and len({s.tree_settings for s in seqs}) == 1
-                and (chainable is None or chainable([s.seq_id for s in seqs])))
+        if not (self.chain and hasattr(self.drafter, "step_on_device") and not self.feed_buffer.rows
+                and len({s.tree_settings for s in seqs}) == 1 and all(s.speculate for s in seqs)
+                and (chainable is None or chainable([s.seq_id for s in seqs]))):
+            return False
+        if self.policy is None:
+            return True
+        budget = seqs[0].tree_settings.node_budget
+        context = sum(s.num_tokens for s in seqs) / len(seqs)
+        self.policy.backlog_rows = 0
+        decided = self.policy.choose(len(seqs), context, [s.seq_id for s in seqs], [budget] * len(seqs))
+        if decided < budget:
+            self._decided = decided
+            return False
+        return True
 
     def draft_on_device(self, pending: PendingVerification):
         """Feed the draft what acceptance chose, still on the device, and grow every sequence's next

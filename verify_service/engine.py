@@ -173,6 +173,8 @@ class Engine:
         """Run one batched forward; returns the tokens committed by it."""
         t0 = time.perf_counter()
         chained, self._chained = self._chained, None
+        from_chain = chained is not None  # the draft's device time for this step's trees is in the step
+        launched_ahead = self._ahead_decode is not None  # a plain step as plain stretches run them
         plan, ahead, deferred = None, None, None
         if self._ahead_decode is not None:  # launched by the last step: its sequences that finished since are skipped
             plan, *ahead = self._ahead_decode
@@ -259,10 +261,13 @@ class Engine:
                 events.append(self._commit(v.seq, v.tokens))
         self._chained = chained
         draft_s = self.speculation.draft(feeds, rows) if self.speculation and chained is None else 0.0
-        if self.policy is not None and decode_only and not (self.policy.last_held and not tree_nodes):
-            # (plain steps are measured when the policy looks, not while it holds: a few per hold)
+        if self.policy is not None and decode_only and (tree_nodes or launched_ahead and not self.policy.last_held):
+            # Plain steps are measured when they were launched ahead (as a plain stretch runs them: the
+            # first one after trees waits for its tokens, and one after a chained draft whose trees the
+            # sequences' limits cut holds that draft's time) and the policy looks (a few per hold).
             context = float(np.mean([s.num_cached for s, _ in plan]))
-            self.policy.observe_step(len(plan), tree_nodes, context, (time.perf_counter() - t0 - draft_s) * 1e3)
+            self.policy.observe_step(len(plan), tree_nodes, context, (time.perf_counter() - t0 - draft_s) * 1e3,
+                                     chained=from_chain)
         return events
 
     def _attach(self, deferred) -> None:

@@ -158,7 +158,7 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
     tree_tokens = () if internal is None or cfg.limits is None else \
         tuple(n + 1 for n in tree_sizes(cfg.limits)) if cfg.adaptive_speculation else (cfg.limits.node_budget + 1,)
     warm_s = target.runner.warm_up(cfg.engine.max_batch_tokens, tree_tokens)
-    if tree_tokens and policy is None:  # chained steps' acceptance graphs
+    if tree_tokens:  # chained steps' acceptance graphs (with a policy: of its largest trees)
         engine.verifier.warm_up(cfg.limits.node_budget, cfg.limits.depth)
     if warm_s:
         log.info("kernels compiled and decode and verification graphs captured in %.1f s", warm_s)

@@ -1,0 +1,88 @@
+"""What a sequence's trees accept, by tree size: the estimates adaptive speculation chooses with.
+
+The best m nodes of a tree (by draft score) are themselves the tree of size m and closed under
+ancestors, so one verified tree of n nodes shows what every size m <= n would have accepted
+(``accepted_within``); ``Acceptance`` keeps a running mean per size, and guesses above the largest
+size it has seen.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.tree import CandidateTree
+
+
+def accepted_within(tree: CandidateTree, accepted: list[int], sizes) -> np.ndarray:
+    """For each size m: nodes of the accepted path (node indices, root excluded, in path order) the
+    tree's best min(m, N) nodes hold, i.e. what the tree of size m would have accepted.
+
+    Best = highest cumulative draft log-prob; ties to the shallower, then the earlier node (the
+    dynamic builder's order). A path stops at its first node outside the best m."""
+    n = tree.num_nodes
+    order = np.lexsort((np.arange(n), tree.depths, -tree.log_probs))  # last key is the primary one
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    worst = np.maximum.accumulate(rank[np.asarray(accepted, dtype=np.int64)]) if accepted else np.zeros(0)
+    return (worst[None, :] < np.minimum(sizes, n)[:, None]).sum(axis=1).astype(np.float64)
+
+
+class Acceptance:
+    """Expected accepted nodes for each tree size, from the trees seen: an exponentially weighted
+    mean per size (bias-corrected, so the first tree of a size counts fully; a prior only while no
+    tree was seen). Above the largest size seen, the last gain per node is carried on: acceptance
+    grows concavely with the size, so the guess is optimistic, the policy tries a larger tree when
+    the guess says it pays, and that tree corrects it. A tree holds every smaller one (the best m
+    nodes), so the curve never decreases."""
+
+    def __init__(self, prior: np.ndarray, weight: float, wider: Acceptance | None = None):
+        self.prior, self.weight = prior, weight
+        self.wider = wider  # a sequence's: the global estimate, whose gains carry it above its own sizes
+        self._sum = np.zeros_like(prior)  # EWMA from zero ...
+        self._mass = np.zeros_like(prior)  # ... and the weight it has gathered: mean = sum / mass
+        self.seen = -1  # index of the largest size seen
+        self.updates = 0
+        self._curve: tuple | None = None  # (the wider one's updates, curve), until the next update
+
+    def update(self, acc: np.ndarray) -> None:
+        """``acc``: what sizes 0..len(acc)-1 would have accepted in one tree."""
+        j, w = len(acc), self.weight
+        self._sum[:j] += w * (acc - self._sum[:j])
+        self._mass[:j] += w * (1.0 - self._mass[:j])
+        self.seen = max(self.seen, j - 1)
+        self.updates += 1
+        self._curve = None
+
+    def trusted_reach(self, trees: int = 10) -> int:
+        """Index of the largest size whose estimate holds at least the weight of ``trees`` trees (-1:
+        none). The weight per size never grows with the size: every tree updates a prefix of sizes."""
+        return int(np.count_nonzero(self._mass >= 1.0 - (1.0 - self.weight) ** trees)) - 1
+
+    def curve(self, sizes, levels: np.ndarray) -> np.ndarray:
+        """[len(sizes)] expected accepted nodes, the guess above the largest size seen included."""
+        stamp = self.wider.updates if self.wider is not None else 0
+        if self._curve is None or self._curve[0] != stamp:
+            self._curve = (stamp, self._estimate(np.asarray(sizes, dtype=np.float64), levels))
+        return self._curve[1]
+
+    def _estimate(self, s: np.ndarray, levels: np.ndarray) -> np.ndarray:
+        top = self.seen
+        if top < 0:
+            return self.prior.copy()
+        v = np.zeros_like(self.prior)
+        v[:top + 1] = np.maximum.accumulate(self._sum[:top + 1] / self._mass[:top + 1])
+        wider = self.wider
+        reach = wider.trusted_reach() if wider is not None else -1
+        if reach > top:
+            # Sizes the batch's trees reached and this sequence's did not: its own estimate at its
+            # largest size plus the gain the global estimate measured from there, up to the largest size
+            # it rests on enough trees for (a sequence that only saw small trees would otherwise carry
+            # its early, steep gain per node on to the largest tree: at a large batch, where only small
+            # trees were tried, that guess started large trees that cost far more than they brought).
+            # Above that, the optimistic guess: one unlucky early tree must not stop the exploring.
+            g = wider.curve(s, levels)
+            v[top + 1:reach + 1] = v[top] + np.maximum(g[top + 1:reach + 1] - g[top], 0.0)
+            top = reach
+        slope = v[0] / s[0] if top == 0 else (v[top] - v[top - 1]) / (s[top] - s[top - 1])
+        v[top + 1:] = np.maximum(v[top] + slope * (s[top + 1:] - s[top]), v[top])
+        return np.minimum(v, levels)
