@@ -648,6 +648,8 @@ def test_a_policy_that_picks_the_largest_trees_chains_them_behind_acceptance(dir
     steps = engine.policy.diagnostics()["steps"]
     if largest:
         assert chained > 10 and sum(v["steps"] for k, v in steps.items() if k.startswith("chained tree")) > 5
+        # Each chained step's choice was taken while the device ran the step's forward (``choose_ahead``).
+        assert engine.speculation.early_choices == chained
         # The last steps, whose chained trees max_tokens cut away, ran behind a chained draft: not plain costs.
         assert not any(k.startswith("plain") for k in steps), steps
     else:

@@ -320,10 +320,13 @@ class AdaptivePolicy:
         """A verified tree asked for with at most ``asked`` nodes, and the nodes accepted along its path."""
         if not tree.num_nodes:
             return
-        seen = [j for j, m in enumerate(self.sizes) if m <= asked]
-        if not seen:
-            return
-        acc = accepted_within(tree, accepted, [self.sizes[j] for j in seen])
+        seen = [m for m in self.sizes if m <= asked]
+        if seen:
+            self.observe_accepted(seq_id, accepted_within(tree, accepted, seen), tree.num_nodes)
+
+    def observe_accepted(self, seq_id: int, acc: np.ndarray, nodes: int) -> None:
+        """``acc``: what the sizes up to the tree's asked-for one would have accepted, from a verified tree
+        of ``nodes`` nodes (``observe_tree``; a recorded trace's replay passes its own)."""
         own = self._seq.get(seq_id)
         if own is None:  # a sequence's own estimate starts from the global one, as its prior
             own = self._seq[seq_id] = Acceptance(self._global.curve(self.sizes, self._levels), self.cfg.seq_weight,
@@ -331,8 +334,8 @@ class AdaptivePolicy:
         own.update(acc)
         self._global.update(acc)
         self._version += 1
-        j = seen[-1]
-        self._nodes[j] += self.cfg.cost_weight * (min(tree.num_nodes, self.sizes[j]) - self._nodes[j])
+        j = len(acc) - 1
+        self._nodes[j] += self.cfg.cost_weight * (min(nodes, self.sizes[j]) - self._nodes[j])
 
     def observe_step(self, batch: int, nodes: int, context: float, ms: float, chained: bool = False) -> None:
         """A decode (``nodes`` = 0) or tree step without prefill, its draft call's part excluded, took

@@ -47,6 +47,8 @@ class DraftCoordinator:
         self.chain = True  # chain the draft after acceptance where it can (``chains``); False: tests' A/B
         self.chained_steps = 0  # steps whose draft work went in behind acceptance (``draft_on_device``)
         self._decided: int | None = None  # the policy's choice for the next step, taken early (``plain_ahead``)
+        self._early: tuple[list[int], int] | None = None  # (sequences, choice) taken by ``choose_ahead``
+        self.early_choices = 0  # chained steps whose choice was taken while the device ran the forward
         if policy is not None:  # the largest trees are chained where the drafter can (``chains``)
             policy.chainable = hasattr(drafter, "step_on_device")
 
@@ -167,23 +169,42 @@ class DraftCoordinator:
         waits for the device (``draft_on_device``): a drafter that takes them there (in this process,
         or a draft service whose session takes chained steps for all of them: ``chainable``), nothing
         waiting in the feed buffer, one tree shape, every sequence speculating; with a policy, its
-        choice for the next step (taken now, before this step's acceptance is read, as ``plain_ahead``
-        takes it) is the requests' own trees. Another choice is kept for ``draft``."""
+        choice for the next step (``choose_ahead``, or taken now; before this step's acceptance is
+        read, as ``plain_ahead`` takes it) is the requests' own trees. Another choice is kept for
+        ``draft``."""
+        early, self._early = self._early, None
+        ids = [s.seq_id for s in seqs]
+        early = early[1] if early is not None and early[0] == ids else None
         chainable = getattr(self.drafter, "chainable", None)
-        if not (self.chain and hasattr(self.drafter, "step_on_device") and not self.feed_buffer.rows
-                and len({s.tree_settings for s in seqs}) == 1 and all(s.speculate for s in seqs)
-                and (chainable is None or chainable([s.seq_id for s in seqs]))):
+        if not (self._chain_shape(seqs) and (chainable is None or chainable(ids))):
+            self._decided = early  # (``draft`` asks for what was chosen, or chooses)
             return False
         if self.policy is None:
             return True
-        budget = seqs[0].tree_settings.node_budget
-        context = sum(s.num_tokens for s in seqs) / len(seqs)
-        self.policy.backlog_rows = 0
-        decided = self.policy.choose(len(seqs), context, [s.seq_id for s in seqs], [budget] * len(seqs))
-        if decided < budget:
+        decided = early if early is not None else self._choose_next(seqs, ids)
+        if decided < seqs[0].tree_settings.node_budget:
             self._decided = decided
             return False
+        self.early_choices += early is not None
         return True
+
+    def choose_ahead(self, seqs: list[Sequence]) -> None:
+        """With a policy, take the next step's choice for a step of these tree sequences alone now,
+        while the device runs the step's forward: ``chains`` needs it between acceptance and the
+        draft's launch, where the device would wait for it (and ``draft`` takes it when the step
+        does not chain)."""
+        if self.policy is not None and seqs and self._chain_shape(seqs):
+            ids = [s.seq_id for s in seqs]
+            self._early = (ids, self._choose_next(seqs, ids))
+
+    def _chain_shape(self, seqs: list[Sequence]) -> bool:
+        return (self.chain and hasattr(self.drafter, "step_on_device") and not self.feed_buffer.rows
+                and len({s.tree_settings for s in seqs}) == 1 and all(s.speculate for s in seqs))
+
+    def _choose_next(self, seqs: list[Sequence], ids: list[int]) -> int:
+        budget = seqs[0].tree_settings.node_budget
+        self.policy.backlog_rows = 0
+        return self.policy.choose(len(seqs), sum(s.num_tokens for s in seqs) / len(seqs), ids, [budget] * len(seqs))
 
     def draft_on_device(self, pending: PendingVerification):
         """Feed the draft what acceptance chose, still on the device, and grow every sequence's next

@@ -203,6 +203,9 @@ class Engine:
             out = self.target.runner.step(chunks)
         else:
             padded, (chunks, out, on_device) = None, ahead
+        if self.policy is not None and (deferred is not None or len(with_tree) == len(plan)):
+            # A step of trees alone: the policy's choice for the next step while the device runs this one.
+            self.speculation.choose_ahead([s for s, _ in plan])
         logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
         plain, trees = [], []
         for i, (seq, n) in enumerate(plan):
