@@ -20,7 +20,8 @@ per batch bucket as a fixed part plus a part per level (levels = 1 + tree depth)
 least squares: a draft call has a fixed cost (launches, the copy back, the link) that a
 proportional model would charge a deep tree many times over. Until two depths were seen the
 per-level part is the prior's and the fixed part takes the rest. A bucket not measured yet takes
-the nearest measured one's residual and draft cost, scaled with the batch when larger.
+the nearest measured one's residual and draft cost, a tree's residual and the draft's scaled with the
+square root of the batch when larger, a plain step's residual flat (``learned_costs.py``).
 
 Acceptance: the best m nodes of a tree (by draft score) are themselves the tree of size m
 (``TreeSettings.capped``) and closed under ancestors, so a verified tree of n nodes shows what every
@@ -34,7 +35,9 @@ acceptance that rises is found even where the guess says no. From plain decoding
 the global estimate would pick for the batch (the smallest tree where that is plain decoding too): a
 sequence's own estimate of a size moves only with trees of that size or larger, so after an unlucky
 stretch at the largest tree, probes of the smallest one would never bring it back (measured at batch 1:
-plain decoding in 83% of the steps where the fixed tree ran 1.47x target-only). A decision is reused
+plain decoding in 83% of the steps where the fixed tree ran 1.47x target-only). Where that size is a
+tree (the batch's trees pay), such probes come every ``probe_every / 4`` decisions and cost only their
+time beyond plain decoding's for the tokens the global estimate expects of them. A decision is reused
 for up to ``hold_steps`` steps while the batch, its context (to 256 tokens) and what was learned
 (acceptance, draft costs; not the per-step residuals) stay the same. A probe waits while
 the probes' extra cost (modelled: the probe's step against the best one, and from plain decoding
