@@ -55,12 +55,17 @@ def patched(engine, clock: dict | None = None):
     seconds), for the ``with`` block."""
     with ExitStack() as stack:
         phases = [(engine.scheduler, "schedule", "schedule"), (engine, "_chunks", "layout_trees"),
-                  (engine.target.runner, "step", "target_forward"), (engine.sampler, "sample", "sample")]
+                  (engine.target.runner, "step", "target_forward"), (engine.sampler, "sample", "sample"),
+                  (engine, "_launch_decode", "launch_decode"), (engine, "_commit", "commit")]
         if engine.drafter is not None:
+            import verify_service.draft_coordinator as coordinator
+
             phases += [(engine.verifier, "accept", "accept"), (engine.verifier, "finish", "finish"),
                        (engine.speculation, "draft", "draft_call"),
                        (engine.speculation, "draft_on_device", "draft_chained"),
-                       (engine, "attach_trees", "attach_trees")]
+                       (engine, "attach_trees", "attach_trees"), (engine.speculation, "plain_ahead", "plain_ahead"),
+                       (coordinator.DraftCoordinator, "decode_rows", "decode_rows"),
+                       (coordinator.DraftCoordinator, "feed_rows", "feed_rows"), (engine.feed_buffer, "add", "feed_add")]
             inner = getattr(engine.drafter, "_extend", None)
             if inner is not None:  # an in-process drafter: its two halves
                 phases += [(engine.drafter, "_extend", "draft_extend"), (engine.drafter, "_propose_on_device", "draft_propose")]

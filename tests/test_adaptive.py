@@ -24,6 +24,7 @@ from verify_service.cost_table import CostGrid, CostTable, calibrate, interp1
 from verify_service.engine import Engine
 from verify_service.feed_buffer import FeedBuffer, FeedRows
 from verify_service.learned_costs import DraftCost, learned_at
+from verify_service.realized_rates import RealizedRates
 
 PROMPTS = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2]]
 TOKENS = (1, 2, 3, 4, 5, 6, 9, 17, 33, 60)
@@ -597,7 +598,7 @@ def test_held_plain_decoding_is_launched_ahead_and_feeds_the_draft_every_row(dir
                 out[ev.seq_id] += ev.token_ids
             for i, seq in engine.sequences.items():  # every committed row reached the draft or waits for it
                 rows = engine.drafter.rows.get(i, 0)
-                waiting = engine.feed_buffer._per_seq[i]
+                waiting = engine.feed_buffer.waiting(i)
                 assert rows + waiting == seq.num_tokens - 1 - (seq.pending_feature is not None)
         measured = sum(v["steps"] for k, v in engine.policy.diagnostics()["steps"].items() if k.startswith("plain"))
         runs.append(([out[i] for i in ids], engine.decode_steps_ahead, engine.speculation_totals(), fed, measured))
@@ -656,3 +657,94 @@ def test_a_policy_that_picks_the_largest_trees_chains_them_behind_acceptance(dir
         assert chained == 0 and not any(k.startswith("chained") for k in steps)
         assert engine.speculation_totals().steps > 10
     assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
+
+
+# --- what trees really delivered (realized rates) ----------------------------------------------------
+
+def test_trees_measured_slower_than_plain_steps_are_vetoed_at_their_batch_and_above():
+    rates = RealizedRates(window=64, span=100, from_bucket=8)
+    for _ in range(8):
+        rates.observe(16, 16, 1.0, 0.0, trees=False, now=0)  # plain: 16 tokens per ms
+    for _ in range(7):
+        rates.observe(16, 50, 5.0, 0.0, trees=True, now=10)  # trees: 10 tokens per ms
+    assert not rates.vetoed(16, 10)  # seven tree steps are not enough to judge
+    rates.observe(16, 50, 5.0, 0.0, trees=True, now=10)
+    assert rates.vetoed(16, 10) and rates.vetoed(9, 10) and rates.vetoed(128, 10)  # buckets 16, 16, 128
+    assert not rates.vetoed(8, 10) and not rates.vetoed(4, 10)  # smaller batches: not measured there
+    assert rates.rates()["trees b16"]["steps"] == 8
+    # The veto lapses ``span`` decisions after the last tree step at its bucket, and its trees are measured afresh.
+    assert rates.vetoed(64, 109) and not rates.vetoed(64, 110) and "trees b16" not in rates.rates()
+
+
+def test_a_draft_call_of_a_plain_step_is_the_trees_cost():
+    rates = RealizedRates(window=64, span=1000, from_bucket=8)
+    for _ in range(8):
+        rates.observe(32, 32, 1.0, 0.0, trees=False, now=0)  # 32 tokens per ms
+        rates.observe(32, 80, 2.0, 0.0, trees=True, now=0)  # 40 tokens per ms: trees pay ...
+    assert not rates.vetoed(32, 1)
+    rates.observe(32, 32, 1.0, 30.0, trees=False, now=1)  # ... until the catch-up of a backlog is counted
+    assert rates.vetoed(32, 1)
+    small = RealizedRates(window=64, span=1000, from_bucket=8)
+    for _ in range(8):
+        small.observe(4, 4, 1.0, 0.0, trees=False, now=0)
+        small.observe(4, 4, 5.0, 0.0, trees=True, now=0)
+    assert not small.vetoed(4, 1)  # below ``from_bucket``: one sequence's hard passage vetoes nothing
+
+
+def test_the_policy_decodes_plainly_where_trees_were_measured_slower_than_its_model_says():
+    policy = AdaptivePolicy(table(per_token_ms=0.001), TreeSettings("chain", 5), PolicyConfig(probe_every=4))
+    seen(policy, accepted=4)  # tau 5, nodes nearly free in the table: the model picks trees at any batch
+    ids = list(range(16))
+    assert policy.best(16, 1024, ids, [5] * 16) > 0 and policy.best(64, 1024, list(range(64)), [5] * 64) > 0
+    for _ in range(8):  # measured: plain steps 16 tokens in 1 ms, tree steps 40 tokens in 5 ms
+        policy.observe_realized(16, 16, 1.0, 0.0, trees=False)
+        policy.observe_realized(16, 40, 5.0, 0.0, trees=True)
+    assert policy.best(16, 1024, ids, [5] * 16) == 0 and policy.best(64, 1024, list(range(64)), [5] * 64) == 0
+    assert policy.best(4, 1024, [0, 1, 2, 3], [5] * 4) > 0  # smaller batches: the model's choice
+    choices = [policy.choose(16, 1024, ids, [5] * 16) for _ in range(40)]
+    assert choices == [0] * 40  # and no probes while the veto holds
+    assert policy.diagnostics()["vetoes"] >= 1 and "trees b16" in policy.diagnostics()["realized"]
+    off = AdaptivePolicy(table(per_token_ms=0.001), TreeSettings("chain", 5), PolicyConfig(veto_span=0))
+    seen(off, accepted=4)
+    for _ in range(8):
+        off.observe_realized(16, 16, 1.0, 0.0, trees=False)
+        off.observe_realized(16, 40, 5.0, 0.0, trees=True)
+    assert off.best(16, 1024, ids, [5] * 16) > 0  # veto_span 0: the model alone
+
+
+def test_requests_still_prefilling_or_waiting_count_in_the_batch_chosen_for(dirs):
+    """Trees chosen for the first requests admitted would take the step's token budget from the
+    prompts of the others: the choice is made for the batch they all decode in."""
+    limits = TreeSettings("chain", 3)
+    policy = AdaptivePolicy(table(per_token_ms=0.001), limits, PolicyConfig(probe_every=0, cost_weight=0.0))
+    batches = []
+    choose = policy.choose
+    policy.choose = lambda batch, *a, **k: batches.append(batch) or choose(batch, *a, **k)
+    drafter = OracleDrafter(target_for(dirs[0]), depth=3)
+    engine = Engine(target_for(dirs[0], max_num_seqs=8, max_batch_tokens=64), drafter, limits, policy)
+    drafter.engine = engine
+    for p in [list(range(10, 50))] * 6:  # 40-token prompts, 64 tokens a step: admitted over several steps
+        engine.add_request(p, SamplingParams(max_tokens=6))
+    seen_during_prefill = []  # (batch chosen for, live requests)
+    while engine.has_work:
+        joining = len(engine.scheduler.waiting) + sum(s.prefilling for s in engine.scheduler.running)
+        n = len(batches)
+        engine.step()
+        if joining and len(batches) > n:
+            seen_during_prefill.append((batches[-1], len(engine.sequences)))
+    assert len(seen_during_prefill) >= 2 and all(b == live for b, live in seen_during_prefill)
+    assert seen_during_prefill[0][0] == 6  # at the first choice, most of the six were not decoding yet
+
+
+def test_a_slow_first_step_weighs_no_more_than_the_next_few():
+    """Residuals are bias-corrected means: the first steps count about alike before the window takes
+    over (counted fully and then at 5%, one slow first chained step priced the largest trees out)."""
+    policy = AdaptivePolicy(table(per_token_ms=0.1), TreeSettings("chain", 3), PolicyConfig(probe_every=0))
+    forward = policy._forward(1, 4, 1024)
+    policy.observe_step(1, 3, 1024, forward + 3.0, chained=True)  # the first chained step: 3 ms beyond
+    for _ in range(3):
+        policy.observe_step(1, 3, 1024, forward, chained=True)  # then what they cost
+    assert policy.diagnostics()["residual_ms"]["chained tree b1"] == pytest.approx(0.71, abs=0.05)
+    for _ in range(400):
+        policy.observe_step(1, 3, 1024, forward + 1.0, chained=True)  # later, the window: the recent ones
+    assert policy.diagnostics()["residual_ms"]["chained tree b1"] == pytest.approx(1.0, abs=0.01)

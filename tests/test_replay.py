@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import plot, replay_gates, speed_report
+from benchmarks import plot, replay_gates, row_breakdown, speed_report
 from benchmarks.record_acceptance import record, summary
 from draft_service.drafter import EagleDrafter
 from draft_service.spec_config import SpecConfig
@@ -110,3 +110,24 @@ def test_plot_step_writes_the_pngs(tmp_path):
     bad.write_text(json.dumps({"kind": "other"}))
     with pytest.raises(SystemExit, match="no plots for kind"):
         plot.main([str(bad)])
+
+
+def test_row_breakdown_splits_each_round_by_kind_of_step(tmp_path):
+    target_dir = make_model_dir(tmp_path / "t", "llama3", seed=5, std=0.3)
+    head = make_eagle_dir(tmp_path / "d", tiny_config("llama3"), draft_vocab=64, seed=1)
+    out = tmp_path / "breakdown.json"
+    report = row_breakdown.main(["--model", str(target_dir), "--head", str(head), "--tree", "chain:2", "--batch", "2",
+                                 "--min-prompts", "2", "--max-tokens", "5", "--rounds", "2", "--fixed", "--profile",
+                                 "--device", "cpu", "--dtype", "float32", "--out", str(out)])
+    rows = {r["engine"]: r for r in report["rows"]}
+    assert set(rows) == {"target-only", "fixed tree", "adaptive"} and "policy" in rows["adaptive"]
+    for row in rows.values():
+        m = row["median_round"]
+        steps_ms = sum(m[k]["ms"] for k in row_breakdown.KINDS)
+        assert len(row["seconds_per_round"]) == 2 and m["tokens"] == 10  # two prompts, five tokens each
+        assert abs(steps_ms + m["outside_steps_ms"] - m["seconds"] * 1e3) < 1e-6
+        assert m["prefill"]["steps"] >= 1
+    assert rows["target-only"]["median_round"]["draft_calls"]["calls"] == 0
+    fixed = rows["fixed tree"]["median_round"]
+    assert fixed["tree"]["steps"] + fixed["chained"]["steps"] >= 1 and fixed["draft_calls"]["calls"] >= 1
+    assert "=== adaptive, batch 2" in (tmp_path / "breakdown.json.profile.txt").read_text()

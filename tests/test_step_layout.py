@@ -70,6 +70,39 @@ def test_a_graphs_static_layout_holds_what_layout_arrays_computes():
         assert torch.equal(lay.device_buffer, lay.host_buffer)  # the one copy
 
 
+def test_a_static_layout_refilled_step_after_step_holds_each_steps_tables():
+    """Rows of the host block table are rewritten only where a table changed (consecutive decode
+    steps mostly send the same ones): after any sequence of fills the table is what a fresh layout
+    holds for the last step, whatever the earlier steps held (tables grown in place, shrunk, shared
+    by a prompt's tokens, given as arrays, fewer sequences)."""
+    from runtime.step_layout import Bucket, StaticLayout, layout_arrays
+    from verify_service.model_runner import decode_tokens
+
+    rng = np.random.default_rng(3)
+    tables = [[int(b) for b in rng.integers(1, 50, size=2)] for _ in range(6)]
+    lay = StaticLayout(Bucket(8, 1, False), 4, 64, 16, torch.device("cpu"))
+    for step in range(40):
+        kind = rng.integers(0, 6)
+        if kind == 0:  # a table grows in place (the block manager's own list)
+            t = tables[rng.integers(0, 6)]
+            if len(t) < 4:
+                t.append(int(rng.integers(1, 50)))
+        elif kind == 1:  # ... or is truncated and regrown to its length with other blocks
+            t = tables[rng.integers(0, 6)]
+            t[-1] = int(rng.integers(1, 50))
+        n = int(rng.integers(1, 7))
+        if kind == 2:
+            chunks = decode_tokens([SeqChunk([3, 4, 5], 16 * (len(tables[0]) - 1), tables[0], logits_rows=(2,))])
+        else:
+            chunks = [SeqChunk([i], 16 * (len(tables[i]) - 1) + step % 16,
+                               np.asarray(tables[i]) if kind == 3 and i == 0 else tables[i]) for i in range(n)]
+        lay.fill(chunks)
+        want = layout_arrays(chunks, 16, 4)
+        n = len(chunks)
+        assert np.array_equal(lay.host["tables"][:n], want["tables"]) and not lay.host["tables"][n:].any(), step
+        assert np.array_equal(lay.host["slots"][:n], want["slots"]), step
+
+
 def test_the_draft_extend_graphs_layout_equals_layout_arrays():
     """The extend graph lays its rows out on the device (``extend_layout``) from each sequence's first
     row, row count and table: ``layout_arrays``' values for the real rows, and rows past them that

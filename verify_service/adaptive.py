@@ -47,6 +47,12 @@ batch where trees cost far more than they bring, probing stays a few percent of 
 a fixed fraction of the steps. (Counted since start, the time of a long stretch where trees were the
 best choice, and no probes ran, would fund a burst of probes after the batch grew: measured, 5 to 15
 tree steps per 125 at batch 16 after batches 1 and 4, 7% of the time.)
+
+Over the model, a guard of measurements alone (``realized_rates.py``): where the steps that verified
+trees delivered fewer tokens per millisecond than plain steps at a batch bucket of 8 or more (every
+draft call counted as the trees' cost, the catch-up of a backlog included), trees are not chosen
+there nor at any larger batch, and not probed, for ``veto_span`` decisions. The batch a choice is
+made for holds the requests still prefilling or waiting to start (``DraftCoordinator._requests``).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from runtime.tree import CandidateTree
 from verify_service.acceptance_estimate import Acceptance, accepted_within
 from verify_service.cost_table import CostGrid, CostTable, calibrate, describe
 from verify_service.learned_costs import DraftCost, batch_bucket, learned_at, nearest_bucket
+from verify_service.realized_rates import RealizedRates
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +91,7 @@ class PolicyConfig:
     probe_window: int = 256  # ... over about this many recent decisions (an exponential window)
     hold_steps: int = 8  # a decision is reused this many steps while nothing but step times was learned
     draft_prior_fraction: float = 0.15  # draft cost per level before one is measured, x a decode forward
+    veto_span: int = 4096  # decisions a veto of trees, measured slower than plain decoding, lasts (0: no veto)
 
 
 class AdaptivePolicy:
@@ -98,6 +106,7 @@ class AdaptivePolicy:
         self._nodes = np.array(self.sizes, dtype=np.float64)  # nodes the trees of each size really held
         self._residual: dict[bool, dict[int, float]] = {False: {}, True: {}}  # tree step? -> bucket -> ms
         self._chained_residual: dict[int, float] = {}  # bucket -> ms: chained steps', the draft's time in it
+        self._mass: dict[tuple[str, int], float] = {}  # (kind, bucket) -> the weight its residual's steps gathered
         self.chainable = False  # the drafter chains the largest trees (the coordinator says)
         self.backlog_rows = 0  # rows the draft must extend before its next trees (the coordinator says)
         self._row_ms: float | None = None  # the draft's extend of one such row, learned
@@ -106,6 +115,9 @@ class AdaptivePolicy:
         self.outliers = 0  # draft calls not learned from (stalls)
         self._forward_cache: dict[tuple[int, int, int], float] = {}
         self.decisions: Counter[int] = Counter()  # steps per choice (0: plain decoding)
+        self.decided = 0  # decisions so far (the sum of ``decisions``)
+        self.realized = RealizedRates(span=config.veto_span)  # what trees delivered against plain steps
+        self.vetoes = 0  # decisions taken under a veto (``RealizedRates``): plain decoding, the model not asked
         self.choice = 0
         self.probes = 0
         self._since_probe = 0  # decisions since the last probe
@@ -131,6 +143,7 @@ class AdaptivePolicy:
         self._held[2] += 1
         self.choice = self._probe(self._held[1], batch, context, len(seq_ids))
         self.decisions[self.choice] += 1
+        self.decided += 1
         plain = self.step_ms(batch, context, 0, len(seq_ids)) if self.choice == 0 and quick_key is not None else None
         self._quick = None if plain is None else (quick_key, self._version, plain)
         self.last_held = False
@@ -151,11 +164,15 @@ class AdaptivePolicy:
         self._account(q[2])
         self.choice, self.last_held = 0, True
         self.decisions[0] += 1
+        self.decided += 1
         return True
 
     def best(self, batch: int, context: float, seq_ids: list[int], budgets: list[int]) -> int:
-        """argmax over {0} + sizes of expected tokens per ms (no probing, no counting)."""
+        """argmax over {0} + sizes of expected tokens per ms (no probing; plain decoding where a veto holds)."""
         if not seq_ids:
+            return 0
+        if self.cfg.veto_span and self.realized.vetoed(batch, self.decided):  # trees measured slower here
+            self.vetoes += 1
             return 0
         tokens = batch + self._accepted(seq_ids, budgets)  # [len(sizes)]
         return self._fastest(batch, context, len(seq_ids), tokens, self.cfg.margin)
@@ -262,6 +279,9 @@ class AdaptivePolicy:
         if not every or best == self.sizes[-1] or not speculating:
             self._account(best_ms)
             return best
+        if best == 0 and self.cfg.veto_span and self.realized.vetoed(batch, self.decided):
+            self._account(best_ms)  # trees measured slower here: no probe until the veto lapses
+            return best
         if best == 0:
             # From plain decoding: the size the global estimate picks for the batch. Where that is a tree
             # (the batch's trees pay, this sequence's own estimate says no: an unlucky stretch, or a
@@ -269,7 +289,9 @@ class AdaptivePolicy:
             # plain decoding's time for the tokens the global estimate expects of them (at batch 1 a
             # sequence stuck in plain decoding otherwise waited 32 steps and more for each probe while
             # the fixed tree ran 1.6x target-only).
-            pick, tokens = self._global_pick(batch, context, speculating)
+            if len(self._held) < 4:  # taken once per held decision: a plain step's choice stays cheap
+                self._held.append(self._global_pick(batch, context, speculating))
+            pick, tokens = self._held[3]
             period = max(1, every // 4) if pick else every
             probe = pick or self.sizes[0]
         else:
@@ -358,9 +380,20 @@ class AdaptivePolicy:
         residual = ms - self._forward(batch, 1 + nodes, context)
         learned = self._chained_residual if chained else self._residual[key[1]]
         old = learned.get(key[0])
-        learned[key[0]] = residual if old is None else old + self.cfg.cost_weight * (residual - old)
+        # A bias-corrected mean: the k-th step weighs w / (1 - (1 - w)^k), so the first few count about
+        # alike (a running mean) before the window takes over. Counted fully and then at w, one slow
+        # first chained step at batch 1 (4.0 ms where they run 2.0) priced the largest trees out for good.
+        mass = self._mass.get((kind, key[0]), 0.0)
+        mass += self.cfg.cost_weight * (1.0 - mass)
+        self._mass[(kind, key[0])] = mass
+        learned[key[0]] = residual if old is None else old + self.cfg.cost_weight / mass * (residual - old)
         if chained and old is None:
             self._version += 1  # the largest trees' cost changed model: decisions held on the old one end
+
+    def observe_realized(self, batch: int, tokens: int, ms: float, draft_ms: float, trees: bool) -> None:
+        """A step of ``batch`` decoding sequences, no prefill: ``tokens`` committed in ``ms`` of its own
+        and ``draft_ms`` of a draft call; ``trees``: it verified trees (``RealizedRates``)."""
+        self.realized.observe(batch, tokens, ms, draft_ms, trees, self.decided)
 
     def observe_draft(self, speculating: int, levels: int, ms: float, backlog: int = 0) -> None:
         """The draft's part of a step that asked ``speculating`` trees of ``levels`` levels took ``ms``;
@@ -397,7 +430,7 @@ class AdaptivePolicy:
     def diagnostics(self) -> dict:
         """What the policy learned and how its model compares with the steps measured (for benchmarks)."""
         return {"decisions": {str(k): v for k, v in sorted(self.decisions.items())}, "probes": self.probes,
-                "draft_outliers": self.outliers,
+                "draft_outliers": self.outliers, "vetoes": self.vetoes, "realized": self.realized.rates(),
                 "backlog_row_us": round(float(self._row_ms) * 1e3, 4) if self._row_ms is not None else None,
                 "probe_share_modelled": round(float(self._probe_ms / self._spent_ms), 4) if self._spent_ms else 0.0,
                 "residual_ms": {**{f"{'tree' if t else 'plain'} b{b}": round(float(v), 4)

@@ -85,14 +85,20 @@ class DraftCoordinator:
             feeds[seq.seq_id] = DraftFeed(seq.seq_id, first, feats, np.asarray(successors, dtype=np.int64))
 
     @staticmethod
-    def decode_rows(seqs: list[Sequence], out: StepOutput, chunks: list[int], tokens: list[int]) -> FeedRows:
+    def decode_rows(out: StepOutput, chunks: list[int], seq_ids: list[int], starts: list[int],
+                    tokens: list[int]) -> FeedRows:
         """One-token decodes of sequences without a pending feature (their last feature's successor
-        was known a step ago): position ``num_cached - 1`` of each, with the token just sampled."""
-        rows = np.fromiter((out.query_start_loc[i] for i in chunks), np.int64, len(chunks))
-        feats = out.captured[rows[0]:rows[-1] + 1] if rows[-1] - rows[0] == len(rows) - 1 else \
+        was known a step ago): chunk ``chunks[j]`` of the step is position ``starts[j]`` of sequence
+        ``seq_ids[j]``, the token after it ``tokens[j]``."""
+        n = len(chunks)
+        qsl = out.query_start_loc
+        if qsl[-1] == len(qsl) - 1:  # every chunk one token (a decode step): row i is chunk i
+            rows = np.asarray(chunks, dtype=np.int64)
+        else:
+            rows = np.fromiter(map(qsl.__getitem__, chunks), np.int64, n)
+        feats = out.captured[rows[0]:rows[-1] + 1] if rows[-1] - rows[0] == n - 1 else \
             out.captured[torch.from_numpy(rows).to(out.captured.device)]
-        return FeedRows(np.fromiter((s.seq_id for s in seqs), np.int64, len(seqs)),
-                        np.fromiter((s.num_cached - 1 for s in seqs), np.int64, len(seqs)), feats,
+        return FeedRows(np.asarray(seq_ids, dtype=np.int64), np.asarray(starts, dtype=np.int64), feats,
                         np.asarray(tokens, dtype=np.int64))
 
     def plain_ahead(self, seqs: list[Sequence]) -> bool:
@@ -120,18 +126,21 @@ class DraftCoordinator:
         sequences only); ask for trees for every decoding sequence, of the size the policy picks when
         there is one (plain decoding: the rows wait in the feed buffer and the draft is not called).
         Returns the seconds the call for trees took (0: none was made)."""
+        decided, self._decided = self._decided, None
         live: list[DraftFeed | FeedRows] = [f for f in feeds.values() if f.seq_id in self.sequences]
-        fed = set(feeds)
         if rows is not None and len(rows):
             live.append(rows)
-            fed.update(rows.seq_ids.tolist())
         overflow = self.feed_buffer.add(live)
         if overflow:
             self._send(overflow, [])
         backlog = self.feed_buffer.rows - sum(len(f.next_tokens) for f in live)  # rows of earlier steps wait
-        decided, self._decided = self._decided, None
         if self.policy is not None:
             self.policy.backlog_rows = backlog
+        if decided == 0 and self.policy is not None:  # plain decoding, decided already: the rows wait
+            return 0.0
+        fed = set(feeds)
+        if rows is not None and len(rows):
+            fed.update(rows.seq_ids.tolist())
         requests = self._requests(fed, decided) if getattr(self.drafter, "connected", True) else []
         if not requests and (self.policy is not None or not self.feed_buffer.rows):
             return 0.0
@@ -262,9 +271,10 @@ class DraftCoordinator:
         quick = (len(running), len(fed))
         if decided is None and self.policy is not None and self.policy.choose_held(quick):  # held: no look at each
             return []
-        ready, decoding, context = [], 0, 0  # one pass over the sequences
+        ready, decoding, context, joining = [], 0, 0, len(self.scheduler.waiting)  # one pass over the sequences
         for seq in running:
             if seq.prefilling or seq.finished:
+                joining += seq.prefilling
                 continue
             decoding, context = decoding + 1, context + seq.num_tokens
             if seq.speculate and seq.seq_id in fed:
@@ -274,9 +284,13 @@ class DraftCoordinator:
         if self.policy is None:
             trees = [seq.tree_settings for seq in ready]
         else:  # sequences at their last token count as candidates: the choice comes first (plain: done)
+            # The batch chosen for holds the requests still prefilling or waiting: they decode with
+            # these within a few steps, and trees chosen for the first ones admitted would take the
+            # step's token budget from the prompts (measured at batch 64, H100: 38 mixed steps of
+            # 37 ms instead of 4 prompt steps, 0.25x target-only).
             nodes = decided if decided is not None else self.policy.choose(
-                decoding, context / decoding, [s.seq_id for s in ready], [s.tree_settings.node_budget for s in ready],
-                quick)
+                decoding + joining, context / decoding, [s.seq_id for s in ready],
+                [s.tree_settings.node_budget for s in ready], quick)
             if nodes == 0:
                 return []
             trees = [self.policy.settings(seq.tree_settings, nodes) for seq in ready]

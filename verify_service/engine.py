@@ -63,6 +63,7 @@ class GenerationResult:
 
 
 _PLACEHOLDER = np.zeros(1, dtype=np.int64)  # a decode chunk's token, written on the device instead
+_ROW0 = (0,)  # its logits row
 
 
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -243,17 +244,19 @@ class Engine:
         else:
             deferred = self._attach(deferred)
             host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
-        events, decodes = [], []  # decodes: (chunk, sequence, token) whose one row goes in the batch
+        events = []
+        chunk_ids, seq_ids, starts, tokens = [], [], [], []  # one-token decodes whose rows go in one record
         for (i, seq, start, n), token in zip(due, host[:len(due)]):
-            if seq.speculate:
-                if n == 1 and seq.pending_feature is None:
-                    decodes.append((i, seq, token))
-                else:
-                    DraftCoordinator.feed_rows(seq, out, i, start, n, token, feeds)
+            one_row = seq.speculate and n == 1 and seq.pending_feature is None
+            if seq.speculate and not one_row:
+                DraftCoordinator.feed_rows(seq, out, i, start, n, token, feeds)
             events.append(self._commit(seq, [token]))
-        decodes = [d for d in decodes if not d[1].finished]  # a finished sequence's rows are not sent
-        rows = DraftCoordinator.decode_rows([s for _, s, _ in decodes], out, [i for i, *_ in decodes],
-                                            [t for *_, t in decodes]) if decodes else None
+            if one_row and seq.finish_reason is None:
+                chunk_ids.append(i)  # (a finished sequence's rows are not sent)
+                seq_ids.append(seq.seq_id)
+                starts.append(start)
+                tokens.append(token)
+        rows = DraftCoordinator.decode_rows(out, chunk_ids, seq_ids, starts, tokens) if chunk_ids else None
         if pending:
             verified = self.verifier.finish(pending, host[len(due):])
             if chained is not None:
@@ -264,13 +267,16 @@ class Engine:
                 events.append(self._commit(v.seq, v.tokens))
         self._chained = chained
         draft_s = self.speculation.draft(feeds, rows) if self.speculation and chained is None else 0.0
-        if self.policy is not None and decode_only and (tree_nodes or launched_ahead and not self.policy.last_held):
-            # Plain steps are measured when they were launched ahead (as a plain stretch runs them: the
-            # first one after trees waits for its tokens, and one after a chained draft whose trees the
-            # sequences' limits cut holds that draft's time) and the policy looks (a few per hold).
-            context = float(np.mean([s.num_cached for s, _ in plan]))
-            self.policy.observe_step(len(plan), tree_nodes, context, (time.perf_counter() - t0 - draft_s) * 1e3,
-                                     chained=from_chain)
+        if self.policy is not None and decode_only:
+            ms = (time.perf_counter() - t0 - draft_s) * 1e3
+            committed = sum(len(e.token_ids) for e in events) if trees else len(events)  # (plain: one each)
+            self.policy.observe_realized(len(plan), committed, ms, draft_s * 1e3, bool(trees))
+            if tree_nodes or launched_ahead and not self.policy.last_held:
+                # Plain steps are measured when they were launched ahead (as a plain stretch runs them: the
+                # first one after trees waits for its tokens, and one after a chained draft whose trees the
+                # sequences' limits cut holds that draft's time) and the policy looks (a few per hold).
+                context = float(np.mean([s.num_cached for s, _ in plan]))
+                self.policy.observe_step(len(plan), tree_nodes, context, ms, chained=from_chain)
         return events
 
     def _attach(self, deferred) -> None:
@@ -293,12 +299,11 @@ class Engine:
         """The next decode step of ``due``'s sequences, queued now: each sequence's token sampled this
         step (still on the device) at its next KV index. A sequence this step's token finishes
         computes one row for nothing; the step that takes this one skips it."""
-        blocks = self.target.blocks
+        ensure = self.target.blocks.ensure_capacity  # (returns the table)
         plan, chunks = [], []
         for _, seq, _, _ in due:
-            blocks.ensure_capacity(seq.seq_id, seq.num_cached + 1)
             plan.append((seq, 1))
-            chunks.append(SeqChunk(_PLACEHOLDER, seq.num_cached, blocks.block_table(seq.seq_id), logits_rows=(0,)))
+            chunks.append(SeqChunk(_PLACEHOLDER, seq.num_cached, ensure(seq.seq_id, seq.num_cached + 1), _ROW0))
         self.decode_steps_ahead += 1
         return plan, chunks, self.target.runner.step(chunks, ids=sampled), None
 

@@ -54,7 +54,8 @@ class FeedBuffer:
         self.max_rows = max_rows
         self.capacity = max(capacity or max_rows, max_rows)
         self._parts: list[FeedRows] = []  # in arrival order
-        self._per_seq: Counter[int] = Counter()  # rows waiting per sequence
+        self._per_seq: Counter[int] = Counter()  # rows waiting per sequence, of the parts counted ...
+        self._uncounted: list[np.ndarray] = []  # ... and the sequence ids of the parts not counted yet
         self._dropped: set[int] = set()  # sequences whose waiting rows are never sent
         self.rows = 0
 
@@ -67,14 +68,14 @@ class FeedBuffer:
         for p in parts:
             if len(p):
                 self._parts.append(p)
-                self._per_seq.update(p.seq_ids.tolist())
+                self._uncounted.append(p.seq_ids)  # counted when a sequence is dropped (``_count``)
         self.rows += new
         return flush
 
     def take(self) -> list[DraftFeed]:
         """Everything buffered, one feed per sequence (by sequence id, rows in order), emptied."""
         parts, dropped = self._parts, self._dropped
-        self._parts, self._per_seq, self._dropped, self.rows = [], Counter(), set(), 0
+        self._parts, self._per_seq, self._uncounted, self._dropped, self.rows = [], Counter(), [], set(), 0
         if not parts:
             return []
         ids = np.concatenate([p.seq_ids for p in parts])
@@ -111,9 +112,24 @@ class FeedBuffer:
 
     def drop(self, seq_id: int) -> None:
         """A finished or cancelled sequence: its rows are never sent."""
+        self._count()
         waiting = self._per_seq.pop(seq_id, 0)
         if waiting:
             self.rows -= waiting
             self._dropped.add(seq_id)
         if not self.rows:  # every waiting row was dropped: nothing to hold on to
-            self._parts, self._per_seq, self._dropped = [], Counter(), set()
+            self._parts, self._per_seq, self._uncounted, self._dropped = [], Counter(), [], set()
+
+    def waiting(self, seq_id: int) -> int:
+        """Rows of ``seq_id`` waiting (dropped ones excluded)."""
+        self._count()
+        return self._per_seq.get(seq_id, 0)
+
+    def _count(self) -> None:
+        """Fold the parts added since the last count into the rows per sequence, at once (a step's
+        record counted as it arrives cost a pass over its sequences every step; drops come a few at a
+        time). A dropped sequence's id never comes back (ids are not reused)."""
+        if self._uncounted:
+            ids, counts = np.unique(np.concatenate(self._uncounted), return_counts=True)
+            self._per_seq.update(dict(zip(ids.tolist(), counts.tolist())))
+            self._uncounted = []

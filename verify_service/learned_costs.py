@@ -47,19 +47,24 @@ class DraftCost:
     def __init__(self, weight: float):
         self.weight = weight
         self._means: np.ndarray | None = None  # E[L], E[ms], E[L^2], E[L ms]
+        self._fitted: tuple[float, tuple[float, float]] | None = None  # (prior, fit) since the last update
 
     def update(self, levels: float, ms: float) -> None:
         x = np.array([levels, ms, levels * levels, levels * ms])
         self._means = x if self._means is None else self._means + self.weight * (x - self._means)
+        self._fitted = None
 
     def fit(self, prior_per_level: float) -> tuple[float, float]:
         """(fixed, per_level): the least-squares line where the levels seen differ, else the prior's
-        slope through the mean; neither part negative."""
-        level, ms, level_sq, level_ms = self._means
+        slope through the mean; neither part negative. (Memoised: a decision asks it once per size.)"""
+        if self._fitted is not None and self._fitted[0] == prior_per_level:
+            return self._fitted[1]
+        level, ms, level_sq, level_ms = self._means.tolist()
         var = level_sq - level * level
         per_level = (level_ms - level * ms) / var if var > 0.25 else prior_per_level
         per_level = min(max(per_level, 0.0), ms / level)  # a fixed part of zero at most: all per level
-        return ms - per_level * level, per_level
+        self._fitted = (prior_per_level, (ms - per_level * level, per_level))
+        return self._fitted[1]
 
     def predict(self, levels: float, prior_per_level: float) -> float:
         fixed, per_level = self.fit(prior_per_level)
