@@ -24,7 +24,7 @@ from verify_service.cost_table import CostGrid, CostTable, calibrate, interp1
 from verify_service.engine import Engine
 from verify_service.feed_buffer import FeedBuffer, FeedRows
 from verify_service.learned_costs import DraftCost, learned_at
-from verify_service.realized_rates import RealizedRates
+from verify_service.realized_rates import MIN_STEPS, RealizedRates
 
 PROMPTS = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2]]
 TOKENS = (1, 2, 3, 4, 5, 6, 9, 17, 33, 60)
@@ -663,15 +663,15 @@ def test_a_policy_that_picks_the_largest_trees_chains_them_behind_acceptance(dir
 
 def test_trees_measured_slower_than_plain_steps_are_vetoed_at_their_batch_and_above():
     rates = RealizedRates(window=64, span=100, from_bucket=8)
-    for _ in range(8):
+    for _ in range(MIN_STEPS):
         rates.observe(16, 16, 1.0, 0.0, trees=False, now=0)  # plain: 16 tokens per ms
-    for _ in range(7):
+    for _ in range(MIN_STEPS - 1):
         rates.observe(16, 50, 5.0, 0.0, trees=True, now=10)  # trees: 10 tokens per ms
-    assert not rates.vetoed(16, 10)  # seven tree steps are not enough to judge
+    assert not rates.vetoed(16, 10)  # too few tree steps to judge
     rates.observe(16, 50, 5.0, 0.0, trees=True, now=10)
     assert rates.vetoed(16, 10) and rates.vetoed(9, 10) and rates.vetoed(128, 10)  # buckets 16, 16, 128
     assert not rates.vetoed(8, 10) and not rates.vetoed(4, 10)  # smaller batches: not measured there
-    assert rates.rates()["trees b16"]["steps"] == 8
+    assert rates.rates()["trees b16"]["steps"] == MIN_STEPS
     # The veto lapses ``span`` decisions after the last tree step at its bucket, and its trees are measured afresh.
     assert rates.vetoed(64, 109) and not rates.vetoed(64, 110) and "trees b16" not in rates.rates()
 

@@ -89,17 +89,13 @@ class DraftCoordinator:
                     tokens: list[int]) -> FeedRows:
         """One-token decodes of sequences without a pending feature (their last feature's successor
         was known a step ago): chunk ``chunks[j]`` of the step is position ``starts[j]`` of sequence
-        ``seq_ids[j]``, the token after it ``tokens[j]``."""
+        ``seq_ids[j]``, the token after it ``tokens[j]`` (the lists are kept as they are: ``FeedRows``)."""
         n = len(chunks)
         qsl = out.query_start_loc
-        if qsl[-1] == len(qsl) - 1:  # every chunk one token (a decode step): row i is chunk i
-            rows = np.asarray(chunks, dtype=np.int64)
-        else:
-            rows = np.fromiter(map(qsl.__getitem__, chunks), np.int64, n)
+        rows = chunks if qsl[-1] == len(qsl) - 1 else [qsl[i] for i in chunks]  # (a decode step: row i is chunk i)
         feats = out.captured[rows[0]:rows[-1] + 1] if rows[-1] - rows[0] == n - 1 else \
-            out.captured[torch.from_numpy(rows).to(out.captured.device)]
-        return FeedRows(np.asarray(seq_ids, dtype=np.int64), np.asarray(starts, dtype=np.int64), feats,
-                        np.asarray(tokens, dtype=np.int64))
+            out.captured[torch.tensor(rows, device=out.captured.device)]
+        return FeedRows(seq_ids, starts, feats, tokens)
 
     def plain_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step of these sequences (the whole batch, each decoding one token) is plain
@@ -140,7 +136,7 @@ class DraftCoordinator:
             return 0.0
         fed = set(feeds)
         if rows is not None and len(rows):
-            fed.update(rows.seq_ids.tolist())
+            fed.update(rows.seq_ids if type(rows.seq_ids) is list else rows.seq_ids.tolist())
         requests = self._requests(fed, decided) if getattr(self.drafter, "connected", True) else []
         if not requests and (self.policy is not None or not self.feed_buffer.rows):
             return 0.0

@@ -27,12 +27,14 @@ from link.protocol import DraftFeed
 @dataclass(frozen=True, slots=True)
 class FeedRows:
     """Committed rows of any sequences: row j is position ``starts[j]`` of sequence ``seq_ids[j]``,
-    its captured features and the token after it."""
+    its captured features and the token after it. The ids, positions and tokens are int64 arrays or
+    lists of ints (a step's plain decodes: the lists the engine's commit loop filled, converted only
+    when the rows are taken)."""
 
-    seq_ids: np.ndarray  # int64 [n]
-    starts: np.ndarray  # int64 [n]
+    seq_ids: np.ndarray | list[int]  # [n]
+    starts: np.ndarray | list[int]  # [n]
     features: torch.Tensor  # [n, k * target_hidden]
-    next_tokens: np.ndarray  # int64 [n]
+    next_tokens: np.ndarray | list[int]  # [n]
 
     @staticmethod
     def of(feed: DraftFeed) -> FeedRows:
@@ -78,9 +80,8 @@ class FeedBuffer:
         self._parts, self._per_seq, self._uncounted, self._dropped, self.rows = [], Counter(), [], set(), 0
         if not parts:
             return []
-        ids = np.concatenate([p.seq_ids for p in parts])
-        starts = np.concatenate([p.starts for p in parts])
-        tokens = np.concatenate([p.next_tokens for p in parts])
+        ids, starts, tokens = (np.concatenate([getattr(p, name) for p in parts]).astype(np.int64, copy=False)
+                               for name in ("seq_ids", "starts", "next_tokens"))
         order = np.lexsort((starts, ids))  # by sequence, then position
         if dropped:
             order = order[~np.isin(ids[order], np.fromiter(dropped, np.int64, len(dropped)))]
@@ -130,6 +131,6 @@ class FeedBuffer:
         record counted as it arrives cost a pass over its sequences every step; drops come a few at a
         time). A dropped sequence's id never comes back (ids are not reused)."""
         if self._uncounted:
-            ids, counts = np.unique(np.concatenate(self._uncounted), return_counts=True)
+            ids, counts = np.unique(np.concatenate(self._uncounted).astype(np.int64, copy=False), return_counts=True)
             self._per_seq.update(dict(zip(ids.tolist(), counts.tolist())))
             self._uncounted = []

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from verify_service.learned_costs import batch_bucket
 
-MIN_STEPS = 8  # steps of each kind at a bucket before its rates are compared
+MIN_STEPS = 4  # steps of each kind at a bucket before its rates are compared
 
 
 class RealizedRates:
