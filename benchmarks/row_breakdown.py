@@ -18,7 +18,7 @@ what a round spends outside ``step`` (requests' admission, results). Rows are th
 each engine; the engines run in turn, their order rotated each round, as the speed report runs them.
 An adaptive row carries the policy's diagnostics (its decisions, and the steps it measured against
 its model). ``--profile``: one more round of each engine under cProfile (OUT.profile.txt: host
-functions by own time); ``--phases``: one more with the host phases timed by the clock alone;
+functions by own and cumulative time); ``--phases``: one more with the host phases timed by the clock alone;
 ``--timeline``: one more under torch.profiler, the engine's host phases
 marked (``step_timeline.py``): the device's busy time against the wall, and what it waited for.
 """
@@ -26,10 +26,7 @@ marked (``step_timeline.py``): the device's busy time against the wall, and what
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import statistics
 import sys
 import tempfile
@@ -41,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.speed_report import DEFAULT_PROMPTS, _tree_text, prompt_ids  # noqa: E402
+from benchmarks.speed_report import DEFAULT_PROMPTS, _tree_text, profile_run, prompt_ids  # noqa: E402
 from benchmarks.step_timeline import STEP, analyse, patched  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from common.tree_settings import default_tree  # noqa: E402
@@ -120,18 +117,6 @@ def round_breakdown(engine, prompts, params, batch: int) -> dict:
     row["draft_calls"] = {"calls": len(clock.draft_calls), "rows": sum(r for r, _ in clock.draft_calls),
                           "ms": sum(s for _, s in clock.draft_calls) * 1e3}
     return row
-
-
-def profiled_round(title: str, engine, prompts, params, batch: int) -> str:
-    """One round under cProfile: the host functions by their own time."""
-    prof = cProfile.Profile()
-    prof.enable()
-    _, seconds, _ = run(engine, prompts, params, batch)
-    prof.disable()
-    text = io.StringIO()
-    text.write(f"=== {title}: {seconds * 1e3:.1f} ms under the profiler ===\n")
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-    return text.getvalue()
 
 
 def phased_round(engine, prompts, params, batch: int) -> dict:
@@ -221,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row["timeline"] = timed_round(engine, ps, params, b)
                 print(f"b{b} {name} timeline: {json.dumps(row['timeline'])}", flush=True)
             if args.profile:
-                profiles.append(profiled_round(f"{name}, batch {b}", engine, ps, params, b))
+                profiles.append(profile_run(name, engine, ps, params, b))
     if profiles and args.out:
         Path(args.out + ".profile.txt").write_text("".join(profiles))
     if args.out:
