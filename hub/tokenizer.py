@@ -7,11 +7,13 @@ The chat template is the model's own Jinja template (``tokenizer_config.json`` -
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from common.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
 
@@ -124,6 +126,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, context: list[int], skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+        """Incremental decoding after ``context`` (ids decoded before the first new one, so a leading
+        space merges as in the full decode): a function of one new id returning the text it makes
+        final (None while a multi-byte character is incomplete). The tokenizers library's
+        ``DecodeStream``: one call per token, its window kept a few tokens long."""
+        stream, tok = DecodeStream(list(context), skip_special_tokens=skip_special_tokens), self._tok
+        return lambda token: stream.step(tok, token)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:

