@@ -39,7 +39,7 @@ DEFAULT_PROMPTS = Path(__file__).parent / "data" / "mt_bench.jsonl"
 
 
 @dataclass(frozen=True)
-class StepCosts:
+class ReplayCosts:
     plain: float = 1.02
     plain_after_tree: float = 1.5
     chained: float = 2.1
@@ -93,7 +93,7 @@ def flat_table() -> CostTable:
     return CostTable((1, 2), toks, (1024,), np.array([[[0.95 + 0.001 * (q - 1) for q in toks]] * 2]))
 
 
-def replay(trace: dict, cfg: PolicyConfig, mode: str, costs: StepCosts, warm: int) -> tuple[float, Counter]:
+def replay(trace: dict, cfg: PolicyConfig, mode: str, costs: ReplayCosts, warm: int) -> tuple[float, Counter]:
     """Tokens per ms over the trace's sequences (``mode``: target, fixed or policy), and the steps by kind."""
     policy = AdaptivePolicy(flat_table(), TreeSettings("dynamic", 7, 10, 59), cfg)
     policy.chainable = True
@@ -152,13 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     rep.add_argument("trace")
     rep.add_argument("--warm", type=int, default=1, help="passes before the timed one")
     rep.add_argument("--variant", action="append", default=[], help="PolicyConfig field=value, e.g. probe_every=16")
-    for field, value in StepCosts().__dict__.items():
+    for field, value in ReplayCosts().__dict__.items():
         rep.add_argument(f"--{field.replace('_', '-')}-ms", type=float, default=value, dest=field)
     args = ap.parse_args(argv)
     if args.cmd == "record":
         return record(args)
     trace = json.loads(Path(args.trace).read_text())
-    costs = StepCosts(**{f: getattr(args, f) for f in StepCosts().__dict__})
+    costs = ReplayCosts(**{f: getattr(args, f) for f in ReplayCosts().__dict__})
     base, _ = replay(trace, PolicyConfig(), "target", costs, 0)
     fixed, _ = replay(trace, PolicyConfig(), "fixed", costs, 0)
     print(f"fixed tree: {fixed / base:.3f}x target-only")

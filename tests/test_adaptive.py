@@ -307,7 +307,7 @@ def test_an_unseen_batch_takes_the_nearest_learned_costs_scaled_with_the_batch()
     policy.observe_step(1, 0, 1024, 10.5)  # plain: 0.5 ms beyond the forward
     policy.observe_step(1, 3, 1024, 13.5)  # a tree step: 0.5 ms beyond its forward of 13 ms
     assert policy.step_ms(16, 1024, 0, 16) == pytest.approx(10.0 + 0.5)
-    assert policy._verify_ms(16, 4, 1024) == pytest.approx(10.0 + 3 * 16 + 0.5 * 4)
+    assert policy.costs.verify_ms(16, 4, 1024) == pytest.approx(10.0 + 3 * 16 + 0.5 * 4)
 
 
 def test_the_draft_cost_has_a_fixed_part_and_a_part_per_level():
@@ -740,7 +740,7 @@ def test_a_slow_first_step_weighs_no_more_than_the_next_few():
     """Residuals are bias-corrected means: the first steps count about alike before the window takes
     over (counted fully and then at 5%, one slow first chained step priced the largest trees out)."""
     policy = AdaptivePolicy(table(per_token_ms=0.1), TreeSettings("chain", 3), PolicyConfig(probe_every=0))
-    forward = policy._forward(1, 4, 1024)
+    forward = policy.costs.forward(1, 4, 1024)
     policy.observe_step(1, 3, 1024, forward + 3.0, chained=True)  # the first chained step: 3 ms beyond
     for _ in range(3):
         policy.observe_step(1, 3, 1024, forward, chained=True)  # then what they cost

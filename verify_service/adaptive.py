@@ -7,21 +7,8 @@ For B decoding sequences, S of them speculating, and trees of at most n nodes::
     cost(n)   = forward(B, 1 + n, ctx) + residual(B, n > 0) + draft(S, n)        (n = 0: no draft)
     choice    = argmax_n tokens(n) / cost(n); a tree must beat plain decoding by ``margin``
 
-forward: the calibrated ``CostTable``. residual: what a step costs beyond the forward (sampling,
-acceptance, compaction, commit), learned online per batch bucket for plain and tree steps apart.
-A chained step (the largest trees, grown on the device behind the last step's acceptance:
-``DraftCoordinator.chains``) has no draft call: its draft's device time lands in the step that
-verifies its trees, so those steps learn a residual of their own that holds the draft, and the
-largest size costs forward + that residual where the drafter chains. At a batch bucket where a tree
-step ran but no chained step yet, the guess is optimistic (the tree step without its draft): the
-largest trees are tried, and the next step of them, chained, teaches their cost.
-draft: the draft's part (extend + tree growth, the link's round trip included), learned online
-per batch bucket as a fixed part plus a part per level (levels = 1 + tree depth), by weighted
-least squares: a draft call has a fixed cost (launches, the copy back, the link) that a
-proportional model would charge a deep tree many times over. Until two depths were seen the
-per-level part is the prior's and the fixed part takes the rest. A bucket not measured yet takes
-the nearest measured one's residual and draft cost, a tree's residual and the draft's scaled with the
-square root of the batch when larger, a plain step's residual flat (``learned_costs.py``).
+The costs (forward, residuals, the draft's part, chained steps, the catch-up of a backlog) are
+``StepCosts``'s (``step_costs.py``).
 
 Acceptance: the best m nodes of a tree (by draft score) are themselves the tree of size m
 (``TreeSettings.capped``) and closed under ancestors, so a verified tree of n nodes shows what every
@@ -68,15 +55,10 @@ from common.tree_settings import TreeSettings, tree_sizes
 from runtime.tree import CandidateTree
 from verify_service.acceptance_estimate import Acceptance, accepted_within
 from verify_service.cost_table import CostGrid, CostTable, calibrate, describe
-from verify_service.learned_costs import DraftCost, batch_bucket, learned_at, nearest_bucket
 from verify_service.realized_rates import RealizedRates
+from verify_service.step_costs import StepCosts
 
 log = logging.getLogger(__name__)
-
-
-OUTLIER_FACTOR = 10.0  # a draft call this many times its expected cost is a stall, not its cost ...
-OUTLIER_RUN = 3  # ... unless this many come in a row
-BACKLOG_ROWS = 256  # a draft call's catch-up of fewer rows is lost in its own noise: not learned per row
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,17 +85,7 @@ class AdaptivePolicy:
         prior = np.array([sum(p ** d for d in range(1, int(lv) + 1)) for lv in self._levels])
         self._global = Acceptance(prior, config.global_weight)
         self._seq: dict[int, Acceptance] = {}
-        self._nodes = np.array(self.sizes, dtype=np.float64)  # nodes the trees of each size really held
-        self._residual: dict[bool, dict[int, float]] = {False: {}, True: {}}  # tree step? -> bucket -> ms
-        self._chained_residual: dict[int, float] = {}  # bucket -> ms: chained steps', the draft's time in it
-        self._mass: dict[tuple[str, int], float] = {}  # (kind, bucket) -> the weight its residual's steps gathered
-        self.chainable = False  # the drafter chains the largest trees (the coordinator says)
-        self.backlog_rows = 0  # rows the draft must extend before its next trees (the coordinator says)
-        self._row_ms: float | None = None  # the draft's extend of one such row, learned
-        self._draft: dict[int, DraftCost] = {}  # per batch bucket
-        self._outliers: dict[int, int] = {}  # per batch bucket: draft calls not learned from, in a row
-        self.outliers = 0  # draft calls not learned from (stalls)
-        self._forward_cache: dict[tuple[int, int, int], float] = {}
+        self.costs = StepCosts(table, config, self.sizes, self._levels)
         self.decisions: Counter[int] = Counter()  # steps per choice (0: plain decoding)
         self.decided = 0  # decisions so far (the sum of ``decisions``)
         self.realized = RealizedRates(span=config.veto_span)  # what trees delivered against plain steps
@@ -125,11 +97,36 @@ class AdaptivePolicy:
         self._spent_ms = 0.0  # modelled cost of the chosen steps (recent ones: see _account) ...
         self._probe_ms = 0.0  # ... and what the probes added to it
         self._keep = 1.0 - 1.0 / max(config.probe_window, 1)
-        self.observed: dict[str, list[float]] = {}  # per batch bucket and kind: steps, measured ms, modelled ms
-        self._version = 0  # bumped by what moves the decision much: a tree's acceptance, a draft's cost
+        self._own_version = 0  # bumped by what moves the decision much: a tree's acceptance, a release ...
         self._held: list = [None, 0, 0]  # (batch, context / 256, speculating, budget, version), best, uses
         self._quick = None  # (caller's key, version, plain step's modelled ms) while plain decoding is held
         self.last_held = False  # the latest decision was a held plain one (choose_held)
+
+    @property
+    def _version(self) -> int:
+        """... and the costs' changes (a draft's cost, the first chained step): a held decision ends."""
+        return self._own_version + self.costs.changes
+
+    # The cost model's (``StepCosts``), as the coordinator and the engine use it through the policy.
+    chainable = property(lambda self: self.costs.chainable, lambda self, v: setattr(self.costs, "chainable", v))
+    backlog_rows = property(lambda self: self.costs.backlog_rows,
+                            lambda self, v: setattr(self.costs, "backlog_rows", v))
+    outliers = property(lambda self: self.costs.outliers)
+
+    def step_ms(self, batch: int, context: float, nodes: int, speculating: int) -> float:
+        return self.costs.step_ms(batch, context, nodes, speculating)
+
+    def draft_ms(self, speculating: int, levels: float, context: float) -> float:
+        return self.costs.draft_ms(speculating, levels, context)
+
+    def backlog_ms(self) -> float:
+        return self.costs.backlog_ms()
+
+    def observe_step(self, batch: int, nodes: int, context: float, ms: float, chained: bool = False) -> None:
+        self.costs.observe_step(batch, nodes, context, ms, chained)
+
+    def observe_draft(self, speculating: int, levels: int, ms: float, backlog: int = 0) -> None:
+        self.costs.observe_draft(speculating, levels, ms, backlog)
 
     # --- the decision ---------------------------------------------------------------------------
 
@@ -220,57 +217,6 @@ class AdaptivePolicy:
         a = self._seq.get(seq_id, self._global).curve(self.sizes, self._levels)
         return float(np.interp(nodes, (0, *self.sizes), (0.0, *a)))
 
-    def step_ms(self, batch: int, context: float, nodes: int, speculating: int) -> float:
-        """cost(n) for ``batch`` decoding sequences, ``speculating`` of them with a tree of ``nodes``."""
-        j = self.sizes.index(nodes) if nodes else -1
-        step = self._verify_ms(batch, 1 + (self._nodes[j] if nodes else 0), context)
-        if not nodes:
-            return step
-        unchained = step + self.draft_ms(speculating, self._levels[j], context)
-        if self.chainable and nodes == self.sizes[-1] and speculating == batch:
-            residual = self._chained_residual.get(batch_bucket(batch))
-            if residual is None:  # not measured at this batch: once a tree step ran there, the optimistic
-                # guess (no draft); before, the unchained model (a batch whose trees the scheduler
-                # splits over several steps measures none: never guessed cheap)
-                return step if batch_bucket(batch) in self._residual[True] else unchained
-            # Never above the unchained step (the same device work without the draft's call): a few
-            # slow first chained steps, learned, would otherwise price the largest trees out for good
-            # (no other choice measures them again).
-            forward = self._forward(batch, 1 + self._nodes[j], context)
-            return min(max(forward + residual, 0.05 * forward), unchained)
-        return unchained
-
-    def _verify_ms(self, batch: int, tokens: float, context: float) -> float:
-        """A step without its draft: the forward plus the learned residual. The residual may be negative
-        (the table measured slower than steps run); a step is never free."""
-        forward = self._forward(batch, tokens, context)
-        # Scaled up to an unseen larger batch for trees (taken flat, a tree there would look cheaper than
-        # it is), never for plain decoding: its residual is the step's, not the sequences' (scaled, batch
-        # 1's 0.4 ms read 6 ms at batch 16, and trees looked faster than plain decoding there).
-        residual = learned_at(self._residual[bool(tokens > 1)], batch_bucket(batch), scaled=tokens > 1)
-        return max(forward + (residual or 0.0), 0.05 * forward)
-
-    def draft_ms(self, speculating: int, levels: float, context: float) -> float:
-        """The draft's part of a step with trees of ``levels`` levels for ``speculating`` sequences."""
-        near = nearest_bucket(self._draft, batch_bucket(speculating))
-        if near is None:
-            return self._prior_per_level(speculating, context) * (1 + levels)
-        bucket, scale = near
-        return scale * self._draft[bucket].predict(1 + levels, self._prior_per_level(bucket, context))
-
-    def _prior_per_level(self, speculating: int, context: float) -> float:
-        return self.cfg.draft_prior_fraction * self._forward(speculating, 1, context)
-
-    def _forward(self, batch: int, tokens: float, context: float) -> float:
-        """The table's forward ms, memoised on (batch, tokens, context to 128): asked every step."""
-        key = (batch, round(tokens), int(context) >> 7)
-        ms = self._forward_cache.get(key)
-        if ms is None:
-            if len(self._forward_cache) > 4096:
-                self._forward_cache.clear()
-            ms = self._forward_cache[key] = self.table.forward_ms(batch, round(tokens), (key[2] << 7) + 64)
-        return ms
-
     def _probe(self, best: int, batch: int, context: float, speculating: int) -> int:
         """``best``, or the next size up when a probe is due and the probes' budget allows it."""
         every = self.cfg.probe_every
@@ -319,10 +265,6 @@ class AdaptivePolicy:
         self._account(probe_ms, extra)
         return probe
 
-    def backlog_ms(self) -> float:
-        """What extending the rows waiting for the draft costs (learned; 0 until a call measured it)."""
-        return self.backlog_rows * (self._row_ms or 0.0)
-
     def _account(self, ms: float, probe_extra: float = 0.0) -> None:
         """A decision's modelled step time (and a probe's extra part of it), into the probes' budget:
         sums that decay by 1 / probe_window a decision, so the budget reflects the recent steps."""
@@ -358,92 +300,25 @@ class AdaptivePolicy:
                                                  wider=self._global)
         own.update(acc)
         self._global.update(acc)
-        self._version += 1
+        self._own_version += 1
         j = len(acc) - 1
-        self._nodes[j] += self.cfg.cost_weight * (min(nodes, self.sizes[j]) - self._nodes[j])
-
-    def observe_step(self, batch: int, nodes: int, context: float, ms: float, chained: bool = False) -> None:
-        """A decode (``nodes`` = 0) or tree step without prefill, its draft call's part excluded, took
-        ``ms``. ``chained``: its trees were grown on the device behind the last step's acceptance (the
-        draft's device time is in ``ms``), all of them the largest size."""
-        if not self.cfg.cost_weight:
-            return
-        key = (batch_bucket(batch), nodes > 0)
-        chained = chained and nodes > 0
-        kind = "chained tree" if chained else "tree" if nodes else "plain"
-        modelled = self.step_ms(batch, context, self.sizes[-1], batch) if chained else \
-            self._verify_ms(batch, 1 + nodes, context)
-        seen = self.observed.setdefault(f"{kind} b{key[0]}", [0, 0.0, 0.0])
-        seen[0] += 1
-        seen[1] += ms
-        seen[2] += modelled
-        residual = ms - self._forward(batch, 1 + nodes, context)
-        learned = self._chained_residual if chained else self._residual[key[1]]
-        old = learned.get(key[0])
-        # A bias-corrected mean: the k-th step weighs w / (1 - (1 - w)^k), so the first few count about
-        # alike (a running mean) before the window takes over. Counted fully and then at w, one slow
-        # first chained step at batch 1 (4.0 ms where they run 2.0) priced the largest trees out for good.
-        mass = self._mass.get((kind, key[0]), 0.0)
-        mass += self.cfg.cost_weight * (1.0 - mass)
-        self._mass[(kind, key[0])] = mass
-        learned[key[0]] = residual if old is None else old + self.cfg.cost_weight / mass * (residual - old)
-        if chained and old is None:
-            self._version += 1  # the largest trees' cost changed model: decisions held on the old one end
+        self.costs.nodes[j] += self.cfg.cost_weight * (min(nodes, self.sizes[j]) - self.costs.nodes[j])
 
     def observe_realized(self, batch: int, tokens: int, ms: float, draft_ms: float, trees: bool) -> None:
         """A step of ``batch`` decoding sequences, no prefill: ``tokens`` committed in ``ms`` of its own
         and ``draft_ms`` of a draft call; ``trees``: it verified trees (``RealizedRates``)."""
         self.realized.observe(batch, tokens, ms, draft_ms, trees, self.decided)
 
-    def observe_draft(self, speculating: int, levels: int, ms: float, backlog: int = 0) -> None:
-        """The draft's part of a step that asked ``speculating`` trees of ``levels`` levels took ``ms``;
-        ``backlog``: rows of earlier plain steps it extended first (such a call is no tree's cost: only
-        counted in the diagnostics)."""
-        seen = self.observed.setdefault(f"draft{' after plain steps' if backlog else ''} b{batch_bucket(speculating)}",
-                                        [0, 0.0, 0.0])
-        seen[0] += 1
-        seen[1] += ms
-        seen[2] += backlog
-        bucket = batch_bucket(speculating)
-        if backlog >= BACKLOG_ROWS and self.cfg.cost_weight:  # beyond its trees' cost, per row caught up
-            row_ms = max(ms - self.draft_ms(speculating, levels, 1024.0), 0.0) / backlog
-            self._row_ms = row_ms if self._row_ms is None else self._row_ms + self.cfg.cost_weight * (
-                row_ms - self._row_ms)
-        if not self.cfg.cost_weight or backlog:
-            return
-        expected = self.draft_ms(speculating, levels, 1024.0)  # the learned cost, or the prior before one
-        if ms > OUTLIER_FACTOR * expected and self._outliers.get(bucket, 0) < OUTLIER_RUN:
-            # A stall (a graph captured or a kernel compiled in the draft, a hiccup of the link), not the
-            # draft's cost: learned, it would stop every later tree (and the probes that could correct
-            # it). As many in a row as OUTLIER_RUN are a real change, and learned.
-            self._outliers[bucket] = self._outliers.get(bucket, 0) + 1
-            self.outliers += 1
-            return
-        self._outliers[bucket] = 0
-        self._version += 1
-        self._draft.setdefault(bucket, DraftCost(self.cfg.cost_weight)).update(1 + levels, ms)
-
     def release(self, seq_id: int) -> None:
         self._seq.pop(seq_id, None)
-        self._version += 1
+        self._own_version += 1
 
     def diagnostics(self) -> dict:
         """What the policy learned and how its model compares with the steps measured (for benchmarks)."""
         return {"decisions": {str(k): v for k, v in sorted(self.decisions.items())}, "probes": self.probes,
-                "draft_outliers": self.outliers, "vetoes": self.vetoes, "realized": self.realized.rates(),
-                "backlog_row_us": round(float(self._row_ms) * 1e3, 4) if self._row_ms is not None else None,
+                "vetoes": self.vetoes, "realized": self.realized.rates(),
                 "probe_share_modelled": round(float(self._probe_ms / self._spent_ms), 4) if self._spent_ms else 0.0,
-                "residual_ms": {**{f"{'tree' if t else 'plain'} b{b}": round(float(v), 4)
-                                   for t, by_bucket in self._residual.items() for b, v in by_bucket.items()},
-                                **{f"chained tree b{b}": round(float(v), 4)
-                                   for b, v in self._chained_residual.items()}},
-                "draft_ms": {f"b{b}": dict(zip(("fixed", "per_level"), (round(float(v), 4) for v in
-                                                     cost.fit(self._prior_per_level(b, 1024)))))
-                             for b, cost in self._draft.items()},
-                "steps": {k: {"steps": int(n), "measured_ms": round(float(m / n), 4), "modelled_ms": round(float(e / n), 4)}
-                          for k, (n, m, e) in self.observed.items() if not k.startswith("draft")},
-                "draft_calls": {k: {"calls": int(n), "ms": round(float(m / n), 4), "backlog_rows": round(float(e / n), 1)}
-                                for k, (n, m, e) in self.observed.items() if k.startswith("draft")}}
+                **self.costs.diagnostics()}
 
 
 def policy_for(target, limits: TreeSettings, table_path: str | None = None,
