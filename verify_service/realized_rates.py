@@ -59,7 +59,7 @@ class RealizedRates:
         for b in [b for b in self._trees if self.from_bucket <= b <= bucket]:
             tokens, ms, steps, last = self._trees[b]
             plain = self._plain.get(b)
-            if steps < MIN_STEPS or plain is None or plain[2] < MIN_STEPS:
+            if steps < MIN_STEPS or plain is None or plain[2] < MIN_STEPS or ms <= 0.0 or plain[1] <= 0.0:
                 continue
             if now - last >= self.span:  # lapsed: this bucket's trees are measured afresh
                 del self._trees[b]
