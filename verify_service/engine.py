@@ -83,6 +83,7 @@ class Engine:
         ONLY, acceptance from a recorded trace instead of the target's choice (``replay.py``)."""
         assert (drafter is None) == (limits is None), "a drafter needs tree limits"
         self.target = target
+        self._eos = target.model_config.eos_token_ids
         self.drafter, self.limits, self.policy = drafter, limits, policy
         if drafter is not None:
             target.runner.set_capture_layers(drafter.capture_layers)
@@ -362,25 +363,33 @@ class Engine:
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> TokenEvent:
         """Append tokens one by one until one of them finishes the sequence."""
-        kept, text = [], ""
-        for token in tokens:
+        detok = seq.detokenizer
+        if len(tokens) == 1:  # a plain decode's (a step commits one per sequence: kept lean)
+            token = tokens[0]
+            kept = [token]
             seq.output_ids.append(token)
-            kept.append(token)
-            text += seq.detokenizer.add_tokens([token]) if seq.detokenizer else ""
-            seq.finish_reason = self._finish_reason(seq, token)
-            if seq.finished:
-                break
-        if seq.finished:
-            text += seq.detokenizer.finish() if seq.detokenizer else ""
-            self._release(seq)
-            self.sequences.pop(seq.seq_id, None)
-        metrics = seq.speculation if seq.finished and seq.speculate else None
-        return TokenEvent(seq.seq_id, kept, text, seq.finish_reason, metrics)
+            text = detok.add_tokens(kept) if detok else ""
+            reason = seq.finish_reason = self._finish_reason(seq, token)
+        else:
+            kept, text, reason = [], "", None
+            for token in tokens:
+                seq.output_ids.append(token)
+                kept.append(token)
+                text += detok.add_tokens([token]) if detok else ""
+                reason = seq.finish_reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    break
+        if reason is None:
+            return TokenEvent(seq.seq_id, kept, text)
+        text += detok.finish() if detok else ""
+        self._release(seq)
+        self.sequences.pop(seq.seq_id, None)
+        return TokenEvent(seq.seq_id, kept, text, reason, seq.speculation if seq.speculate else None)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
-        eos = () if p.ignore_eos else self.target.model_config.eos_token_ids
-        if token in p.stop_token_ids or token in eos or (seq.detokenizer and seq.detokenizer.stopped):
+        if token in p.stop_token_ids or (token in self._eos and not p.ignore_eos) or \
+                (seq.detokenizer and seq.detokenizer.stopped):
             return FinishReason.STOP
         if len(seq.output_ids) >= seq.max_new_tokens:
             return FinishReason.LENGTH
