@@ -1,16 +1,18 @@
 """The replay hook (benchmarks only), the benchmarks that use it and the plot step, small on the CPU."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from benchmarks import plot, replay_gates, row_breakdown, speed_report
+from benchmarks import plot, policy_replay, replay_gates, row_breakdown, speed_report
 from benchmarks.record_acceptance import record, summary
 from draft_service.drafter import EagleDrafter
 from draft_service.spec_config import SpecConfig
 from tiny_eagle import make_eagle_dir
 from tiny_models import make_model_dir, target_for, tiny_config
+from verify_service.adaptive import PolicyConfig
 from verify_service.engine import Engine
 from verify_service.replay import AcceptanceReplay
 
@@ -131,3 +133,19 @@ def test_row_breakdown_splits_each_round_by_kind_of_step(tmp_path):
     fixed = rows["fixed tree"]["median_round"]
     assert fixed["tree"]["steps"] + fixed["chained"]["steps"] >= 1 and fixed["draft_calls"]["calls"] >= 1
     assert "=== adaptive, batch 2" in (tmp_path / "breakdown.json.profile.txt").read_text()
+
+
+def test_the_policy_replayed_at_batch_1_keeps_most_of_the_fixed_trees_gain_and_never_loses():
+    """The recorded MT-bench trace (24 first turns, what every tree size accepted at each step) through
+    the policy at batch 1, with the H100 step costs (``policy_replay.py``): after a warm pass its choices
+    keep most of the fixed tree's speed-up, and where nothing is ever accepted it decodes plainly,
+    about as fast as target-only (the fixed tree: half as fast)."""
+    trace = json.loads((Path(__file__).parent.parent / "benchmarks" / "results" / "speculation" /
+                        "policy_trace_mtbench24_fp32_cpu.json").read_text())
+    costs = policy_replay.ReplayCosts()
+    zero = {"sizes": trace["sizes"], "steps": [[s, [0.0] * len(a)] for s, a in trace["steps"][:400]]}
+    for t, least_of_fixed, least_of_target in ((trace, 0.88, 1.3), (zero, 1.5, 0.94)):
+        base, _ = policy_replay.replay(t, PolicyConfig(), "target", costs, 0)
+        fixed, _ = policy_replay.replay(t, PolicyConfig(), "fixed", costs, 0)
+        policy, kinds = policy_replay.replay(t, PolicyConfig(), "policy", costs, 1)
+        assert policy >= least_of_fixed * fixed and policy >= least_of_target * base, (fixed / base, policy / base, kinds)
