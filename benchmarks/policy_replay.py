@@ -12,7 +12,8 @@ times given on the command line (defaults: one H100 at fb60145, SmolLM2 bf16: a 
 ahead 1.02 ms, the first plain one after trees 1.5 ms, a chained step of the largest trees 2.1 ms,
 an unchained tree step 1.71 ms plus its draft call 0.30 ms + 0.085 ms a level). A tree chosen at a
 position inside a recorded step accepts what that step's tree accepted there, less the tokens
-already passed (an approximation: the recording decoded with a tree at every step). ``--warm N``
+already passed (an approximation, pessimistic for trees chosen after plain steps: the recording
+decoded with a tree at every step), or with ``--inside whole`` all of it. ``--warm N``
 replays the trace N times first (the policy keeps what it learned, as a serving engine does) and
 times the last pass. Prints tokens per ms against target-only decoding, for the fixed tree and the
 policy with its defaults and the variants given by ``--variant field=value``.
@@ -93,8 +94,12 @@ def flat_table() -> CostTable:
     return CostTable((1, 2), toks, (1024,), np.array([[[0.95 + 0.001 * (q - 1) for q in toks]] * 2]))
 
 
-def replay(trace: dict, cfg: PolicyConfig, mode: str, costs: ReplayCosts, warm: int) -> tuple[float, Counter]:
-    """Tokens per ms over the trace's sequences (``mode``: target, fixed or policy), and the steps by kind."""
+def replay(trace: dict, cfg: PolicyConfig, mode: str, costs: ReplayCosts, warm: int,
+           inside: str = "passed") -> tuple[float, Counter]:
+    """Tokens per ms over the trace's sequences (``mode``: target, fixed or policy), and the steps by kind.
+    ``inside``: what a tree chosen at a position inside a recorded step accepts: that step's tree's
+    acceptance less the tokens already passed ("passed": a lower bound, as a tree grown there would
+    likely do better) or the whole of it ("whole": as if its tree were grown there)."""
     policy = AdaptivePolicy(flat_table(), TreeSettings("dynamic", 7, 10, 59), cfg)
     policy.chainable = True
     sizes = list(policy.sizes)
@@ -111,7 +116,7 @@ def replay(trace: dict, cfg: PolicyConfig, mode: str, costs: ReplayCosts, warm: 
             length, pos, prev = int(starts[-1] + 1 + steps[-1][-1]), 0, "plain"
             while pos < length:
                 i = int(np.searchsorted(starts, pos, side="right") - 1)
-                acc = np.maximum(steps[i] - (pos - starts[i]), 0)
+                acc = steps[i] if inside == "whole" else np.maximum(steps[i] - (pos - starts[i]), 0)
                 n = {"target": 0, "fixed": sizes[-1]}.get(mode)
                 if n is None:
                     n = policy.choose(1, 300 + pos, [sid], [sizes[-1]])
@@ -152,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     rep.add_argument("trace")
     rep.add_argument("--warm", type=int, default=1, help="passes before the timed one")
     rep.add_argument("--variant", action="append", default=[], help="PolicyConfig field=value, e.g. probe_every=16")
+    rep.add_argument("--inside", choices=("passed", "whole"), default="passed",
+                     help="a tree chosen inside a recorded step accepts its acceptance less the tokens passed, or whole")
     for field, value in ReplayCosts().__dict__.items():
         rep.add_argument(f"--{field.replace('_', '-')}-ms", type=float, default=value, dest=field)
     args = ap.parse_args(argv)
@@ -159,14 +166,14 @@ def main(argv: list[str] | None = None) -> None:
         return record(args)
     trace = json.loads(Path(args.trace).read_text())
     costs = ReplayCosts(**{f: getattr(args, f) for f in ReplayCosts().__dict__})
-    base, _ = replay(trace, PolicyConfig(), "target", costs, 0)
-    fixed, _ = replay(trace, PolicyConfig(), "fixed", costs, 0)
+    base, _ = replay(trace, PolicyConfig(), "target", costs, 0, args.inside)
+    fixed, _ = replay(trace, PolicyConfig(), "fixed", costs, 0, args.inside)
     print(f"fixed tree: {fixed / base:.3f}x target-only")
     variants = [("defaults", PolicyConfig())] + [
         (v, replace(PolicyConfig(), **{v.split("=")[0]: type(getattr(PolicyConfig(), v.split("=")[0]))(v.split("=")[1])}))
         for v in args.variant]
     for name, cfg in variants:
-        rate, kinds = replay(trace, cfg, "policy", costs, args.warm)
+        rate, kinds = replay(trace, cfg, "policy", costs, args.warm, args.inside)
         print(f"policy, {name}: {rate / base:.3f}x target-only ({rate / fixed:.3f} of the fixed tree)  {dict(kinds)}")
 
 

@@ -138,14 +138,16 @@ def test_row_breakdown_splits_each_round_by_kind_of_step(tmp_path):
 def test_the_policy_replayed_at_batch_1_keeps_most_of_the_fixed_trees_gain_and_never_loses():
     """The recorded MT-bench trace (24 first turns, what every tree size accepted at each step) through
     the policy at batch 1, with the H100 step costs (``policy_replay.py``): after a warm pass its choices
-    keep most of the fixed tree's speed-up, and where nothing is ever accepted it decodes plainly,
-    about as fast as target-only (the fixed tree: half as fast)."""
+    keep most of the fixed tree's speed-up (nearly all of it where a tree chosen inside a recorded step
+    accepts what that step's did), and where nothing is ever accepted it decodes plainly, about as fast
+    as target-only (the fixed tree: half as fast)."""
     trace = json.loads((Path(__file__).parent.parent / "benchmarks" / "results" / "speculation" /
                         "policy_trace_mtbench24_fp32_cpu.json").read_text())
     costs = policy_replay.ReplayCosts()
     zero = {"sizes": trace["sizes"], "steps": [[s, [0.0] * len(a)] for s, a in trace["steps"][:400]]}
-    for t, least_of_fixed, least_of_target in ((trace, 0.88, 1.3), (zero, 1.5, 0.94)):
-        base, _ = policy_replay.replay(t, PolicyConfig(), "target", costs, 0)
-        fixed, _ = policy_replay.replay(t, PolicyConfig(), "fixed", costs, 0)
-        policy, kinds = policy_replay.replay(t, PolicyConfig(), "policy", costs, 1)
+    for t, inside, least_of_fixed, least_of_target in ((trace, "passed", 0.88, 1.3), (trace, "whole", 0.95, 1.5),
+                                                       (zero, "passed", 1.5, 0.94)):
+        base, _ = policy_replay.replay(t, PolicyConfig(), "target", costs, 0, inside)
+        fixed, _ = policy_replay.replay(t, PolicyConfig(), "fixed", costs, 0, inside)
+        policy, kinds = policy_replay.replay(t, PolicyConfig(), "policy", costs, 1, inside)
         assert policy >= least_of_fixed * fixed and policy >= least_of_target * base, (fixed / base, policy / base, kinds)
