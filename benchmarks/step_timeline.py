@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+import verify_service.draft_coordinator as coordinator
 from runtime.step_layout import Readback
 
 STEP = "step"
@@ -58,8 +59,6 @@ def patched(engine, clock: dict | None = None):
                   (engine.target.runner, "step", "target_forward"), (engine.sampler, "sample", "sample"),
                   (engine, "_launch_decode", "launch_decode"), (engine, "_commit", "commit")]
         if engine.drafter is not None:
-            import verify_service.draft_coordinator as coordinator
-
             phases += [(engine.verifier, "accept", "accept"), (engine.verifier, "finish", "finish"),
                        (engine.speculation, "draft", "draft_call"),
                        (engine.speculation, "draft_on_device", "draft_chained"),
@@ -70,7 +69,6 @@ def patched(engine, clock: dict | None = None):
             if inner is not None:  # an in-process drafter: its two halves
                 phases += [(engine.drafter, "_extend", "draft_extend"), (engine.drafter, "_propose_on_device", "draft_propose")]
         # Finer: the graphs' host sides, the tree checks, and the waits on the device.
-        import verify_service.draft_coordinator as coordinator
         phases += [(engine.target.runner, "_replay", "target_graph"), (coordinator, "invalid_trees", "tree_checks"),
                    (torch.Tensor, "cpu", "wait_cpu"), (torch.Tensor, "tolist", "wait_tolist"),
                    (Readback, "wait", "wait_readback")]
