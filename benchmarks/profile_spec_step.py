@@ -72,6 +72,9 @@ class _AlwaysPlain:
     def observe_tree(self, *args) -> None:
         pass
 
+    def observe_realized(self, *args) -> None:
+        pass
+
     def release(self, seq_id) -> None:
         pass
 
@@ -96,6 +99,9 @@ def main() -> None:
                          "(what a request costs outside its steps), and cProfile by own time")
     ap.add_argument("--unchained", action="store_true",
                     help="call the draft after the step's sync, not chained behind acceptance on the device")
+    ap.add_argument("--kernel-rows", type=int, default=15, help="rows of the device-kernel table")
+    ap.add_argument("--trace", default=None,
+                    help="also write the profiled steps' Chrome trace here (every kernel, in order, graphs included)")
     ap.add_argument("--timeline", action="store_true",
                     help="instead of the profiles: the host phases against the device's busy and idle time "
                          "(benchmarks/step_timeline.py)")
@@ -147,6 +153,12 @@ def main() -> None:
         engine.step()
         sync()
         times.append((time.perf_counter() - t) * 1e3)
+    sync()  # steps back to back, as serving runs them (a chained step's draft overlaps the next step's host work)
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    sync()
+    pipelined = (time.perf_counter() - t) * 1e3 / args.steps
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.steps):
@@ -160,9 +172,12 @@ def main() -> None:
         for _ in range(5):
             engine.step()
         sync()
-    kernels = tprof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=15)
+    kernels = tprof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                                         row_limit=args.kernel_rows)
     launches = sum(e.count for e in tprof.key_averages() if e.device_type.name == "CUDA") / 5
-    result = {**header, "step_ms_median": round(statistics.median(times), 3),
+    if args.trace:
+        tprof.export_chrome_trace(args.trace)
+    result = {**header, "step_ms_median": round(statistics.median(times), 3), "step_ms_pipelined": round(pipelined, 3),
               "step_ms": [round(x, 3) for x in times], "device_kernels_per_step": launches}
     print(json.dumps({k: v for k, v in result.items() if k != "step_ms"}))
     print(text.getvalue())

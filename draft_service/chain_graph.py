@@ -10,7 +10,7 @@ into the proposal's root buffers, the fed rows added to the committed ones. Here
                  -> one copy (the proposal's pinned buffers, ``DeviceProposal.send``)
     device:  counts [B] | tokens [B, D] | features [B, D, width] -> this graph's buffers (three copies)
     graph:   counts clamped into [1, most] (padding sequences: 0), tokens into the vocabulary
-             the rows packed (``pack_rows``), the draft extend (``extend_forward``)
+             the rows packed (``kernels.pack_rows``), the draft extend (``extend_forward``)
                  -> each sequence's last row: its output and log-probs = the proposal's roots
              rows += counts: the committed rows the proposal's levels sit past
              the proposal's levels and trees (``DeviceProposal.grow``) -> packed [4, B, nodes]
@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from draft_service.draft_graphs import extend_forward, pack_rows
+from draft_service.draft_graphs import extend_forward
 from draft_service.proposal_graph import DeviceProposal
 from runtime.graphs import capture_graph
 
@@ -84,7 +84,7 @@ class ChainedProposal:
     def _forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p, D = self.proposal, self.rows_per_seq
         counts = torch.minimum(self.counts.clamp(min=1), p.live)  # padding sequences (live 0) bring no rows
-        ids, hidden = pack_rows(counts, self.tokens.clamp(0, self.vocab - 1), self.features, p.batch * D)
+        ids, hidden = p.kernels.pack_rows(counts, self.tokens, self.features, p.batch * D, self.vocab)
         last, logp = extend_forward(p.net, p.kv, p.kernels, ids, hidden, p.rows, counts, p.tables, D, p.max_seq_len)
         # A padding sequence's "last row" attended to no key (NaN): its roots are zeros, so its tree,
         # which no one reads, is grown from finite scores like any other (NaN would rank out of range).

@@ -7,8 +7,8 @@ still on the device runs inside its proposal's graph, ``chain_graph.py``.) An ex
 step's own write no KV (slot -1) and give outputs no one reads; padding sequences bring no rows.
 Eagerly it costs some forty kernel launches from Python; replayed, one graph plus the copy that
 puts the step's inputs at the graph's fixed addresses. The host sends only what it alone knows,
-per sequence; the graph lays the rows out itself (``extend_layout``: what ``layout_arrays``
-computes on the host, a few small kernels instead of a dozen array passes a step)::
+per sequence; the graph lays the rows out itself (``kernels.extend_layout``: what ``layout_arrays``
+computes on the host, one launch instead of a dozen array passes a step)::
 
     host:   first row, row count, block table a sequence; the token ids -> pinned buffer -> one copy
     device: the fed features -> the graph's buffer (device-to-device)
@@ -58,54 +58,14 @@ class _Graph:
     logp: torch.Tensor  # float32 [B, draft vocab], each sequence's last row
 
 
-def extend_layout(starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor, block_size: int,
-                  rows_per_seq: int) -> dict[str, torch.Tensor]:
-    """An extend's metadata on the device, from each sequence's first KV row ``starts`` [B], row
-    count ``counts`` [B] (0: a padding sequence) and block table ``tables`` [B, W]: rows packed
-    sequence after sequence in ``B * rows_per_seq`` slots, as ``layout_arrays`` lays them out on
-    the host, and the slots past the last row writing nothing (slot -1, position, sequence and
-    index 0). Adds ``rows``: each sequence's last row (0 for none before it). No host sync."""
-    B, W = tables.shape
-    T = B * rows_per_seq
-    qsl = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    r = torch.arange(T, device=counts.device)
-    seq = torch.searchsorted(qsl[1:], r, right=True).clamp(max=B - 1)  # the sequence whose range holds r
-    q_idx = r - qsl[seq]
-    valid = r < qsl[B]
-    kv = starts[seq] + q_idx
-    block = tables[seq, (kv // block_size).clamp(0, W - 1)]
-    zero = torch.zeros_like(r)
-    return {"qsl": qsl, "seq_lens": starts + counts, "slots": torch.where(valid, block * block_size + kv % block_size, -1),
-            "positions": torch.where(valid, kv, zero), "token_seq": torch.where(valid, seq, zero),
-            "q_idx": torch.where(valid, q_idx, zero), "rows": (qsl[1:] - 1).clamp(min=0)}
-
-
-def pack_rows(counts: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, rows: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences' rows packed front to back, as an extend lays them out: ``counts`` [B] rows of
-    ``tokens`` [B, D] and ``features`` [B, D, width] -> token ids [rows] and features [rows, width],
-    zero past the last row. A gather per packed row (its sequence by a search of the row starts),
-    on the device, with no host sync."""
-    B, D = tokens.shape
-    ends = counts.cumsum(0)
-    r = torch.arange(rows, device=counts.device)
-    seq = torch.searchsorted(ends, r, right=True).clamp(max=B - 1)
-    col = (r - (ends[seq] - counts[seq])).clamp(0, D - 1)
-    valid = r < ends[-1]
-    flat = seq * D + col
-    ids = torch.where(valid, tokens.reshape(-1)[flat], 0)
-    hidden = features.reshape(B * D, -1)[flat] * valid[:, None].to(features.dtype)
-    return ids, hidden
-
-
 def extend_forward(net: EagleNet, kv: PagedKVCache, kernels: KernelSet, ids: torch.Tensor, features: torch.Tensor,
                    starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor, rows_per_seq: int,
                    max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A draft extend laid out on the device (``extend_layout``): rows packed ``rows_per_seq`` a
+    """A draft extend laid out on the device (``kernels.extend_layout``): rows packed ``rows_per_seq`` a
     sequence, ``ids`` [B * rows_per_seq] and ``features`` [B * rows_per_seq, width], written to the
     KV rows ``starts ..`` of ``tables``. Returns each sequence's last row's output [B, H] and its
     log-probs over the draft vocabulary [B, Vd] (float32)."""
-    lay = extend_layout(starts, counts, tables, kv.block_size, rows_per_seq)
+    lay = kernels.extend_layout(starts, counts, tables, kv.block_size, rows_per_seq)
     meta = AttentionMetadata(query_start_loc=lay["qsl"], seq_lens=lay["seq_lens"], block_tables=tables,
                              slot_mapping=lay["slots"], positions=lay["positions"], token_seq=lay["token_seq"],
                              token_q_idx=lay["q_idx"], max_query_len=rows_per_seq, max_seq_len=max_seq_len)

@@ -241,21 +241,17 @@ class DynamicTreeBuilder(_PoolBuilder):
         return self._next()
 
     def finish(self) -> list[CandidateTree]:
-        return self._filled().trees(self._keep())
+        tokens, parents, depths, scores = (t.cpu().numpy() for t in self.finish_tensors())
+        return [CandidateTree(tokens[i], parents[i], depths[i], scores[i]) for i in range(tokens.shape[0])]
 
     def finish_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``finish`` on the device: tokens, parents, depths, scores [B, n] (no host copy)."""
-        return self._filled().tree_tensors(self._keep())
-
-    def _keep(self) -> torch.Tensor:
+        """``finish`` on the device: tokens, parents, depths, scores [B, n] (no host copy). The best
+        ``max_nodes`` by score, equal scores to the earlier pool index, i.e. the lower depth first: a
+        child never outscores its parent (log p <= 0) and on a tie the parent wins, so the best are
+        closed under taking ancestors; then parents first (``kernels.best_nodes``)."""
         pool = self._filled()
-        # Rank by score; equal scores go to the earlier pool index, i.e. the lower depth first.
-        # A child never outscores its parent (log p <= 0), and on a tie the parent wins, so the
-        # best n are closed under taking ancestors.
-        n = min(self.max_nodes, pool.size)
-        keep = pool.scores.sort(dim=1, descending=True, stable=True).indices[:, :n]  # (B, n)
-        # Parents first: stable sort by depth keeps score order (and its ties) inside a level.
-        return keep.gather(1, pool.depths.gather(1, keep).sort(dim=1, stable=True).indices)
+        return self._kernels.best_nodes(pool.tokens, pool.parents, pool.depths, pool.scores,
+                                        min(self.max_nodes, pool.size))
 
     def _next(self) -> Frontier | None:
         return self._frontier if self._frontier.depth < self.depth else None

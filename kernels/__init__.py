@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from kernels import acceptance, attention, kv_compaction, norm, rope, sampling, tree
+from kernels import acceptance, attention, draft_rows, kv_compaction, norm, rope, sampling, tree
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,9 @@ class KernelSet:
     tree_positions: Callable
     draft_topk: Callable
     expand_frontier: Callable  # a dynamic tree's level: candidates scored into the pool, the best kept
+    best_nodes: Callable  # a dynamic tree's final nodes: the pool's best, parents first
+    extend_layout: Callable  # a draft extend's metadata from its row counts, on the device
+    pack_rows: Callable  # a chained extend's fed rows packed front to back
     name: str
 
 
@@ -72,6 +75,9 @@ REFERENCE = KernelSet(
     tree_positions=tree.tree_positions_ref,
     draft_topk=tree.draft_topk_ref,
     expand_frontier=tree.expand_frontier_ref,
+    best_nodes=tree.best_nodes_ref,
+    extend_layout=draft_rows.extend_layout_ref,
+    pack_rows=draft_rows.pack_rows_ref,
     name="reference",
 )
 

@@ -128,3 +128,22 @@ def expand_frontier_ref(frontier_scores: torch.Tensor, log_probs: torch.Tensor, 
     order = scores.view(b, n).sort(dim=1, descending=True, stable=True)
     best = order.indices[:, :keep]
     return best + lo, tokens.reshape(b, n).gather(1, best), best // k, order.values[:, :keep]
+
+
+def best_nodes_ref(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
+                   n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A dynamic tree's final nodes: the ``n`` best of a pool of candidates [B, P] (tokens, parents as
+    pool indices or -1, depths, float32 cumulative scores) by score, equal scores to the earlier pool
+    index (a NaN score ranks as +inf), ordered by depth, then score: tokens, parents (remapped to
+    positions among the n, -1 for the root's children and for a parent not kept), depths, scores,
+    each [B, n]. With scores that never grow along a path and pool order parents first, the best n
+    hold every kept node's parent."""
+    B, P = scores.shape
+    keep = torch.nan_to_num(scores, nan=float("inf")).sort(dim=1, descending=True, stable=True).indices[:, :n]
+    # Parents first: a stable sort by depth keeps score order (and its ties) inside a level.
+    keep = keep.gather(1, depths.gather(1, keep).sort(dim=1, stable=True).indices)
+    new_index = keep.new_full((B, P + 1), -1)  # pool index -> position; column P stands for the root
+    new_index.scatter_(1, keep, torch.arange(n, device=keep.device).expand(B, n))
+    pool_parent = parents.gather(1, keep)
+    out_parents = new_index.gather(1, torch.where((pool_parent >= 0) & (pool_parent < P), pool_parent, P))
+    return tokens.gather(1, keep), out_parents, depths.gather(1, keep), scores.gather(1, keep)

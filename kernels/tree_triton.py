@@ -159,3 +159,81 @@ def _expand_kernel(fs_ptr, lp_ptr, tok_ptr, fidx_ptr, pool_tok_ptr, pool_par_ptr
     tl.store(out_tok_ptr + out, tokens, mask=kept)
     tl.store(out_slot_ptr + out, (c // K).to(tl.int64), mask=kept)
     tl.store(out_sc_ptr + out, scores, mask=kept)
+
+
+def best_nodes_triton(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
+                      n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``best_nodes_ref``'s signature and results in two launches (no sort): each candidate's rank by
+    score, counted against every other; then each kept candidate's place, and its parent's, counted
+    among the kept ones by (depth, rank). Pools may be column slices of larger buffers (rows strided);
+    depths are tree depths (compared as int32)."""
+    B, P = scores.shape
+    dev = scores.device
+    out = [torch.empty(B, n, dtype=dt, device=dev) for dt in (torch.int64, torch.int64, torch.int64, torch.float32)]
+    if B and n:
+        assert scores.dtype == torch.float32 and all(t.stride(1) == 1 for t in (tokens, parents, depths, scores))
+        rank = torch.empty(B, P, dtype=torch.int32, device=dev)
+        grid = (B, triton.cdiv(P, RANK_BLOCK))
+        against = min(RANK_AGAINST, triton.next_power_of_2(P))
+        _rank_kernel[grid](scores, scores.stride(0), rank, P, BLOCK=RANK_BLOCK, BLOCK_J=against)
+        _place_kernel[grid](tokens, parents, depths, scores, tokens.stride(0), parents.stride(0), depths.stride(0),
+                            scores.stride(0), rank, *out, P, n, BLOCK=RANK_BLOCK, BLOCK_J=against)
+    return tuple(out)
+
+
+# Candidates a program ranks, against blocks of up to 256 others a loop: few loop turns (each waits on its
+# loads), many programs (a 610-candidate pool: 39 a sequence, 3 turns each).
+RANK_BLOCK, RANK_AGAINST = 16, 256
+
+
+@jit_unspecialized("scores_ptr", "stride", "rank_ptr", "P")
+def _rank_kernel(scores_ptr, stride, rank_ptr, P, BLOCK: tl.constexpr, BLOCK_J: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    s_i = tl.load(scores_ptr + b * stride + i, mask=i < P, other=0.0)
+    s_i = tl.where(s_i != s_i, float("inf"), s_i)  # NaN ranks as +inf: ranks stay a permutation
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for j0 in range(0, P, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        s_j = tl.load(scores_ptr + b * stride + j, mask=j < P, other=0.0)
+        s_j = tl.where(s_j != s_j, float("inf"), s_j)
+        ahead = (s_j[None, :] > s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum((ahead & (j < P)[None, :]).to(tl.int32), 1)
+    tl.store(rank_ptr + b * P + i, rank, mask=i < P)
+
+
+@jit_unspecialized("tokens_ptr", "parents_ptr", "depths_ptr", "scores_ptr", "st_tokens", "st_parents", "st_depths",
+                   "st_scores", "rank_ptr", "out_tokens", "out_parents", "out_depths", "out_scores", "P", "n")
+def _place_kernel(tokens_ptr, parents_ptr, depths_ptr, scores_ptr, st_tokens, st_parents, st_depths, st_scores,
+                  rank_ptr, out_tokens, out_parents, out_depths, out_scores, P, n, BLOCK: tl.constexpr,
+                  BLOCK_J: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_pool = i < P
+    rank_i = tl.load(rank_ptr + b * P + i, mask=in_pool, other=P)
+    kept = in_pool & (rank_i < n)
+    depth_i = tl.load(depths_ptr + b * st_depths + i, mask=in_pool, other=0).to(tl.int32)
+    parent = tl.load(parents_ptr + b * st_parents + i, mask=in_pool, other=-1)
+    has_parent = (parent >= 0) & (parent < P)
+    p = tl.where(has_parent, parent, 0)
+    rank_p = tl.load(rank_ptr + b * P + p, mask=in_pool, other=P)
+    depth_p = tl.load(depths_ptr + b * st_depths + p, mask=in_pool, other=0).to(tl.int32)
+    has_parent &= rank_p < n
+    place_i = tl.zeros([BLOCK], dtype=tl.int32)
+    place_p = tl.zeros([BLOCK], dtype=tl.int32)
+    for j0 in range(0, P, BLOCK_J):  # kept candidates before i (and before its parent) by (depth, rank)
+        j = j0 + tl.arange(0, BLOCK_J)
+        rank_j = tl.load(rank_ptr + b * P + j, mask=j < P, other=P)
+        depth_j = tl.load(depths_ptr + b * st_depths + j, mask=j < P, other=0).to(tl.int32)
+        kept_j = ((j < P) & (rank_j < n))[None, :]
+        before_i = (depth_j[None, :] < depth_i[:, None]) | (
+            (depth_j[None, :] == depth_i[:, None]) & (rank_j[None, :] < rank_i[:, None]))
+        before_p = (depth_j[None, :] < depth_p[:, None]) | (
+            (depth_j[None, :] == depth_p[:, None]) & (rank_j[None, :] < rank_p[:, None]))
+        place_i += tl.sum((before_i & kept_j).to(tl.int32), 1)
+        place_p += tl.sum((before_p & kept_j).to(tl.int32), 1)
+    dst = b * n + place_i
+    tl.store(out_tokens + dst, tl.load(tokens_ptr + b * st_tokens + i, mask=kept, other=0), mask=kept)
+    tl.store(out_parents + dst, tl.where(has_parent, place_p, -1).to(tl.int64), mask=kept)
+    tl.store(out_depths + dst, depth_i.to(tl.int64), mask=kept)
+    tl.store(out_scores + dst, tl.load(scores_ptr + b * st_scores + i, mask=kept, other=0.0), mask=kept)

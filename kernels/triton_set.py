@@ -7,9 +7,11 @@ import dataclasses
 from kernels import REFERENCE
 from kernels.attention_triton import paged_attention_triton, prepare_attention_triton, write_kv_triton
 from kernels.fused_triton import rms_norm_triton, rope_write_kv_triton, silu_mul_triton
+from kernels.draft_rows_triton import extend_layout_triton, pack_rows_triton
 from kernels.acceptance_triton import compaction_slots_triton, greedy_accept_triton
 from kernels.topk_triton import draft_topk_triton
-from kernels.tree_triton import expand_frontier_triton, packed_tree_mask_triton, sanitize_trees_triton
+from kernels.tree_triton import (best_nodes_triton, expand_frontier_triton, packed_tree_mask_triton,
+                                 sanitize_trees_triton)
 
 TRITON = dataclasses.replace(
     REFERENCE,
@@ -25,5 +27,8 @@ TRITON = dataclasses.replace(
     packed_tree_mask=packed_tree_mask_triton,
     sanitize_trees=sanitize_trees_triton,
     expand_frontier=expand_frontier_triton,
+    best_nodes=best_nodes_triton,
+    extend_layout=extend_layout_triton,
+    pack_rows=pack_rows_triton,
     name="triton",
 )

@@ -172,7 +172,7 @@ def test_rows_packed_on_the_device_are_the_hosts_concatenation():
     """``pack_rows`` (what a graphed chained extend is fed) lays rows out as the host does: each
     sequence's first ``counts`` columns, back to back, zero past the last."""
     import torch
-    from draft_service.draft_graphs import pack_rows
+    from kernels.draft_rows import pack_rows_ref as pack_rows
     counts = torch.tensor([2, 0, 3, 1])
     tokens = torch.arange(16).view(4, 4)
     features = torch.randn(4, 4, 5)

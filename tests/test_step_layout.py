@@ -107,7 +107,7 @@ def test_the_draft_extend_graphs_layout_equals_layout_arrays():
     """The extend graph lays its rows out on the device (``extend_layout``) from each sequence's first
     row, row count and table: ``layout_arrays``' values for the real rows, and rows past them that
     write nothing (slot -1) at position, sequence and index 0; padding sequences (count 0) empty."""
-    from draft_service.draft_graphs import extend_layout
+    from kernels.draft_rows import extend_layout_ref as extend_layout
     from runtime.step_layout import layout_arrays
 
     bs, Q, W = 4, 5, 6

@@ -1,0 +1,57 @@
+"""A draft extend's rows on the device: the layout of rows packed sequence after sequence, and the
+packing of a chained step's fed rows (references; ``draft_rows_triton.py`` has one launch each).
+
+An extend holds ``rows_per_seq`` rows a sequence, packed at the front: sequence b's ``counts[b]``
+rows come after those of sequences 0 .. b-1, and the slots past the last row write nothing::
+
+    counts     2   1   3         (B = 3, rows_per_seq = 3: T = 9 slots)
+    packed     b0 b0 b1 b2 b2 b2 -  -  -
+    q_idx      0  1  0  0  1  2  0  0  0
+    slots      KV slot of (b, starts[b] + q_idx) ... -1 -1 -1
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def extend_layout_ref(starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor, block_size: int,
+                      rows_per_seq: int) -> dict[str, torch.Tensor]:
+    """An extend's metadata from each sequence's first KV row ``starts`` [B], row count ``counts`` [B]
+    (0: a padding sequence) and block table ``tables`` [B, W], int64 all: the query ranges ``qsl``
+    [B + 1], ``seq_lens`` [B], and per packed slot [B * rows_per_seq] its KV ``slots`` (-1 past the
+    last row), ``positions``, ``token_seq`` and ``q_idx`` (0 past the last row); ``rows``: each
+    sequence's last row (0 for none before it). No host sync."""
+    B, W = tables.shape
+    T = B * rows_per_seq
+    qsl = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    r = torch.arange(T, device=counts.device)
+    seq = torch.searchsorted(qsl[1:], r, right=True).clamp(max=B - 1)  # the sequence whose range holds r
+    q_idx = r - qsl[seq]
+    valid = r < qsl[B]
+    kv = starts[seq] + q_idx
+    block = tables[seq, (kv // block_size).clamp(0, W - 1)]
+    zero = torch.zeros_like(r)
+    return {"qsl": qsl, "seq_lens": starts + counts, "slots": torch.where(valid, block * block_size + kv % block_size, -1),
+            "positions": torch.where(valid, kv, zero), "token_seq": torch.where(valid, seq, zero),
+            "q_idx": torch.where(valid, q_idx, zero), "rows": (qsl[1:] - 1).clamp(min=0)}
+
+
+def pack_rows_ref(counts: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, rows: int, vocab: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences' rows packed front to back, as an extend lays them out: ``counts`` [B] rows of
+    ``tokens`` [B, D] and ``features`` [B, D, width] -> token ids [rows] and features [rows, width],
+    zero past the last row. ``vocab`` > 0: token ids clamped into [0, vocab) (ids another process
+    wrote). A gather per packed row (its sequence by a search of the row starts), no host sync."""
+    B, D = tokens.shape
+    if vocab:
+        tokens = tokens.clamp(0, vocab - 1)
+    ends = counts.cumsum(0)
+    r = torch.arange(rows, device=counts.device)
+    seq = torch.searchsorted(ends, r, right=True).clamp(max=B - 1)
+    col = (r - (ends[seq] - counts[seq])).clamp(0, D - 1)
+    valid = r < ends[-1]
+    flat = seq * D + col
+    ids = torch.where(valid, tokens.reshape(-1)[flat], 0)
+    hidden = torch.where(valid[:, None], features.reshape(B * D, -1)[flat], 0)
+    return ids, hidden

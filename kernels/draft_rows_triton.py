@@ -1,0 +1,125 @@
+"""Triton draft-extend rows: ``kernels.draft_rows``' references, one launch each (some twenty small
+torch kernels each, on the critical path of every chained step).
+
+Every program holds the batch's row counts (B of them, in registers), takes their running sum, and
+finds the sequence of each of its packed rows by counting the sequences that end at or before it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_jit import jit_unspecialized
+
+MIN_BLOCK_B = 16
+
+
+def _blocks(B: int) -> tuple[int, int]:
+    """(rows a program, the batch's block): [rows, batch] comparisons in one program's registers."""
+    block_b = max(MIN_BLOCK_B, triton.next_power_of_2(B))
+    return max(16, min(128, 8192 // block_b)), block_b
+
+
+def extend_layout_triton(starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor, block_size: int,
+                         rows_per_seq: int) -> dict[str, torch.Tensor]:
+    """``extend_layout_ref``'s signature and results, in one launch."""
+    B, W = tables.shape
+    T = B * rows_per_seq
+    dev = counts.device
+    qsl = torch.empty(B + 1, dtype=torch.int64, device=dev)
+    seq_lens, rows = (torch.empty(B, dtype=torch.int64, device=dev) for _ in range(2))
+    slots, positions, token_seq, q_idx = (torch.empty(T, dtype=torch.int64, device=dev) for _ in range(4))
+    if B:
+        block, block_b = _blocks(B)
+        tables = tables.contiguous()
+        _extend_layout_kernel[(triton.cdiv(T, block),)](
+            starts.contiguous(), counts.contiguous(), tables, qsl, seq_lens, rows, slots, positions, token_seq, q_idx,
+            B, W, T, block_size, BLOCK=block, BLOCK_B=block_b)
+    else:
+        qsl.zero_()
+    return {"qsl": qsl, "seq_lens": seq_lens, "slots": slots, "positions": positions, "token_seq": token_seq,
+            "q_idx": q_idx, "rows": rows}
+
+
+@jit_unspecialized("starts_ptr", "counts_ptr", "tables_ptr", "qsl_ptr", "seq_lens_ptr", "rows_ptr", "slots_ptr",
+                   "positions_ptr", "token_seq_ptr", "q_idx_ptr", "B", "W", "T", "block_size")
+def _extend_layout_kernel(starts_ptr, counts_ptr, tables_ptr, qsl_ptr, seq_lens_ptr, rows_ptr, slots_ptr,
+                          positions_ptr, token_seq_ptr, q_idx_ptr, B, W, T, block_size,
+                          BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
+    pid = tl.program_id(0)
+    b = tl.arange(0, BLOCK_B)
+    in_b = b < B
+    counts = tl.load(counts_ptr + b, mask=in_b, other=0)
+    ends = tl.cumsum(counts, 0)
+    begins = ends - counts
+    total = tl.sum(counts, 0)
+    if pid == 0:
+        starts = tl.load(starts_ptr + b, mask=in_b, other=0)
+        tl.store(qsl_ptr + b, begins, mask=in_b)
+        tl.store(qsl_ptr + B, total)
+        tl.store(seq_lens_ptr + b, starts + counts, mask=in_b)
+        tl.store(rows_ptr + b, tl.maximum(ends - 1, 0), mask=in_b)
+    r = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    in_r = r < T
+    # The sequence whose range holds r: how many end at or before it (past the last: the last sequence).
+    seq = tl.minimum(tl.sum(((ends[None, :] <= r[:, None]) & in_b[None, :]).to(tl.int64), 1), B - 1)
+    begin = tl.sum(tl.where(b[None, :] == seq[:, None], begins[None, :], 0), 1)
+    q = r - begin
+    valid = r < total
+    kv = tl.load(starts_ptr + seq, mask=in_r, other=0) + q
+    within = kv % block_size  # floor division and modulo, as torch's (a negative row stays in its table)
+    within = tl.where(within < 0, within + block_size, within)
+    block = tl.minimum(tl.maximum((kv - within) // block_size, 0), W - 1)
+    phys = tl.load(tables_ptr + seq * W + block, mask=in_r, other=0)
+    tl.store(slots_ptr + r, tl.where(valid, phys * block_size + within, -1), mask=in_r)
+    tl.store(positions_ptr + r, tl.where(valid, kv, 0), mask=in_r)
+    tl.store(token_seq_ptr + r, tl.where(valid, seq, 0), mask=in_r)
+    tl.store(q_idx_ptr + r, tl.where(valid, q, 0), mask=in_r)
+
+
+def pack_rows_triton(counts: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, rows: int, vocab: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_rows_ref``'s signature and results, in one launch (``PACK_ROWS`` packed rows a program)."""
+    B, D = tokens.shape
+    width = features.shape[-1]
+    ids = torch.empty(rows, dtype=torch.int64, device=tokens.device)
+    hidden = torch.empty(rows, width, dtype=features.dtype, device=features.device)
+    if rows and B:
+        _pack_rows_kernel[(triton.cdiv(rows, PACK_ROWS),)](
+            counts.contiguous(), tokens.contiguous(), features.contiguous(), ids, hidden, B, D, width, vocab, rows,
+            BLOCK_R=PACK_ROWS, BLOCK_B=max(MIN_BLOCK_B, triton.next_power_of_2(B)),
+            BLOCK_W=min(1024, triton.next_power_of_2(max(width, 1))))
+    elif rows:
+        ids.zero_()
+        hidden.zero_()
+    return ids, hidden
+
+
+PACK_ROWS = 4
+
+
+@jit_unspecialized("counts_ptr", "tokens_ptr", "features_ptr", "ids_ptr", "hidden_ptr", "B", "D", "width", "vocab",
+                   "rows")
+def _pack_rows_kernel(counts_ptr, tokens_ptr, features_ptr, ids_ptr, hidden_ptr, B, D, width, vocab, rows,
+                      BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    in_r = r < rows
+    b = tl.arange(0, BLOCK_B)
+    in_b = b < B
+    counts = tl.load(counts_ptr + b, mask=in_b, other=0)
+    ends = tl.cumsum(counts, 0)
+    seq = tl.minimum(tl.sum(((ends[None, :] <= r[:, None]) & in_b[None, :]).to(tl.int64), 1), B - 1)
+    begin = tl.sum(tl.where(b[None, :] == seq[:, None], (ends - counts)[None, :], 0), 1)
+    col = tl.minimum(tl.maximum(r - begin, 0), D - 1)
+    valid = in_r & (r < tl.sum(counts, 0))
+    src = seq * D + col
+    token = tl.load(tokens_ptr + src, mask=in_r, other=0)
+    token = tl.where(vocab > 0, tl.minimum(tl.maximum(token, 0), vocab - 1), token)
+    tl.store(ids_ptr + r, tl.where(valid, token, 0), mask=in_r)
+    w = tl.arange(0, BLOCK_W)
+    for w0 in range(0, width, BLOCK_W):
+        ok = (w0 + w < width)[None, :]
+        x = tl.load(features_ptr + src[:, None] * width + w0 + w[None, :], mask=ok & valid[:, None], other=0.0)
+        tl.store(hidden_ptr + r[:, None] * width + w0 + w[None, :], x, mask=ok & in_r[:, None])
