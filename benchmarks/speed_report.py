@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.gc_heap import GcPauses, freeze_startup_heap  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from common.tree_settings import default_tree  # noqa: E402
 from hub.default_model import ensure_default_model  # noqa: E402
@@ -58,26 +59,34 @@ def prompt_ids(engine, texts: list[str]) -> list[list[int]]:
 
 
 def engine_rows(engines: list[tuple[str, object]], prompts, batches, min_prompts: int, params, rounds: int,
-                reference) -> list[dict]:
+                reference, gc_freeze: bool = True) -> list[dict]:
     """One row per engine and batch size. The engines run in turn ``rounds`` times per batch size (the
     order rotated each round), so a drift of the machine's speed (clocks, other load) reaches them all
     alike; a row's seconds are its median round. ``reference`` (the first engine's outputs and median
-    seconds per batch) is filled here: the first engine must be target-only."""
+    seconds per batch) is filled here: the first engine must be target-only. ``gc_freeze``: the heap
+    frozen after the warm-up, as the services freeze theirs (``common/gc_heap.py``); each row says what
+    the garbage collector took in its rounds."""
     for _, engine in engines:
         run(engine, prompts[:2], params, 1)  # warm-up: kernels, CUDA graphs
+    if gc_freeze:
+        freeze_startup_heap()
+    pauses = GcPauses().install()
     rows = []
     for b in batches:
         ps = prompts[:max(b, min_prompts)]
         runs: dict[str, list] = {name: [] for name, _ in engines}
         decisions = {name: Counter() for name, _ in engines}
         compiled = {name: 0 for name, _ in engines}
+        collected = {name: [0, 0.0] for name, _ in engines}  # full collections, seconds of all collections
         for r in range(rounds):
             for name, engine in engines[r % len(engines):] + engines[:r % len(engines)]:
                 policy = getattr(engine, "policy", None)
                 before = Counter(policy.decisions) if policy else None
-                count = WATCH.compilations
+                count, (gcs, gc_s) = WATCH.compilations, pauses.snapshot()
                 runs[name].append(run(engine, ps, params, b))
                 compiled[name] += WATCH.compilations - count
+                collected[name][0] += pauses.collections[2] - gcs[2]
+                collected[name][1] += sum(pauses.seconds) - sum(gc_s)
                 if policy:
                     decisions[name] += policy.decisions - before
         for name, engine in engines:
@@ -90,12 +99,14 @@ def engine_rows(engines: list[tuple[str, object]], prompts, batches, min_prompts
                 del row["tau"], row["acceptance_per_depth"]
             row["seconds_per_round"] = [round(x, 4) for x in seconds]
             row["compilations"] = compiled[name]  # Triton compilations inside the timed runs
+            row["gc"] = {"full_collections": collected[name][0], "ms": round(collected[name][1] * 1e3, 2)}  # all rounds
             policy = getattr(engine, "policy", None)
             if policy:  # this batch's decisions, and the policy's model against the steps it measured
                 row["adaptive"] = {**policy.diagnostics(),
                                    "decisions": {str(k): v for k, v in sorted(decisions[name].items())}}
             rows.append({"batch": b, **row})
             print(json.dumps(rows[-1]), flush=True)
+    pauses.remove()
     return rows
 
 
@@ -184,6 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=3, help="runs of every engine per batch size, in turn; "
                     "rows report the median (the engines are all loaded at once)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--gc-freeze", choices=("on", "off"), default="on",
+                    help="freeze the heap after the engines' warm-up, as the services do (off: as before they did)")
     ap.add_argument("--verify-tokens", type=int, action="append", help="default 1, 2, 4, 8, 16, 32, 64")
     ap.add_argument("--verify-contexts", type=int, action="append", help="default 512, 2048, 6144")
     ap.add_argument("--verify-batches", type=int, action="append", help="default 1, 16")
@@ -215,7 +228,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device.startswith("cuda"):
         WATCH.start()  # every engine warmed up: from here a compilation is logged, and rows count theirs
     report["rounds"] = args.rounds
-    report["throughput"] += engine_rows(engines, prompts, batches, args.min_prompts, params, args.rounds, reference)
+    report["gc_freeze"] = args.gc_freeze
+    report["throughput"] += engine_rows(engines, prompts, batches, args.min_prompts, params, args.rounds, reference,
+                                        args.gc_freeze == "on")
     if not args.no_adaptive:
         report["adaptive_decisions"] = {str(k): v for k, v in sorted(engines[-1][1].policy.decisions.items())}
     if args.profile_batch:

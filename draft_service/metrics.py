@@ -26,6 +26,7 @@ class DraftMetrics:
         self.compute_seconds = prom.Histogram(
             "eagle3_draft_compute_seconds", "Draft compute per step: draft extend and tree growth",
             buckets=COMPUTE_BUCKETS_S, registry=self.registry)
+        prom.GCCollector(registry=self.registry)  # python_gc_*: collections per generation (the heap is frozen)
         self.endpoint: MetricsEndpoint = serve_metrics(self.registry, host, port)
 
     def attach(self, worker: DraftWorker) -> None:

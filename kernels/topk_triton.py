@@ -24,11 +24,17 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048  # entries a chunk program reads: 16 chunks for a 32K vocabulary
+CHUNK_WARPS = None  # warps of a chunk program (None: 4 up to 1024 entries, else 8)
+MERGE_WARPS = 4
 
 
-def draft_topk_triton(logits: torch.Tensor, k: int, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_topk_triton(logits: torch.Tensor, k: int, d2t: torch.Tensor, block: int | None = None,
+                      chunk_warps: int | None = None, merge_warps: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(target ids int64 [M, k], log-probs float32 [M, k]) of ``logits`` [M, Vd] (any float dtype,
-    rows may be strided, entries contiguous), descending; ``d2t`` int64 [Vd]: draft id -> offset."""
+    rows may be strided, entries contiguous), descending; ``d2t`` int64 [Vd]: draft id -> offset.
+    ``block``, ``chunk_warps``, ``merge_warps``: the launch shape (default: the module's; a sweep,
+    ``benchmarks/topk_sweep.py``, tries others: the results never depend on them)."""
     m, v = logits.shape
     assert 0 < k <= v, f"top-k {k} over a draft vocabulary of {v}"
     if logits.stride(1) != 1:
@@ -38,16 +44,17 @@ def draft_topk_triton(logits: torch.Tensor, k: int, d2t: torch.Tensor) -> tuple[
     lp = torch.empty(m, k, dtype=torch.float32, device=dev)
     if m == 0:
         return ids, lp
-    block = min(BLOCK, triton.next_power_of_2(v))
+    block = min(block or BLOCK, triton.next_power_of_2(v))
     chunks = triton.cdiv(v, block)
+    chunk_warps = chunk_warps or CHUNK_WARPS or (4 if block <= 1024 else 8)
     cand_vals = torch.empty(m, chunks * k, dtype=torch.float32, device=dev)
     cand_ids = torch.empty(m, chunks * k, dtype=torch.int32, device=dev)
     shares = torch.empty(m, chunks, 2, dtype=torch.float32, device=dev)  # (max, sum of exp(x - max))
     _chunk_topk_kernel[(m, chunks)](logits, logits.stride(0), v, cand_vals, cand_ids, shares, chunks,
-                                    K=k, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+                                    K=k, BLOCK=block, num_warps=chunk_warps)
     width = triton.next_power_of_2(chunks * k)
     _merge_topk_kernel[(m,)](cand_vals, cand_ids, shares, chunks, v, d2t, ids, lp, K=k,
-                             WIDTH=width, CHUNKS=triton.next_power_of_2(chunks), num_warps=4)
+                             WIDTH=width, CHUNKS=triton.next_power_of_2(chunks), num_warps=merge_warps or MERGE_WARPS)
     return ids, lp
 
 

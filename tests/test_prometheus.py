@@ -31,10 +31,10 @@ VERIFY_NAMES = {
     "eagle3_verify_speculation_acceptance_rate", "eagle3_verify_kv_blocks_used", "eagle3_verify_kv_blocks_capacity",
     "eagle3_verify_draft_connected", "eagle3_verify_draft_sessions_total", "eagle3_verify_draft_errors_total",
     "eagle3_verify_step_seconds_count", "eagle3_verify_step_seconds_bucket",
-    "eagle3_verify_draft_link_overhead_seconds_count",
+    "eagle3_verify_draft_link_overhead_seconds_count", "python_gc_collections_total",
 }
 DRAFT_NAMES = {"eagle3_draft_connected", "eagle3_draft_steps_total", "eagle3_draft_trees_total",
-               "eagle3_draft_reconnects_total", "eagle3_draft_compute_seconds_count"}
+               "eagle3_draft_reconnects_total", "eagle3_draft_compute_seconds_count", "python_gc_collections_total"}
 
 
 @pytest.fixture(scope="module")

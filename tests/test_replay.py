@@ -1,5 +1,6 @@
 """The replay hook (benchmarks only), the benchmarks that use it and the plot step, small on the CPU."""
 
+import gc
 import json
 from pathlib import Path
 
@@ -75,11 +76,16 @@ def test_speed_report_runs_small(tmp_path):
     target_dir = make_model_dir(tmp_path / "t", "llama3", seed=5, std=0.3)
     head = make_eagle_dir(tmp_path / "d", tiny_config("llama3"), draft_vocab=64, seed=1)
     out = tmp_path / "report.json"
-    report = speed_report.main(["--model", str(target_dir), "--head", str(head), "--batch", "1", "--batch", "2",
-                                "--min-prompts", "2", "--max-tokens", "5", "--tree", "chain:2", "--no-hf",
-                                "--verify-tokens", "1", "--verify-tokens", "3", "--verify-contexts", "16",
-                                "--verify-batches", "1", "--device", "cpu", "--dtype", "float32", "--rounds", "2",
-                                "--profile-batch", "2", "--out", str(out)])
+    try:
+        report = speed_report.main(["--model", str(target_dir), "--head", str(head), "--batch", "1", "--batch", "2",
+                                    "--min-prompts", "2", "--max-tokens", "5", "--tree", "chain:2", "--no-hf",
+                                    "--verify-tokens", "1", "--verify-tokens", "3", "--verify-contexts", "16",
+                                    "--verify-batches", "1", "--device", "cpu", "--dtype", "float32", "--rounds",
+                                    "2", "--profile-batch", "2", "--out", str(out)])
+        assert gc.get_freeze_count() > 0  # the heap frozen after the warm-up, as the services freeze theirs
+    finally:
+        gc.unfreeze()  # (this test process's heap is not a service's)
+    assert report["gc_freeze"] == "on" and all(set(r["gc"]) == {"full_collections", "ms"} for r in report["throughput"])
     assert "=== eagle3 adaptive (limits chain:2), batch 2" in (tmp_path / "report.json.profile.txt").read_text()
     assert all(len(r["seconds_per_round"]) == 2 for r in report["throughput"])  # every engine ran twice
     configs = {(r["batch"], r["config"]) for r in report["throughput"]}

@@ -36,6 +36,7 @@ class VerifyMetrics:
             "eagle3_verify_draft_link_overhead_seconds",
             "Draft link control-plane overhead per step: round trip minus the draft's compute",
             buckets=OVERHEAD_BUCKETS_S, registry=self.registry)
+        prom.GCCollector(registry=self.registry)  # python_gc_*: collections per generation (the heap is frozen)
         self.endpoint: MetricsEndpoint = serve_metrics(self.registry, host, port)
 
     def attach(self, read: Callable[[float], VerifyStats]) -> None:
