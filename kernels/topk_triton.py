@@ -23,8 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048  # entries a chunk program reads: 16 chunks for a 32K vocabulary
-CHUNK_WARPS = None  # warps of a chunk program (None: 4 up to 1024 entries, else 8)
+# The launch shape, from a sweep on an H100 (``benchmarks/topk_sweep.py``, 32K draft vocabulary, k = 10,
+# ``benchmarks/results/speculation/topk_sweep_h100_1722a8f.json``): one-warp programs of 256 entries (125
+# chunks a row) against 2048-entry programs of 8 warps: 13.2 against 13.3 us a launch pair for a batch-1
+# level's 10 rows, 41 against 51 for 160 rows (batch 16), 141 against 178 for 640 (batch 64). A one-warp
+# program's k rounds of max reduce within its warp, with no shared-memory round trip.
+BLOCK = 256  # entries a chunk program reads
+CHUNK_WARPS = 1  # warps of a chunk program
 MERGE_WARPS = 4
 
 
@@ -46,7 +51,7 @@ def draft_topk_triton(logits: torch.Tensor, k: int, d2t: torch.Tensor, block: in
         return ids, lp
     block = min(block or BLOCK, triton.next_power_of_2(v))
     chunks = triton.cdiv(v, block)
-    chunk_warps = chunk_warps or CHUNK_WARPS or (4 if block <= 1024 else 8)
+    chunk_warps = chunk_warps or CHUNK_WARPS
     cand_vals = torch.empty(m, chunks * k, dtype=torch.float32, device=dev)
     cand_ids = torch.empty(m, chunks * k, dtype=torch.int32, device=dev)
     shares = torch.empty(m, chunks, 2, dtype=torch.float32, device=dev)  # (max, sum of exp(x - max))
