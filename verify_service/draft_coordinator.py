@@ -227,7 +227,7 @@ class DraftCoordinator:
     def settle(self, verified: list[Verified]) -> None:
         """The draft's committed rows of the sequences ``draft_on_device`` fed, before any of them
         finishes (a finished one's draft state is then freed as usual)."""
-        self.drafter.settle({v.seq.seq_id: v.feed.start + len(v.tokens) for v in verified})
+        self.drafter.settle({v.seq.seq_id: v.start + len(v.tokens) for v in verified})
 
     def full_trees(self, seq_ids: list[int]) -> bool:
         """Whether every one of these sequences is live and takes its chained tree whole (``attach``

@@ -36,13 +36,27 @@ from verify_service.target import Target
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
 class Verified:
-    seq: Sequence
-    tokens: list[int]  # accepted node tokens, then the bonus token
-    feed: DraftFeed  # features of r, a_1..a_k paired with a_1..a_k, b
-    tree: CandidateTree  # the tree verified
-    accepted: list[int]  # its accepted nodes a_1..a_k (node indices, root excluded)
+    """One sequence's verified tree. Not a frozen dataclass, and its draft feed made only when read: a
+    chained step (the draft fed on the device) reads none, and a step builds one per sequence (its
+    host work is the critical path from batch 16 up). Treat it as read-only."""
+
+    __slots__ = ("seq", "tokens", "start", "tree", "accepted", "_features", "_row")
+
+    def __init__(self, seq: Sequence, tokens: list[int], start: int, tree: CandidateTree, accepted: list[int],
+                 features: torch.Tensor | None, row: int):
+        self.seq = seq
+        self.tokens = tokens  # accepted node tokens, then the bonus token
+        self.start = start  # the root's position: the feed's first row
+        self.tree = tree  # the tree verified
+        self.accepted = accepted  # its accepted nodes a_1..a_k (node indices, root excluded)
+        self._features, self._row = features, row  # the step's gathered features [B, D, width], this row's
+
+    @property
+    def feed(self) -> DraftFeed:
+        """Features of r, a_1..a_k paired with a_1..a_k, b (a view of the step's gathered features)."""
+        feats = self._features[self._row, :len(self.tokens)] if self._features is not None else None
+        return DraftFeed(self.seq.seq_id, self.start, feats, np.asarray(self.tokens, dtype=np.int64))
 
 
 def tree_chunks(seqs: list[Sequence], tables: list[list[int]], padded: tuple | None = None) -> list[SeqChunk]:
@@ -250,8 +264,5 @@ class TreeVerifier:
         start = seq.num_cached
         seq.num_cached = start + k + 1
         self.target.blocks.truncate(seq.seq_id, seq.num_cached)
-        committed = node_tokens + [bonus]
-        feats = features[i, :k + 1] if features is not None else None  # a view: gathered before the copy
-        feed = DraftFeed(seq.seq_id, start, feats, np.asarray(committed, dtype=np.int64))
-        tree, seq.tree = seq.tree, None
-        return Verified(seq, committed, feed, tree, [c - 1 for c in path[1:]])
+        tree, seq.tree = seq.tree, None  # (the feed's features: gathered on the device before the copy)
+        return Verified(seq, node_tokens + [bonus], start, tree, [c - 1 for c in path[1:]], features, i)
