@@ -139,6 +139,7 @@ def best_nodes_ref(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Te
     each [B, n]. With scores that never grow along a path and pool order parents first, the best n
     hold every kept node's parent."""
     B, P = scores.shape
+    assert 0 < n <= P, f"{n} best nodes of a pool of {P}"
     keep = torch.nan_to_num(scores, nan=float("inf")).sort(dim=1, descending=True, stable=True).indices[:, :n]
     # Parents first: a stable sort by depth keeps score order (and its ties) inside a level.
     keep = keep.gather(1, depths.gather(1, keep).sort(dim=1, stable=True).indices)

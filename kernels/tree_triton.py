@@ -168,6 +168,7 @@ def best_nodes_triton(tokens: torch.Tensor, parents: torch.Tensor, depths: torch
     among the kept ones by (depth, rank). Pools may be column slices of larger buffers (rows strided);
     depths are tree depths (compared as int32)."""
     B, P = scores.shape
+    assert 0 < n <= P, f"{n} best nodes of a pool of {P}"
     dev = scores.device
     out = [torch.empty(B, n, dtype=dt, device=dev) for dt in (torch.int64, torch.int64, torch.int64, torch.float32)]
     if B and n:
