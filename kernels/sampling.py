@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.host_copy import to_device
+
 _MASK64 = (1 << 64) - 1
 _UNIFORM_STREAM = 0x5DEECE66D  # xor-ed into the seed so uniforms and Exp(1) noise never coincide
 
@@ -40,7 +42,7 @@ def _counter_uniform(keys: list[int], n: int, device) -> torch.Tensor:
 
     A counter-based generator: one batched computation for every row (no generator object, no
     launch per row), the same bits on every device (integer arithmetic wrapping mod 2^64)."""
-    key = torch.tensor([_signed(k) for k in keys], dtype=torch.int64, device=device)
+    key = to_device([_signed(k) for k in keys], torch.int64, device)  # (no host sync)
     z = key[:, None] + (torch.arange(1, n + 1, dtype=torch.int64, device=device) * _GOLDEN)[None, :]
     z = (z ^ _shr(z, 30)) * _MIX1
     z = (z ^ _shr(z, 27)) * _MIX2

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from link.protocol import DraftFeed, DraftProvider, ProposeRequest
+from runtime.host_copy import take_rows
 from runtime.tree import CandidateTree, InvalidTreeError, invalid_trees
 from verify_service.adaptive import AdaptivePolicy
 from verify_service.feed_buffer import FEED_BUFFER_BYTES, FeedBuffer, FeedRows
@@ -90,12 +91,11 @@ class DraftCoordinator:
         """One-token decodes of sequences without a pending feature (their last feature's successor
         was known a step ago): chunk ``chunks[j]`` of the step is position ``starts[j]`` of sequence
         ``seq_ids[j]``, the token after it ``tokens[j]`` (the lists are kept as they are: ``FeedRows``)."""
-        n = len(chunks)
         qsl = out.query_start_loc
         rows = chunks if qsl[-1] == len(qsl) - 1 else [qsl[i] for i in chunks]  # (a decode step: row i is chunk i)
-        feats = out.captured[rows[0]:rows[-1] + 1] if rows[-1] - rows[0] == n - 1 else \
-            out.captured[torch.tensor(rows, device=out.captured.device)]
-        return FeedRows(seq_ids, starts, feats, tokens)
+        # (rows skip a sequence this step finished: a gather, its index never a pageable copy, which would
+        # wait for the step launched ahead)
+        return FeedRows(seq_ids, starts, take_rows(out.captured, rows), tokens)
 
     def plain_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step of these sequences (the whole batch, each decoding one token) is plain

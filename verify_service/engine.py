@@ -28,6 +28,7 @@ from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from common.tree_settings import TreeSettings
 from link.protocol import DraftFeed, DraftProvider
+from runtime.host_copy import take_rows
 from runtime.step_layout import Readback, SeqChunk
 from verify_service.adaptive import AdaptivePolicy
 from verify_service.detokenizer import StopStringDetokenizer
@@ -66,13 +67,6 @@ class GenerationResult:
 
 _PLACEHOLDER = np.zeros(1, dtype=np.int64)  # a decode chunk's token, written on the device instead
 _ROW0 = (0,)  # its logits row
-
-
-def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``t[rows]``; a view when the rows are consecutive (a decode batch: no index copy, no launch)."""
-    if rows and rows[-1] - rows[0] == len(rows) - 1 and all(b - a == 1 for a, b in zip(rows, rows[1:])):
-        return t[rows[0]:rows[-1] + 1]
-    return t[rows]
 
 
 class Engine:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from link.protocol import DraftFeed
+from runtime.host_copy import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +92,7 @@ class FeedBuffer:
         assert not len(bad), f"sequence {ids[bad[0]]}: rows must arrive in order, without gaps or repeats"
         features = torch.cat([p.features for p in parts]) if len(parts) > 1 else parts[0].features
         if len(order) != len(features) or np.any(order != np.arange(len(order))):
-            features = features[torch.from_numpy(order).to(features.device)]
+            features = features.index_select(0, to_device(order, torch.int64, features.device))
         bounds = [0, *(np.flatnonzero(~same) + 1).tolist(), len(ids)]
         return [DraftFeed(int(ids[a]), int(starts[a]), features[a:b], tokens[a:b]) for a, b in zip(bounds, bounds[1:])]
 

@@ -32,6 +32,7 @@ from kernels.attention import unpack_mask
 from kernels.metadata import AttentionMetadata
 from runtime.block_manager import blocks_for
 from runtime.graphs import capture_graph
+from runtime.host_copy import take_rows
 from runtime.kv_cache import PagedKVCache
 from runtime.step_layout import Bucket, SeqChunk, Staging, StaticLayout, layout_step
 from verify_service.model import CausalLM
@@ -291,12 +292,8 @@ class ModelRunner:
         out = self._replay(self._graphs[fitting[0]], single)
         qsl = np.concatenate(([0], np.cumsum([len(c.token_ids) for c in chunks])))
         rows = [int(qsl[i]) + int(r) for i, c in enumerate(chunks) for r in c.logits_rows]  # increasing
-        if not rows:
-            logits = out.logits[:0]
-        elif rows[-1] - rows[0] + 1 == len(rows):  # consecutive (a prompt's last token): a view
-            logits = out.logits[rows[0]:rows[-1] + 1]
-        else:
-            logits = out.logits[torch.as_tensor(rows, device=out.logits.device)]
+        # Consecutive rows (a prompt's last token): a view; else a gather with no host sync.
+        logits = take_rows(out.logits, rows) if rows else out.logits[:0]
         return StepOutput(logits, out.hidden, out.captured, qsl.tolist())
 
     def _split_step(self, chunks: list[SeqChunk]) -> StepOutput | None:

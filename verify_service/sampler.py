@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels import KernelSet
+from runtime.host_copy import to_device
 from verify_service.sequence import Sequence
 
 
@@ -16,7 +17,7 @@ class Sampler:
     def probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The target distribution [N, V] each row samples from (one-hot for greedy rows)."""
         params = [s.params for s in seqs]
-        as_tensor = lambda xs, dtype: torch.tensor(xs, dtype=dtype, device=self.device)
+        as_tensor = lambda xs, dtype: to_device(xs, dtype, self.device)  # (no host sync)
         return self.kernels.logits_to_probs(
             logits, as_tensor([p.temperature for p in params], torch.float32),
             as_tensor([p.top_p for p in params], torch.float32),

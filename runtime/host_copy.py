@@ -1,0 +1,30 @@
+"""Small host arrays (row indices, per-sequence parameters) onto the device without a host sync.
+
+``torch.tensor(values, device="cuda")``, ``t[python_list]`` and ``.to("cuda")`` of a pageable tensor copy
+through pageable memory, which CUDA does synchronously: the host waits for everything already queued on
+the stream. In a step launched ahead of the host (plain decoding) that is the whole next step: the
+pipelining is lost for that step. Here the values go through pinned memory (PyTorch's caching host
+allocator: no new allocation in the steady state, and a block is reused only once its copy has run) and
+are copied without blocking.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``values`` (a list or a numpy array) as a ``dtype`` tensor on ``device``, queued, not waited for."""
+    host = torch.from_numpy(np.asarray(values, dtype=torch.empty(0, dtype=dtype).numpy().dtype))
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]`` along dim 0: a view when the rows are consecutive (a decode batch: no index copy, no
+    launch), else a gather whose index reaches the device without a host sync."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1 and all(b - a == 1 for a, b in zip(rows, rows[1:])):
+        return t[rows[0]:rows[-1] + 1]
+    return t.index_select(0, to_device(rows, torch.int64, t.device))

@@ -1,0 +1,43 @@
+"""``runtime/host_copy.py``: small host arrays onto the device without waiting for the queued work."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.host_copy import take_rows, to_device
+
+
+def test_values_and_dtypes():
+    assert torch.equal(to_device([3, -1, 2**40], torch.int64, "cpu"), torch.tensor([3, -1, 2**40]))
+    got = to_device(np.array([0.5, 2.0]), torch.float32, "cpu")
+    assert got.dtype == torch.float32 and got.tolist() == [0.5, 2.0]
+
+
+def test_take_rows_is_a_view_when_consecutive_else_a_gather():
+    t = torch.arange(20).view(10, 2)
+    view = take_rows(t, [2, 3, 4])
+    assert view.data_ptr() == t[2].data_ptr() and torch.equal(view, t[2:5])
+    assert torch.equal(take_rows(t, [1, 4, 9]), t[[1, 4, 9]])
+    assert torch.equal(take_rows(t, [5, 2]), t[[5, 2]])  # (not increasing: gathered in that order)
+
+
+@pytest.mark.gpu
+def test_the_copy_does_not_wait_for_queued_work():
+    """A pageable copy (``torch.tensor(..., device="cuda")``) returns only once the work queued before it
+    has run; ``to_device`` and ``take_rows`` return at once, and their results follow that work."""
+    t = torch.arange(64, device="cuda").view(32, 2)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of queued device work
+    start = time.perf_counter()
+    idx = to_device([1, 5, 7], torch.int64, "cuda")
+    rows = take_rows(t, [0, 3, 9])
+    queued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert queued < 0.02, f"waited {queued:.3f} s for the queued work"
+    assert idx.tolist() == [1, 5, 7] and rows[:, 0].tolist() == [0, 6, 18]
+    torch.cuda._sleep(200_000_000)
+    start = time.perf_counter()
+    torch.tensor([1, 5, 7], device="cuda")
+    assert time.perf_counter() - start > 0.02  # (the pageable copy this replaces does wait)
