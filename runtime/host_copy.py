@@ -4,8 +4,9 @@
 through pageable memory, which CUDA does synchronously: the host waits for everything already queued on
 the stream. In a step launched ahead of the host (plain decoding) that is the whole next step: the
 pipelining is lost for that step. Here the values go through pinned memory (PyTorch's caching host
-allocator: no new allocation in the steady state, and a block is reused only once its copy has run) and
-are copied without blocking.
+allocator: a block is reused only once its copy has run) and are copied without blocking. Allocating a
+new pinned block does wait for the device (measured on an H100: the first call in a process waited
+0.11 s for queued work); the allocator's cache holds the few blocks a step uses once it has run a while.
 """
 
 from __future__ import annotations

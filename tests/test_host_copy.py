@@ -24,10 +24,24 @@ def test_take_rows_is_a_view_when_consecutive_else_a_gather():
 
 
 @pytest.mark.gpu
+def test_copies_queued_behind_device_work_land_intact():
+    """Many copies in flight behind queued work, an array of 20,000 entries among them: each lands intact
+    (a pinned block is reused only once its copy has run)."""
+    torch.cuda._sleep(50_000_000)
+    outs = [to_device(list(range(i, i + 100)), torch.int64, "cuda") for i in range(48)]
+    big = to_device(np.arange(20_000), torch.int64, "cuda")
+    torch.cuda.synchronize()
+    assert all(o.tolist() == list(range(i, i + 100)) for i, o in enumerate(outs))
+    assert torch.equal(big.cpu(), torch.arange(20_000))
+
+
+@pytest.mark.gpu
 def test_the_copy_does_not_wait_for_queued_work():
     """A pageable copy (``torch.tensor(..., device="cuda")``) returns only once the work queued before it
     has run; ``to_device`` and ``take_rows`` return at once, and their results follow that work."""
     t = torch.arange(64, device="cuda").view(32, 2)
+    for _ in range(4):  # the caching host allocator's first blocks (allocating one waits for the device)
+        take_rows(t, [0, 3, 9])
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of queued device work
     start = time.perf_counter()
