@@ -27,7 +27,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.gc_heap import freeze_startup_heap
+from common.gc_heap import freeze_startup_heap, unfreeze_for_exit
 from common.listen import NO_PORT_SHARING, bind, unix_socket_path
 from common.reflection import enable_reflection
 from common.metrics_http import metrics_host
@@ -333,3 +333,4 @@ def serve(cfg: DraftServerConfig) -> None:
         print(f"draft service metrics on {srv.metrics.endpoint.url}", flush=True)
     srv.worker.run()
     srv.stop()
+    unfreeze_for_exit()

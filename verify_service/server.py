@@ -22,7 +22,7 @@ import torch
 from grpc_health.v1 import health, health_pb2
 
 from common.auth import TokenInterceptor, exposure_warning, server_credentials
-from common.gc_heap import freeze_startup_heap
+from common.gc_heap import freeze_startup_heap, unfreeze_for_exit
 from common.listen import NO_PORT_SHARING, bind, unix_socket_path
 from common.parsed_servicer import add_health_servicer, add_parsed_servicer
 from common.reflection import enable_reflection
@@ -215,4 +215,5 @@ def serve(cfg: VerifyServerConfig) -> None:
     if left:
         log.warning("%d streams still open after %g s: cancelled", left, cfg.shutdown_grace_s)
     server.stop(grace_s=1.0)
+    unfreeze_for_exit()
     print("verify service stopped", flush=True)
