@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.host_copy import to_device
+from kernels.host_copy import to_device
 
 _MASK64 = (1 << 64) - 1
 _UNIFORM_STREAM = 0x5DEECE66D  # xor-ed into the seed so uniforms and Exp(1) noise never coincide

@@ -1,4 +1,4 @@
-"""``runtime/host_copy.py``: small host arrays onto the device without waiting for the queued work."""
+"""``kernels/host_copy.py``: small host arrays onto the device without waiting for the queued work."""
 
 import time
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.host_copy import take_rows, to_device
+from kernels.host_copy import take_rows, to_device
 
 
 def test_values_and_dtypes():

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from link.protocol import DraftFeed, DraftProvider, ProposeRequest
-from runtime.host_copy import take_rows
+from kernels.host_copy import take_rows
 from runtime.tree import CandidateTree, InvalidTreeError, invalid_trees
 from verify_service.adaptive import AdaptivePolicy
 from verify_service.feed_buffer import FEED_BUFFER_BYTES, FeedBuffer, FeedRows

@@ -28,7 +28,7 @@ from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from common.tree_settings import TreeSettings
 from link.protocol import DraftFeed, DraftProvider
-from runtime.host_copy import take_rows
+from kernels.host_copy import take_rows
 from runtime.step_layout import Readback, SeqChunk
 from verify_service.adaptive import AdaptivePolicy
 from verify_service.detokenizer import StopStringDetokenizer

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from link.protocol import DraftFeed
-from runtime.host_copy import to_device
+from kernels.host_copy import to_device
 
 
 @dataclass(frozen=True, slots=True)

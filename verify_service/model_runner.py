@@ -32,7 +32,7 @@ from kernels.attention import unpack_mask
 from kernels.metadata import AttentionMetadata
 from runtime.block_manager import blocks_for
 from runtime.graphs import capture_graph
-from runtime.host_copy import take_rows
+from kernels.host_copy import take_rows
 from runtime.kv_cache import PagedKVCache
 from runtime.step_layout import Bucket, SeqChunk, Staging, StaticLayout, layout_step
 from verify_service.model import CausalLM

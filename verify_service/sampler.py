@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels import KernelSet
-from runtime.host_copy import to_device
+from kernels.host_copy import to_device
 from verify_service.sequence import Sequence
 
 
