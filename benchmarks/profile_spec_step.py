@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--unchained", action="store_true",
                     help="call the draft after the step's sync, not chained behind acceptance on the device")
     ap.add_argument("--kernel-rows", type=int, default=15, help="rows of the device-kernel table")
+    ap.add_argument("--stats-rows", type=int, default=40, help="rows of each cProfile table")
     ap.add_argument("--trace", default=None,
                     help="also write the profiled steps' Chrome trace here (every kernel, in order, graphs included)")
     ap.add_argument("--timeline", action="store_true",
@@ -166,8 +167,8 @@ def main() -> None:
     sync()
     prof.disable()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(args.stats_rows)
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.stats_rows)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])) as tprof:
         for _ in range(5):
             engine.step()
@@ -288,7 +289,7 @@ def profile_requests(engine: Engine, args, sync) -> None:
                          "outside_steps_ms": round((total - step_s) * 1e3, 3),
                          "step_ms_mean": round(step_s / steps * 1e3, 4)})
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.stats_rows)
     text.write(first_prof.key_averages().table(sort_by="self_cuda_time_total" if torch.cuda.is_available()
                                                else "self_cpu_time_total", row_limit=20))
     result = {"mode": args.mode, "requests": rows, "model": args.model, "context": args.context,

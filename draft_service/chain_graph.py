@@ -17,8 +17,8 @@ into the proposal's root buffers, the fed rows added to the committed ones. Here
 
 The counts and tokens may come from another process (the draft link): clamped on the device, a wrong
 value spoils proposals, never the draft's memory. ``last`` and ``logp``, the roots, are the graph's
-buffers, rewritten by its next replay: the drafter keeps views of them per sequence and copies out
-the views a replay would overwrite (``EagleDrafter._keep_roots``).
+buffers, rewritten by its next replay: the drafter holds the batch's rows there and copies out
+the rows a replay would overwrite (``draft_service/roots.py``).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from draft_service.eagle_config import DraftConfig
 from draft_service.eagle_loader import load_eagle
 from draft_service.eagle_net import EagleNet
 from draft_service.proposal_graph import DeviceProposal, padded_batch
+from draft_service.roots import Roots
 from draft_service.spec_config import SpecConfig
 from draft_service.static_tree import StaticTreeSpec
 from draft_service.tree_builders import DynamicTreeBuilder, Frontier, StaticTreeBuilder
@@ -69,7 +70,8 @@ class PendingTrees:
         if self.trees is None:
             assert self.proposal is not None, "trees grown for the device only (to_host off)"
             tokens, parents, depths, scores = self.proposal.collect(self.ticket)
-            self.trees = {i: CandidateTree(tokens[j], parents[j], depths[j], scores[j])
+            deepest = depths.max(axis=1).tolist() if depths.shape[1] else [0] * len(self.seq_ids)  # one pass
+            self.trees = {i: CandidateTree(tokens[j], parents[j], depths[j], scores[j], deepest[j])
                           for j, i in enumerate(self.seq_ids)}
         return self.trees
 
@@ -99,8 +101,7 @@ class EagleDrafter:
         self.staging = Staging(self.device)
         self.static = StaticTreeSpec.from_file(spec.static_tree_file) if spec.tree == "static" else None
         self.rows: dict[int, int] = {}  # committed rows per sequence
-        self.last_out: dict[int, torch.Tensor] = {}  # [H] draft output of the newest committed row
-        self.last_logp: dict[int, torch.Tensor] = {}  # [Vd] its log-probs over the draft vocabulary
+        self.roots = Roots()  # per sequence: the draft output [H] of its newest committed row, its log-probs [Vd]
         rows = spec.settings.draft_tree_rows
         self._table_width, self._capacity = blocks_for(max_model_len + rows, block_size), max_model_len + rows
         self._extend_tokens = spec.settings.depth + 1  # a step's rows a sequence: its accepted tokens at most
@@ -194,12 +195,12 @@ class EagleDrafter:
         for the device: the trees come to the host while the caller commits (``PendingTrees.collect``
         waits for them); ``settle`` must follow once the counts are known on the host. ``to_host``
         off: the trees are read on the device only (``on_device``; no copy, nothing to collect)."""
-        D = tokens.shape[1]
-        for seq_id, start, m in zip(seq_ids, starts, most):
-            assert start == self.rows.get(seq_id, 0), f"sequence {seq_id}: fed from {start}, not its newest row"
-            # Its own most rows, not the batch's widest, and never past the context: a sequence at its
-            # end brings fewer rows than the others (its tree was cut), and its table must fit the graphs'.
-            self.blocks.ensure_capacity(seq_id, min(start + min(D, m) + settings.draft_tree_rows, self._capacity))
+        D, rows = tokens.shape[1], self.rows
+        assert [rows.get(i, 0) for i in seq_ids] == list(starts), "sequences fed from other than their newest rows"
+        # Each sequence's own most rows, not the batch's widest, and never past the context: a sequence at
+        # its end brings fewer rows than the others (its tree was cut), and its table must fit the graphs'.
+        ensure, extra, cap = self.blocks.ensure_capacity, settings.draft_tree_rows, self._capacity
+        tables = [ensure(i, min(start + min(D, m) + extra, cap)) for i, start, m in zip(seq_ids, starts, most)]
         chain = self._chained(settings, len(seq_ids)) if D <= self._extend_tokens else None
         if chain is None:  # eagerly (a CPU, no graph for the shape): the host needs the counts
             # Clamped as the graph clamps them: they may come from another process (the draft link).
@@ -209,25 +210,23 @@ class EagleDrafter:
                           for j, (i, start) in enumerate(zip(seq_ids, starts))])
             return PendingTrees(trees=self._propose_on_device([ProposeRequest(i, settings.depth, settings)
                                                                for i in seq_ids], settings))
-        self._keep_roots(chain, seq_ids)
+        self.roots.release_rows(seq_ids)  # (the roots of others that the replay would overwrite: copied out)
         on_device = chain.launch(seq_ids, np.asarray(starts, dtype=np.int64), np.asarray(most, dtype=np.int64),
-                                 [self.blocks.block_table(i) for i in seq_ids], counts, tokens, features)
-        for j, i in enumerate(seq_ids):  # views: ``_keep_roots`` copies them out before a replay overwrites them
-            self.last_out[i], self.last_logp[i] = chain.last[j], chain.logp[j]
+                                 tables, counts, tokens, features)
+        self.roots.hold(chain.last, chain.logp, seq_ids)
         proposal = chain.proposal
         return PendingTrees(seq_ids, proposal if to_host else None, proposal.copy_out(on_device) if to_host else 0,
                             on_device)
 
-    def _keep_roots(self, chain: ChainedProposal, seq_ids: list[int]) -> None:
-        """Copy out the roots (newest rows' outputs and log-probs) that ``chain``'s next replay would
-        overwrite: those of the sequences its last replay fed that this one does not (it refreshes its own)."""
-        if chain.graph is None:  # eager launches leave fresh roots: nothing to copy
-            return
-        held, fed = chain.last.untyped_storage().data_ptr(), set(seq_ids)
-        for i in chain.seq_ids:
-            out = self.last_out.get(i)
-            if i not in fed and out is not None and out.untyped_storage().data_ptr() == held:
-                self.last_out[i], self.last_logp[i] = out.clone(), self.last_logp[i].clone()
+    @property
+    def last_out(self) -> dict[int, torch.Tensor]:
+        """Every sequence's root output [H] (a snapshot, for tests and checks)."""
+        return {i: self.roots.get(i)[0] for i in self.roots.ids()}
+
+    @property
+    def last_logp(self) -> dict[int, torch.Tensor]:
+        """Every sequence's root log-probs [Vd] (a snapshot, for tests and checks)."""
+        return {i: self.roots.get(i)[1] for i in self.roots.ids()}
 
     def settle(self, rows: dict[int, int]) -> None:
         """The committed rows of the sequences ``step_on_device`` fed, now known on the host: the
@@ -243,8 +242,8 @@ class EagleDrafter:
 
     def release(self, seq_id: int) -> None:
         self.blocks.free(seq_id)
-        for table in (self.rows, self.last_out, self.last_logp):
-            table.pop(seq_id, None)
+        self.rows.pop(seq_id, None)
+        self.roots.drop(seq_id)
 
     # --- draft extend over committed rows --------------------------------------------------
 
@@ -277,7 +276,7 @@ class EagleDrafter:
             out, logp = self._run(chunks, hidden)
             last = out[np.cumsum([len(f.next_tokens) for f in feeds]) - 1]
         for j, f in enumerate(feeds):
-            self.last_out[f.seq_id], self.last_logp[f.seq_id] = last[j], logp[j]
+            self.roots.set(f.seq_id, last[j], logp[j])
 
     def _run(self, chunks: list[SeqChunk], hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
              custom_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,8 +315,9 @@ class EagleDrafter:
         by level, laid out on the host, stopping at the deepest level asked for."""
         ids = [r.seq_id for r in requests]
         builder = self._builder(settings)
-        frontier = builder.start(torch.stack([self.last_logp[i] for i in ids]))
-        parent_out = torch.stack([self.last_out[i] for i in ids])[:, None]  # (B, 1, H): the root's output
+        root_out, root_logp = self.roots.stack(ids)
+        frontier = builder.start(root_logp)
+        parent_out = root_out[:, None]  # (B, 1, H): the root's output
         deepest = max(r.max_depth for r in requests)
         fed = 0
         while frontier is not None and frontier.depth < deepest:
@@ -337,15 +337,15 @@ class EagleDrafter:
         rows = np.array([self.rows[i] for i in ids], dtype=np.int64)
         for i, m in zip(ids, rows):
             self.blocks.ensure_capacity(i, int(m) + settings.draft_tree_rows)
+        root_out, root_logp = self.roots.stack(ids)
         tokens, parents, depths, scores = self._proposal(settings, len(ids)).run(
-            torch.stack([self.last_logp[i] for i in ids]), torch.stack([self.last_out[i] for i in ids]), rows,
-            [self.blocks.block_table(i) for i in ids])
+            root_logp, root_out, rows, [self.blocks.block_table(i) for i in ids])
         for i in ids:  # drop the speculative rows; the next feed overwrites them
             self.blocks.truncate(i, self.rows[i])
-        deepest = depths.max(axis=1).tolist()  # one pass for all: most trees need no cut
+        deepest = depths.max(axis=1).tolist() if depths.shape[1] else [0] * len(requests)  # one pass for all
         trees = {}
         for j, r in enumerate(requests):
-            tree = CandidateTree(tokens[j], parents[j], depths[j], scores[j])
+            tree = CandidateTree(tokens[j], parents[j], depths[j], scores[j], deepest[j])
             trees[r.seq_id] = tree if deepest[j] <= r.max_depth else tree.prune_depth(r.max_depth)
         return trees
 

@@ -102,6 +102,9 @@ def _level_layout(widths: list[int], batch: int, device: torch.device) -> _Layou
     return _Layout(*cat, torch.tensor(lens, dtype=torch.int64, device=device), levels)
 
 
+_UNKNOWN = object()  # a table row written from something other than a list: always rewritten
+
+
 class DeviceProposal:
     """Trees of one shape for up to ``batch`` sequences, grown to the shape's full ``depth``; the
     levels occupy at most ``tree_rows`` draft KV rows past each sequence's committed ones."""
@@ -124,6 +127,10 @@ class DeviceProposal:
         self._sent = [torch.cuda.Event() if dev.type == "cuda" else None for _ in range(2)]
         self._sending = [False, False]
         self._turn = 0
+        # What each host buffer's table rows hold (a copy of the table written there; None: zeros): a
+        # chained step sends the same tables step after step, and comparing a row costs a tenth of
+        # rewriting it.
+        self._table_rows: list[list] = [[None] * B for _ in range(2)]
         self.rows, self.live = self._meta[:B], self._meta[B:2 * B]
         self.tables = self._meta[2 * B:].view(B, table_width)
         self.root_logp = torch.zeros(B, net.d2t.shape[0], dtype=torch.float32, device=dev)
@@ -191,12 +198,19 @@ class DeviceProposal:
             self._sent[turn].synchronize()
         host = self._host_views[turn]
         B, W = self.batch, self.tables.shape[1]
-        host[:] = 0
+        host[:2 * B] = 0
         host[:n] = rows
         host[B:B + n] = live
-        table_block = host[2 * B:].reshape(B, W)
+        table_block, held = host[2 * B:].reshape(B, W), self._table_rows[turn]
         for i, t in enumerate(tables):
-            table_block[i, :len(t)] = t
+            if type(t) is not list or held[i] != t:
+                table_block[i] = 0
+                table_block[i, :len(t)] = t
+                held[i] = list(t) if type(t) is list else _UNKNOWN
+        for i in range(n, B):  # rows past the batch's: zeros
+            if held[i] is not None:
+                table_block[i] = 0
+                held[i] = None
         self._meta.copy_(self._hosts[turn], non_blocking=True)
         if self._sent[turn] is not None:
             self._sent[turn].record()

@@ -37,20 +37,26 @@ class BlockManager:
 
         Raises CapacityError, allocating nothing, when the free blocks do not suffice.
         """
-        table = self._tables.setdefault(seq_id, [])
-        needed = blocks_for(num_tokens, self.block_size) - len(table)
+        table = self._tables.get(seq_id)
+        if table is None:
+            table = self._tables[seq_id] = []
+        needed = -(-num_tokens // self.block_size) - len(table)  # (blocks_for, inline: called per sequence per step)
+        if needed <= 0:
+            return table
         if needed > len(self._free):
             raise CapacityError(
                 f"KV cache exhausted: sequence {seq_id} needs {needed} more blocks of "
                 f"{self.block_size} tokens, {len(self._free)} of {self.num_blocks} are free")
-        for _ in range(max(needed, 0)):
+        for _ in range(needed):
             table.append(self._free.pop())
         return table
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Release the blocks past the first ``num_tokens`` KV entries (rewind)."""
-        table = self._tables.get(seq_id, [])
-        keep = blocks_for(num_tokens, self.block_size)
+        table = self._tables.get(seq_id)
+        keep = -(-num_tokens // self.block_size)
+        if table is None or len(table) <= keep:
+            return
         while len(table) > keep:
             self._free.append(table.pop())
 

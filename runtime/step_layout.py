@@ -325,24 +325,13 @@ class StaticLayout:
         Returns the step's ``query_start_loc`` on the host. The host buffer is written once the
         last fill's copy has run. ``mask_on_device``: send no mask (zeros); ``write_trees`` writes it next.
         """
-        if self._in_flight:
-            self._sent.synchronize()
-        h, bs = self.host, self.block_size
+        self._wait_sent()
+        h = self.host
         q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
         starts = np.array([c.kv_start for c in chunks], dtype=np.int64)
-        n, T = len(chunks), int(q_lens.sum())
-        qsl = np.concatenate(([0], np.cumsum(q_lens)))
-        h["qsl"][:n + 1] = qsl
-        h["qsl"][n + 1:] = T
-        h["seq_lens"][:n] = starts + q_lens
-        h["seq_lens"][n:] = 0
-        self._write_tables(chunks)
-        tables = h["tables"]
-        token_seq = np.repeat(np.arange(n), q_lens)
-        q_idx = np.arange(T) - qsl[token_seq]
-        kv_idx = starts[token_seq] + q_idx
-        h["slots"][:T] = tables[token_seq, kv_idx // bs] * bs + kv_idx % bs
-        h["slots"][T:] = -1
+        n = len(chunks)
+        self._write_tables([c.block_table for c in chunks])
+        qsl, T = self._write_rows(q_lens, starts)
         if T == n and all(c.positions is None for c in chunks):  # a decode step: one token each, at kv_start
             h["positions"][:T] = starts
             h["ids"][:T] = [c.token_ids[0] for c in chunks]
@@ -351,8 +340,6 @@ class StaticLayout:
                                                  np.arange(c.kv_start, c.kv_start + len(c.token_ids)) for c in chunks])
             h["ids"][:T] = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks])
         h["positions"][T:] = 0
-        h["token_seq"][:T], h["token_seq"][T:] = token_seq, 0
-        h["q_idx"][:T], h["q_idx"][T:] = q_idx, 0
         h["ids"][T:] = 0
         if self._mask_bytes is not None and mask_on_device:
             h["mask_start"][:n], h["mask_start"][n:] = starts, 0
@@ -368,24 +355,71 @@ class StaticLayout:
             self._mask_bytes[:] = 0
             packed = np.packbits(dense, axis=1, bitorder="little")  # bit j of byte b: column 8 b + j
             self._mask_bytes[:T, :packed.shape[1]] = packed
+        self._send()
+        return qsl
+
+    def fill_roots(self, starts: np.ndarray, roots: np.ndarray, tables: list[list[int]], n: int) -> np.ndarray:
+        """``fill(chunks, mask_on_device=True)`` for B trees of ``n`` nodes whose nodes are on the device,
+        without the chunks: sequence b's chunk is its root ``roots[b]`` then ``n`` placeholder nodes
+        (token 0), every row at the root's position ``starts[b]`` (its KV start), logits for every row,
+        over ``tables[b]`` (``write_trees`` writes the nodes next). Built for the batch at once (a
+        chained step's layout at batch 64 was 64 chunks made and taken apart again). Returns the
+        step's ``query_start_loc``."""
+        self._wait_sent()
+        h, B, w = self.host, len(starts), n + 1
+        self._write_tables(tables)
+        qsl, T = self._write_rows(np.full(B, w, dtype=np.int64), starts)
+        h["positions"][:T] = np.repeat(starts, w)
+        h["positions"][T:] = 0
+        ids = h["ids"]
+        ids[:] = 0
+        ids[:T:w] = roots
+        if self._mask_bytes is not None:
+            h["mask_start"][:B], h["mask_start"][B:] = starts, 0
+            self._mask_bytes[:] = 0
+        self._send()
+        return qsl
+
+    def _wait_sent(self) -> None:
+        if self._in_flight:
+            self._sent.synchronize()
+
+    def _write_rows(self, q_lens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, int]:
+        """The per-row inputs every step has (query_start_loc, lengths, KV slots, the rows' sequences
+        and indices, after the tables); returns query_start_loc and the step's tokens."""
+        h, bs = self.host, self.block_size
+        n, T = len(q_lens), int(q_lens.sum())
+        qsl = np.concatenate(([0], np.cumsum(q_lens)))
+        h["qsl"][:n + 1] = qsl
+        h["qsl"][n + 1:] = T
+        h["seq_lens"][:n] = starts + q_lens
+        h["seq_lens"][n:] = 0
+        token_seq = np.repeat(np.arange(n), q_lens)
+        q_idx = np.arange(T) - qsl[token_seq]
+        kv_idx = starts[token_seq] + q_idx
+        h["slots"][:T] = h["tables"][token_seq, kv_idx // bs] * bs + kv_idx % bs
+        h["slots"][T:] = -1
+        h["token_seq"][:T], h["token_seq"][T:] = token_seq, 0
+        h["q_idx"][:T], h["q_idx"][T:] = q_idx, 0
+        return qsl, T
+
+    def _send(self) -> None:
         self.device_buffer.copy_(self.host_buffer, non_blocking=True)
         if self._sent is not None:
             self._sent.record()
             self._in_flight = True
-        return qsl
 
-    def _write_tables(self, chunks: list[SeqChunk]) -> None:
-        """The chunks' block tables into the host table's rows, zeros after each table and in the rows
+    def _write_tables(self, block_tables: list) -> None:
+        """The step's block tables into the host table's rows, zeros after each table and in the rows
         past the step's; a row already holding its table is left as it is."""
-        tables, rows, n = self.host["tables"], self._table_rows, len(chunks)
-        first = chunks[0].block_table if chunks else None
-        if n > 1 and all(c.block_table is first for c in chunks):  # one sequence's tokens as many (a prompt)
+        tables, rows, n = self.host["tables"], self._table_rows, len(block_tables)
+        first = block_tables[0] if block_tables else None
+        if n > 1 and all(t is first for t in block_tables):  # one sequence's tokens as many (a prompt)
             tables[:n] = 0
             tables[:n, :len(first)] = first
             rows[:n] = [list(first) if type(first) is list else _UNKNOWN] * n
         else:
-            for i, c in enumerate(chunks):
-                table = c.block_table
+            for i, table in enumerate(block_tables):
                 if type(table) is list and rows[i] == table:
                     continue
                 tables[i] = 0

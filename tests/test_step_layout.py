@@ -181,9 +181,15 @@ def test_trees_written_on_the_device_give_the_layout_the_host_builds():
                      positions=starts[b] + np.concatenate(([0], depths[b])), custom_mask=masks[b]) for b in range(B)]
     roots_only = [SeqChunk(np.pad([roots[b]], (0, n)), starts[b], tables[b], logits_rows=np.arange(n + 1),
                            positions=np.full(n + 1, starts[b])) for b in range(B)]
-    want, got = (StaticLayout(Bucket(4, 64, True), 8, 256, bs, torch.device("cpu")) for _ in range(2))
+    want, got, batched = (StaticLayout(Bucket(4, 64, True), 8, 256, bs, torch.device("cpu")) for _ in range(3))
     want.fill(host)
     got.fill(roots_only, mask_on_device=True)
+    # The same roots laid out for the batch at once, without chunks (a chained step's), over a layout
+    # whose rows held another step first (its stale rows must not survive).
+    batched.fill(host + host[:1])
+    qsl = batched.fill_roots(starts, roots, tables, n)
+    assert qsl.tolist() == [b * (n + 1) for b in range(B + 1)]
+    assert torch.equal(batched.device_buffer, got.device_buffer)
     t = torch.from_numpy
     got.write_trees(t(tokens), t(depths), packed_tree_mask_ref(t(parents), torch.full((B,), n)))
     assert torch.equal(got.device_buffer, want.device_buffer)

@@ -101,7 +101,7 @@ class Engine:
         # next decode step is launched before this one's tokens reach the host (``_launch_decode``),
         # its token ids taken from the sampled ones on the device.
         self.decode_ahead = drafter is None or policy is not None
-        self._ahead_decode = None  # (plan, chunks, output, None) of the step so launched
+        self._ahead_decode = None  # (plan, first logits rows, output, None) of the step so launched
         self.decode_steps_ahead = 0
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True,
@@ -199,12 +199,12 @@ class Engine:
             padded = padded_trees(with_tree) if with_tree else None  # for the layout and the acceptance
             chunks = self._chunks(plan, with_tree, padded)
             out = self.target.runner.step(chunks)
+            logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
         else:
-            padded, (chunks, out, on_device) = None, ahead
+            padded, (logits_at, out, on_device) = None, ahead
         if self.policy is not None and (deferred is not None or len(with_tree) == len(plan)):
             # A step of trees alone: the policy's choice for the next step while the device runs this one.
             self.speculation.choose_ahead([s for s, _ in plan])
-        logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
         plain, trees = [], []
         for i, (seq, n) in enumerate(plan):
             if seq.seq_id in self.sequences:  # (a step launched ahead may hold sequences finished since)
@@ -260,7 +260,8 @@ class Engine:
                 self.speculation.settle(verified)
             for v in verified:
                 self.speculation.observe(v)
-                feeds[v.seq.seq_id] = v.feed
+                if chained is None:  # (a chained step fed the draft on the device: no feed to build)
+                    feeds[v.seq.seq_id] = v.feed
                 events.append(self._commit(v.seq, v.tokens))
         self._chained = chained
         draft_s = self.speculation.draft(feeds, rows) if self.speculation and chained is None else 0.0
@@ -302,14 +303,15 @@ class Engine:
             plan.append((seq, 1))
             chunks.append(SeqChunk(_PLACEHOLDER, seq.num_cached, ensure(seq.seq_id, seq.num_cached + 1), _ROW0))
         self.decode_steps_ahead += 1
-        return plan, chunks, self.target.runner.step(chunks, ids=sampled), None
+        return plan, np.arange(len(chunks) + 1), self.target.runner.step(chunks, ids=sampled), None  # (one logits row each)
 
-    def _verify_ahead(self, chained) -> tuple[list, tuple[list[SeqChunk], StepOutput, torch.Tensor] | None]:
+    def _verify_ahead(self, chained) -> tuple[list, tuple[np.ndarray, StepOutput, torch.Tensor] | None]:
         """Schedule the step and, when it is exactly the chained trees (the same sequences, none
         finished, none whose context or max_tokens cuts its tree), launch their verification from
         the trees on the device, before their copy reaches the host. The step's layout goes to the
         device before the trees are asked for: through the link, while the draft service answers.
-        Returns the plan and (chunks, output, the trees on the device), or (None, None) for the usual path."""
+        Returns the plan and (each sequence's first logits row and the end, the output, the trees on
+        the device), or (None, None) for the usual path."""
         n = chained.nodes_hint
         if n is None:  # the first of its shape through the link: the answer says
             trees = chained.on_device
@@ -320,21 +322,18 @@ class Engine:
         plan = self.scheduler.schedule(lambda s: n + 1 if s.seq_id in ids else 1 + s.tree.num_nodes if s.tree else 1)
         if [s.seq_id for s, _ in plan] != chained.seq_ids or any(s.prefilling for s, _ in plan):
             return None, None
-        # Every row at the root's position, the root's token first (the nodes' come from the device):
-        # built for the whole batch at once (a np.pad and a np.full a sequence cost some 15 us each).
-        rows, seqs = np.arange(n + 1), [s for s, _ in plan]
-        ids = np.zeros((len(seqs), n + 1), dtype=np.int64)
-        ids[:, 0] = [s.output_ids[-1] for s in seqs]
-        cached = [s.num_cached for s in seqs]
-        positions = np.repeat(np.asarray(cached, dtype=np.int64)[:, None], n + 1, axis=1)
+        # Each sequence's root (its newest token) at its KV index, the nodes' rows come from the device:
+        # laid out for the whole batch at once (``fill_roots``).
+        seqs = [s for s, _ in plan]
         table = self.target.blocks.block_table
-        chunks = [SeqChunk(ids[i], c, table(s.seq_id), logits_rows=rows, positions=positions[i])
-                  for i, (s, c) in enumerate(zip(seqs, cached))]
-        out = self.target.runner.step_trees_on_device(chunks, lambda: chained.on_device)
+        starts = np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=len(seqs))
+        roots = np.fromiter((s.output_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs))
+        out = self.target.runner.step_trees_on_device(starts, roots, [table(s.seq_id) for s in seqs], n,
+                                                      lambda: chained.on_device)
         if out is None:
             return None, None
         self.steps_ahead += 1
-        return plan, (chunks, out, chained.on_device)
+        return plan, (np.arange(len(seqs) + 1) * (n + 1), out, chained.on_device)
 
     def _chunks(self, plan: list[tuple[Sequence, int]], with_tree: list[Sequence], padded) -> list[SeqChunk]:
         """The step's inputs in plan order: tree chunks (``with_tree``, the plan's sequences with a

@@ -324,20 +324,21 @@ class ModelRunner:
                           rest.query_start_loc + [offset + q for q in prompt.query_start_loc[1:]])
 
     @torch.inference_mode()
-    def step_trees_on_device(self, chunks: list[SeqChunk], trees: Callable[[], torch.Tensor | None]) -> StepOutput | None:
+    def step_trees_on_device(self, starts: np.ndarray, roots: np.ndarray, tables: list[list[int]], n: int,
+                             trees: Callable[[], torch.Tensor | None]) -> StepOutput | None:
         """A verification step of trees whose nodes are still on the device (a draft chained behind
         the last step's acceptance), queued behind the draft's work with no wait for the trees' copy
-        to the host. ``chunks``: each tree's root and n placeholder nodes (tokens, KV start, table;
-        every row at the root's position; logits for every row). ``trees()``: the nodes, int64
-        [4, B, n] (tokens | parents | depths | scores), asked for once the step's layout is on its
-        way (the draft service answers meanwhile); the device writes their tokens, positions and
-        ancestor masks into the graph's inputs. None when no captured graph holds the step or the
-        trees are not B trees of n nodes: the caller lays the trees out on the host."""
-        B, n = len(chunks), len(chunks[0].token_ids) - 1
+        to the host. Sequence b: its root token ``roots[b]`` at KV index ``starts[b]`` (its block
+        table ``tables[b]``) and ``n`` nodes, logits for every row (``StaticLayout.fill_roots``).
+        ``trees()``: the nodes, int64 [4, B, n] (tokens | parents | depths | scores), asked for once
+        the step's layout is on its way (the draft service answers meanwhile); the device writes their
+        tokens, positions and ancestor masks into the graph's inputs. None when no captured graph
+        holds the step or the trees are not B trees of n nodes: the caller lays the trees out on the host."""
+        B = len(starts)
         graph = self.tree_graph(B, n)
-        if graph is None or not graph.layout.fits(chunks):
+        if graph is None or B > graph.layout.bucket.seqs or any(len(t) > graph.layout.table_width for t in tables):
             return None
-        qsl = graph.layout.fill(chunks, mask_on_device=True)  # (a layout filled for nothing is refilled next)
+        qsl = graph.layout.fill_roots(starts, roots, tables, n)  # (a layout filled for nothing is refilled next)
         nodes = trees()
         if nodes is None or nodes.shape[1:] != (B, n):
             return None
