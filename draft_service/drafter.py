@@ -230,12 +230,13 @@ class EagleDrafter:
 
     def settle(self, rows: dict[int, int]) -> None:
         """The committed rows of the sequences ``step_on_device`` fed, now known on the host: the
-        proposal's speculative rows are dropped past them (a sequence this drafter does not hold: none)."""
+        proposal's speculative rows past them are dropped (a sequence this drafter does not hold: none).
+        Their blocks stay the sequence's (the cache holds every sequence's longest table): the next
+        chained step writes its tree rows there again, and its block tables stay as they were."""
+        held = self.rows
         for seq_id, n in rows.items():
-            if seq_id not in self.rows:
-                continue
-            self.rows[seq_id] = n
-            self.blocks.truncate(seq_id, n)
+            if seq_id in held:
+                held[seq_id] = n
 
     def tree_rejected(self, seq_id: int, reason: str) -> None:
         log.error("sequence %d: the verify side refused a tree: %s", seq_id, reason)
