@@ -71,6 +71,29 @@ def test_the_chained_draft_replays_its_graphs_and_gives_the_unchained_steps(dirs
     assert chained == unchained
 
 
+@pytest.mark.parametrize("tree", ["dynamic", "chain"])
+def test_sequences_that_finish_leave_the_others_verified_from_the_device(dirs, tree):
+    """A batch whose sequences finish one by one (and near their max_tokens, where the host's copy of a
+    tree is cut) still verifies every chained step's trees from the device, the finished sequences'
+    trees left out there, and gives the unchained steps' tokens."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 16, 9)]
+    unchained = engine(dirs, True, tree)
+    unchained.speculation.chain = False
+    want = [r.token_ids for r in unchained.generate(PROMPTS, params)]
+    eng = engine(dirs, True, tree)
+    ids = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    got, missed, shrank = {i: [] for i in ids}, 0, 0
+    while eng.has_work:
+        chained, ahead, running = eng._chained, eng.steps_ahead, len(eng.scheduler.running)
+        for ev in eng.step():
+            got[ev.seq_id] += ev.token_ids
+        if chained is not None:
+            missed += eng.steps_ahead == ahead
+            shrank += eng.steps_ahead > ahead and running < len(chained.seq_ids)  # one finished, others verified
+    assert missed == 0 and eng.steps_ahead > 5 and shrank >= 1
+    assert [got[i] for i in ids] == want
+
+
 def test_warm_up_captures_what_generation_replays(dirs):
     """After the drafter's warm-up (every padded batch of the default tree) and the target's (its
     verification buckets), generating for a shrinking batch captures no graph."""

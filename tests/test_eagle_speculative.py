@@ -207,3 +207,25 @@ def test_the_chained_draft_reserves_no_row_past_its_capacity(dirs, monkeypatch):
                                    torch.zeros(2, D, width), spec.settings).collect()
     assert set(trees) == {0, 1} and asked and max(asked) <= drafter._capacity
     assert drafter.rows[0] == 64 and drafter.rows[1] == 8  # the eager path settles as it feeds
+
+
+def test_trees_verified_from_the_device_reach_past_max_tokens_never_past_the_context(dirs):
+    """``trees_fit`` (a chained step's trees verified whole from the device) lets a tree reach past a
+    request's max_tokens (the tokens it commits beyond are cut at commit) but not past the context;
+    their host copies are attached whole, a host-laid tree is cut to what max_tokens leaves."""
+    from runtime.tree import CandidateTree
+
+    engine = eagle_engine(dirs, "chain")
+    sid = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()  # the prompt: one token out, two left
+    seq, coordinator = engine.sequences[sid], engine.speculation
+    tree = CandidateTree.chain([1, 2, 3, 4])  # depth 4: past max_tokens
+    assert coordinator.trees_fit([sid, 12345])  # (a finished or unknown sequence: its tree is left out)
+    coordinator.attach({sid: tree})
+    assert seq.tree.max_depth == 1  # two tokens left: a node and the bonus
+    coordinator.attach({sid: tree}, whole=True)
+    assert seq.tree is tree
+    coordinator.max_model_len = seq.num_tokens + 3  # room for depth 3 only
+    assert not coordinator.trees_fit([sid])
+    coordinator.max_model_len = seq.num_tokens + 4
+    assert coordinator.trees_fit([sid])

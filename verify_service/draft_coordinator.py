@@ -229,24 +229,33 @@ class DraftCoordinator:
         finishes (a finished one's draft state is then freed as usual)."""
         self.drafter.settle({v.seq.seq_id: v.start + len(v.tokens) for v in verified})
 
-    def full_trees(self, seq_ids: list[int]) -> bool:
-        """Whether every one of these sequences is live and takes its chained tree whole (``attach``
-        cuts none of them)."""
+    def trees_fit(self, seq_ids: list[int]) -> bool:
+        """Whether the chained trees of these sequences may be verified whole, from the device: every
+        one still running (or finished: its tree is left out) has the context room for its tree. (Past
+        ``max_tokens`` a tree may reach: the tokens it commits beyond are cut as a plain step's would
+        be, and the KV its rows take is within what the sequence reserved; ``attach`` cuts the host's
+        copies.)"""
+        sequences, longest = self.sequences, self.max_model_len
         for seq_id in seq_ids:
-            seq = self.sequences.get(seq_id)
-            if seq is None or seq.finished or self._max_depth(seq) < seq.tree_settings.depth:
+            seq = sequences.get(seq_id)
+            if seq is not None and not seq.finished and \
+                    len(seq.prompt_ids) + len(seq.output_ids) + seq.tree_settings.depth > longest:
                 return False
         return True
 
-    def attach(self, trees: dict[int, CandidateTree]) -> None:
+    def attach(self, trees: dict[int, CandidateTree], whole: bool = False) -> None:
         """Give the live sequences their chained trees, cut to the depth their context and
-        ``max_tokens`` now leave (none where they leave none)."""
+        ``max_tokens`` now leave (none where they leave none). ``whole``: trees the step verified from
+        the device (``trees_fit``), cut by nothing (the host's copy is the tree verified)."""
+        sequences = self.sequences
         for seq_id, tree in trees.items():
-            seq = self.sequences.get(seq_id)
-            depth = self._max_depth(seq) if seq is not None and not seq.finished else 0
-            if depth <= 0 or not tree.num_nodes:
+            seq = sequences.get(seq_id)
+            if seq is None or seq.finished or not tree.num_nodes:
                 continue
-            seq.tree = tree.prune_depth(depth)
+            depth = seq.tree_settings.depth if whole else self._max_depth(seq)
+            if depth <= 0:
+                continue
+            seq.tree = tree if whole else tree.prune_depth(depth)
             self._asked[seq_id] = seq.tree_settings.node_budget if depth >= seq.tree_settings.depth else 0
 
     def _send(self, feeds: list[DraftFeed], requests: list[ProposeRequest]) -> dict:

@@ -28,7 +28,7 @@ from common.errors import InvalidRequestError
 from common.sampling_params import SamplingParams
 from common.tree_settings import TreeSettings
 from link.protocol import DraftFeed, DraftProvider
-from kernels.host_copy import take_rows
+from kernels.host_copy import take_rows, to_device
 from runtime.step_layout import Readback, SeqChunk
 from verify_service.adaptive import AdaptivePolicy
 from verify_service.detokenizer import StopStringDetokenizer
@@ -281,7 +281,7 @@ class Engine:
         """Give the sequences the trees of ``deferred`` (chained trees the step verified from the
         device), once they reach the host; returns None (what the caller holds then)."""
         if deferred is not None:
-            self.speculation.attach(deferred.collect())
+            self.speculation.attach(deferred.collect(), whole=True)
 
     def _decode_ahead_ok(self, due) -> bool:
         """Whether the next step may be launched now, before this decode step's tokens are read: every
@@ -306,34 +306,53 @@ class Engine:
         return plan, np.arange(len(chunks) + 1), self.target.runner.step(chunks, ids=sampled), None  # (one logits row each)
 
     def _verify_ahead(self, chained) -> tuple[list, tuple[np.ndarray, StepOutput, torch.Tensor] | None]:
-        """Schedule the step and, when it is exactly the chained trees (the same sequences, none
-        finished, none whose context or max_tokens cuts its tree), launch their verification from
-        the trees on the device, before their copy reaches the host. The step's layout goes to the
-        device before the trees are asked for: through the link, while the draft service answers.
-        Returns the plan and (each sequence's first logits row and the end, the output, the trees on
-        the device), or (None, None) for the usual path."""
+        """Schedule the step and, when it is the chained trees' sequences (those of them still running,
+        none waiting to start, none whose context cuts its tree), launch their verification from the
+        trees on the device, before their copy reaches the host: the trees of sequences that finished
+        since are left out on the device (at batch 64 a sequence finishes every few steps; each one
+        sent the whole batch down the host's layout). The step's layout goes to the device before the
+        trees are asked for: through the link, while the draft service answers. Returns the plan and
+        (each sequence's first logits row and the end, the output, its trees on the device), or
+        (None, None) for the usual path."""
         n = chained.nodes_hint
         if n is None:  # the first of its shape through the link: the answer says
             trees = chained.on_device
             n = None if trees is None else trees.shape[2]
-        if n is None or not self.speculation.full_trees(chained.seq_ids):
+        if n is None or not self.speculation.trees_fit(chained.seq_ids):
             return None, None
         ids = set(chained.seq_ids)
         plan = self.scheduler.schedule(lambda s: n + 1 if s.seq_id in ids else 1 + s.tree.num_nodes if s.tree else 1)
-        if [s.seq_id for s, _ in plan] != chained.seq_ids or any(s.prefilling for s, _ in plan):
+        seqs = [s for s, _ in plan]
+        if len(seqs) == len(chained.seq_ids):
+            if [s.seq_id for s in seqs] != chained.seq_ids:
+                return None, None
+            keep = None
+        else:  # finished ones left out (their rows on the device: not read)
+            at = {i: j for j, i in enumerate(chained.seq_ids)}
+            keep = [at.get(s.seq_id, -1) for s in seqs]
+            if not seqs or min(keep) < 0:
+                return None, None
+        if any(s.prefilling for s in seqs):
             return None, None
         # Each sequence's root (its newest token) at its KV index, the nodes' rows come from the device:
         # laid out for the whole batch at once (``fill_roots``).
-        seqs = [s for s, _ in plan]
         table = self.target.blocks.block_table
         starts = np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=len(seqs))
         roots = np.fromiter((s.output_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs))
-        out = self.target.runner.step_trees_on_device(starts, roots, [table(s.seq_id) for s in seqs], n,
-                                                      lambda: chained.on_device)
+        picked = []
+
+        def trees() -> torch.Tensor | None:
+            t = chained.on_device
+            if t is not None and keep is not None:
+                t = t.index_select(1, to_device(np.asarray(keep, dtype=np.int64), torch.int64, t.device))
+            picked.append(t)
+            return t
+
+        out = self.target.runner.step_trees_on_device(starts, roots, [table(s.seq_id) for s in seqs], n, trees)
         if out is None:
             return None, None
         self.steps_ahead += 1
-        return plan, (np.arange(len(seqs) + 1) * (n + 1), out, chained.on_device)
+        return plan, (np.arange(len(seqs) + 1) * (n + 1), out, picked[0])
 
     def _chunks(self, plan: list[tuple[Sequence, int]], with_tree: list[Sequence], padded) -> list[SeqChunk]:
         """The step's inputs in plan order: tree chunks (``with_tree``, the plan's sequences with a
