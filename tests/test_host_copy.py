@@ -21,6 +21,9 @@ def test_take_rows_is_a_view_when_consecutive_else_a_gather():
     assert view.data_ptr() == t[2].data_ptr() and torch.equal(view, t[2:5])
     assert torch.equal(take_rows(t, [1, 4, 9]), t[[1, 4, 9]])
     assert torch.equal(take_rows(t, [5, 2]), t[[5, 2]])  # (not increasing: gathered in that order)
+    assert torch.equal(take_rows(t, [2, 4, 4]), t[[2, 4, 4]])  # the span of consecutive rows, not them
+    assert take_rows(t, [2, 3, 4], increasing=True).data_ptr() == view.data_ptr()
+    assert torch.equal(take_rows(t, [1, 4], increasing=True), t[[1, 4]])
 
 
 @pytest.mark.gpu

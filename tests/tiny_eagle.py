@@ -34,16 +34,16 @@ def make_target_and_head(root: Path, **overrides) -> tuple[Path, Path]:
 
 
 def run_steps(engine, prompts: list[list[int]], params: list) -> list[tuple[list, list]]:
-    """Run ``prompts`` to the end, step by step: per step, the tokens each sequence committed, then
-    every live sequence's next tree (tokens and parents). Two engines that draft alike give equal
-    lists."""
+    """Run ``prompts`` to the end, step by step: per step, the tokens each sequence committed (by
+    sequence: the order of a step's events is no contract), then every live sequence's next tree
+    (tokens and parents). Two engines that draft alike give equal lists."""
     for prompt, p in zip(prompts, params):
         engine.add_request(prompt, p)
     steps = []
     while engine.has_work:
         events = engine.step()
         engine.attach_trees()  # a chained step's trees come with the next step: taken now, to compare
-        steps.append(([(e.seq_id, e.token_ids) for e in events],
+        steps.append((sorted((e.seq_id, e.token_ids) for e in events),
                       sorted((s.seq_id, s.tree.tokens.tolist(), s.tree.parents.tolist())
                              for s in engine.sequences.values() if s.tree is not None)))
     return steps

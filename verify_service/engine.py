@@ -241,19 +241,18 @@ class Engine:
         else:
             deferred = self._attach(deferred)
             host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
-        events = []
-        chunk_ids, seq_ids, starts, tokens = [], [], [], []  # one-token decodes whose rows go in one record
-        for (i, seq, start, n), token in zip(due, host[:len(due)]):
-            one_row = seq.speculate and n == 1 and seq.pending_feature is None
-            if seq.speculate and not one_row:
+        events, commit = [], self._commit
+        one_rows = []  # (chunk, seq_id, start, token) of one-token decodes: their rows go in one record
+        for (i, seq, start, n), token in zip(due, host):
+            if seq.speculate:
+                if n == 1 and seq.pending_feature is None:
+                    events.append(commit(seq, [token]))
+                    if seq.finish_reason is None:  # (a finished sequence's rows are not sent)
+                        one_rows.append((i, seq.seq_id, start, token))
+                    continue
                 DraftCoordinator.feed_rows(seq, out, i, start, n, token, feeds)
-            events.append(self._commit(seq, [token]))
-            if one_row and seq.finish_reason is None:
-                chunk_ids.append(i)  # (a finished sequence's rows are not sent)
-                seq_ids.append(seq.seq_id)
-                starts.append(start)
-                tokens.append(token)
-        rows = DraftCoordinator.decode_rows(out, chunk_ids, seq_ids, starts, tokens) if chunk_ids else None
+            events.append(commit(seq, [token]))
+        rows = DraftCoordinator.decode_rows(out, *map(list, zip(*one_rows))) if one_rows else None
         if pending:
             verified = self.verifier.finish(pending, host[len(due):])
             if chained is not None:
