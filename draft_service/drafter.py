@@ -60,7 +60,6 @@ class PendingTrees:
     on_device: torch.Tensor | None = None  # int64 [4, n, nodes]: tokens | parents | depths | score bits
     trees: dict[int, CandidateTree] | None = None  # once collected (or made eagerly)
     outlives_next_draft = False  # the next proposal of the shape reuses the copy's buffer: collect first
-    settings: TreeSettings | None = None  # the shape they were grown with (the caller's note; None: not said)
 
     @property
     def nodes_hint(self) -> int | None:

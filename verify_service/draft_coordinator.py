@@ -19,7 +19,6 @@ import time
 import numpy as np
 import torch
 
-from common.tree_settings import TreeSettings
 from link.protocol import DraftFeed, DraftProvider, ProposeRequest
 from kernels.host_copy import take_rows
 from runtime.tree import CandidateTree, InvalidTreeError, invalid_trees
@@ -50,9 +49,8 @@ class DraftCoordinator:
         self.chained_steps = 0  # steps whose draft work went in behind acceptance (``draft_on_device``)
         self._decided: int | None = None  # the policy's choice for the next step, taken early (``plain_ahead``)
         self._early: tuple[list[int], int] | None = None  # (sequences, choice) taken by ``choose_ahead``
-        self._chain_settings: TreeSettings | None = None  # the policy's smaller tree for ``draft_on_device``
         self.early_choices = 0  # chained steps whose choice was taken while the device ran the forward
-        if policy is not None:  # trees are chained where the drafter can (``chains``)
+        if policy is not None:  # the largest trees are chained where the drafter can (``chains``)
             policy.chainable = hasattr(drafter, "step_on_device")
 
     def release(self, seq: Sequence) -> None:
@@ -191,16 +189,12 @@ class DraftCoordinator:
         if not (self._chain_shape(seqs) and (chainable is None or chainable(ids))):
             self._decided = early  # (``draft`` asks for what was chosen, or chooses)
             return False
-        self._chain_settings = None
         if self.policy is None:
             return True
         decided = early if early is not None else self._choose_next(seqs, ids)
-        if decided == 0:  # plain decoding next: ``draft`` asks for no trees
+        if decided < seqs[0].tree_settings.node_budget:
             self._decided = decided
             return False
-        own = seqs[0].tree_settings
-        if decided < own.node_budget:  # a smaller tree, chained too (its own graphs: captured at warm-up)
-            self._chain_settings = self.policy.settings(own, decided)
         self.early_choices += early is not None
         return True
 
@@ -231,11 +225,9 @@ class DraftCoordinator:
         counts, tokens = pending.feeds_on_device()
         seqs = pending.seqs
         self.chained_steps += 1
-        settings = self._chain_settings or seqs[0].tree_settings  # (the policy's smaller tree, or their own)
-        trees = self.drafter.step_on_device([s.seq_id for s in seqs], [s.num_cached for s in seqs],
-                                            pending.most, counts, tokens, pending.features, settings)
-        trees.settings = settings  # what ``attach`` tells the policy the trees were asked with
-        return trees
+        return self.drafter.step_on_device([s.seq_id for s in seqs], [s.num_cached for s in seqs],
+                                           pending.most, counts, tokens, pending.features,
+                                           seqs[0].tree_settings)
 
     def settle(self, verified: list[Verified]) -> None:
         """The draft's committed rows of the sequences ``draft_on_device`` fed, before any of them
@@ -256,22 +248,20 @@ class DraftCoordinator:
                 return False
         return True
 
-    def attach(self, trees: dict[int, CandidateTree], whole: bool = False, grown: TreeSettings | None = None) -> None:
+    def attach(self, trees: dict[int, CandidateTree], whole: bool = False) -> None:
         """Give the live sequences their chained trees, cut to the depth their context and
         ``max_tokens`` now leave (none where they leave none). ``whole``: trees the step verified from
-        the device (``trees_fit``), cut by nothing (the host's copy is the tree verified). ``grown``:
-        the shape they were grown with (the policy's smaller tree; None: each sequence's own)."""
+        the device (``trees_fit``), cut by nothing (the host's copy is the tree verified)."""
         sequences = self.sequences
         for seq_id, tree in trees.items():
             seq = sequences.get(seq_id)
             if seq is None or seq.finished or not tree.num_nodes:
                 continue
-            shape = grown or seq.tree_settings
-            depth = shape.depth if whole else self._max_depth(seq)
+            depth = seq.tree_settings.depth if whole else self._max_depth(seq)
             if depth <= 0:
                 continue
             seq.tree = tree if whole else tree.prune_depth(depth)
-            self._asked[seq_id] = shape.node_budget if depth >= shape.depth else 0
+            self._asked[seq_id] = seq.tree_settings.node_budget if depth >= seq.tree_settings.depth else 0
 
     def _send(self, feeds: list[DraftFeed], requests: list[ProposeRequest]) -> dict:
         """Feed the draft (in calls of at most the feed buffer's ``max_rows``), then ask for trees with

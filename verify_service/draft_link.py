@@ -467,7 +467,6 @@ class RemotePendingTrees:
     def __init__(self, remote: RemoteDraft, session: Session | None, call: ChainCall | None, settings: TreeSettings,
                  sent_ns: int = 0):
         self.seq_ids = [q.seq_id for q in call.seqs] if call is not None else []
-        self.settings = settings  # the shape they are grown with
         self._remote, self._session, self._call, self._settings = remote, session, call, settings
         self._sent_ns = sent_ns
         self._answer = None  # (trees, ticket) once answered

@@ -165,15 +165,13 @@ class Engine:
         what is left of their copy). The next step does it anyway; until then a chained step's
         sequences show no tree. The next step may still verify them from the device."""
         if self._chained is not None:
-            self.speculation.attach(self._chained.collect(), grown=self._chained.settings)
+            self.speculation.attach(self._chained.collect())
 
     def step(self) -> list[TokenEvent]:
         """Run one batched forward; returns the tokens committed by it."""
         t0 = time.perf_counter()
         chained, self._chained = self._chained, None
         from_chain = chained is not None  # the draft's device time for this step's trees is in the step
-        # (its cost is learned for the size the trees were grown as, whatever max_tokens cut from them)
-        grown = chained.settings.node_budget if chained is not None and chained.settings is not None else 0
         launched_ahead = self._ahead_decode is not None  # a plain step as plain stretches run them
         plan, ahead, deferred = None, None, None
         if self._ahead_decode is not None:  # launched by the last step: its sequences that finished since are skipped
@@ -185,7 +183,7 @@ class Engine:
             # step's acceptance and next draft are queued), else laid out once they reach the host.
             plan, ahead = self._verify_ahead(chained)
             if ahead is None:
-                self.speculation.attach(chained.collect(), grown=chained.settings)
+                self.speculation.attach(chained.collect())
             else:
                 deferred = chained
         if ahead is None:
@@ -275,15 +273,14 @@ class Engine:
                 # first one after trees waits for its tokens, and one after a chained draft whose trees the
                 # sequences' limits cut holds that draft's time) and the policy looks (a few per hold).
                 context = float(np.mean([s.num_cached for s, _ in plan]))
-                self.policy.observe_step(len(plan), max(tree_nodes, grown) if tree_nodes else 0, context, ms,
-                                         chained=from_chain)
+                self.policy.observe_step(len(plan), tree_nodes, context, ms, chained=from_chain)
         return events
 
     def _attach(self, deferred) -> None:
         """Give the sequences the trees of ``deferred`` (chained trees the step verified from the
         device), once they reach the host; returns None (what the caller holds then)."""
         if deferred is not None:
-            self.speculation.attach(deferred.collect(), whole=True, grown=deferred.settings)
+            self.speculation.attach(deferred.collect(), whole=True)
 
     def _decode_ahead_ok(self, due) -> bool:
         """Whether the next step may be launched now, before this decode step's tokens are read: every

@@ -6,13 +6,12 @@ online as steps run (``adaptive.py`` chooses with it).
 forward: the calibrated ``CostTable``. residual: what a step costs beyond the forward (sampling,
 acceptance, compaction, commit), learned per batch bucket for plain and tree steps apart, as
 bias-corrected means (the first few steps count about alike before the window takes over).
-A chained step (trees grown on the device behind the last step's acceptance:
-``DraftCoordinator.chains``, the requests' own trees or the policy's smaller ones) has no draft call:
-its draft's device time lands in the step that verifies its trees, so those steps learn a residual
-of their own per size (it holds the draft's levels), and a size costs forward + that residual where
-the drafter chains. At a batch bucket where a tree step ran but no chained step of the size yet, the
-guess is optimistic (the tree step without its draft): the size is tried, and the next step of it,
-chained, teaches its cost.
+A chained step (the largest trees, grown on the device behind the last step's acceptance:
+``DraftCoordinator.chains``) has no draft call: its draft's device time lands in the step that
+verifies its trees, so those steps learn a residual of their own that holds the draft, and the
+largest size costs forward + that residual where the drafter chains. At a batch bucket where a tree
+step ran but no chained step yet, the guess is optimistic (the tree step without its draft): the
+largest trees are tried, and the next step of them, chained, teaches their cost.
 draft: the draft's part (extend + tree growth, the link's round trip included), learned online
 per batch bucket as a fixed part plus a part per level (levels = 1 + tree depth), by weighted
 least squares: a draft call has a fixed cost (launches, the copy back, the link) that a
@@ -44,10 +43,9 @@ class StepCosts:
         self.table, self.cfg, self.sizes, self.levels = table, config, sizes, levels
         self.nodes = np.array(sizes, dtype=np.float64)  # nodes the trees of each size really held (the policy says)
         self._residual: dict[bool, dict[int, float]] = {False: {}, True: {}}  # tree step? -> bucket -> ms
-        self._chained_residual: dict[tuple[int, int], float] = {}  # (bucket, size index) -> ms: chained steps',
-        # the draft's time in it
+        self._chained_residual: dict[int, float] = {}  # bucket -> ms: chained steps', the draft's time in it
         self._mass: dict[tuple[str, int], float] = {}  # (kind, bucket) -> the weight its residual's steps gathered
-        self.chainable = False  # the drafter chains trees behind acceptance (the coordinator says)
+        self.chainable = False  # the drafter chains the largest trees (the coordinator says)
         self.backlog_rows = 0  # rows the draft must extend before its next trees (the coordinator says)
         self._row_ms: float | None = None  # the draft's extend of one such row, learned
         self._draft: dict[int, DraftCost] = {}  # per batch bucket
@@ -64,15 +62,15 @@ class StepCosts:
         if not nodes:
             return step
         unchained = step + self.draft_ms(speculating, self.levels[j], context)
-        if self.chainable and speculating == batch:
-            residual = self._chained_residual.get((batch_bucket(batch), j))
+        if self.chainable and nodes == self.sizes[-1] and speculating == batch:
+            residual = self._chained_residual.get(batch_bucket(batch))
             if residual is None:  # not measured at this batch: once a tree step ran there, the optimistic
                 # guess (no draft); before, the unchained model (a batch whose trees the scheduler
                 # splits over several steps measures none: never guessed cheap)
                 return step if batch_bucket(batch) in self._residual[True] else unchained
             # Never above the unchained step (the same device work without the draft's call): a few
-            # slow first chained steps, learned, would otherwise price the size out for good (no other
-            # choice measures it again).
+            # slow first chained steps, learned, would otherwise price the largest trees out for good
+            # (no other choice measures them again).
             forward = self.forward(batch, 1 + self.nodes[j], context)
             return min(max(forward + residual, 0.05 * forward), unchained)
         return unchained
@@ -115,14 +113,13 @@ class StepCosts:
     def observe_step(self, batch: int, nodes: int, context: float, ms: float, chained: bool = False) -> None:
         """A decode (``nodes`` = 0) or tree step without prefill, its draft call's part excluded, took
         ``ms``. ``chained``: its trees were grown on the device behind the last step's acceptance (the
-        draft's device time is in ``ms``), all of them the smallest size that holds ``nodes``."""
+        draft's device time is in ``ms``), all of them the largest size."""
         if not self.cfg.cost_weight:
             return
         key = (batch_bucket(batch), nodes > 0)
         chained = chained and nodes > 0
-        j = next((i for i, m in enumerate(self.sizes) if m >= nodes), len(self.sizes) - 1) if chained else -1
-        kind = f"chained tree n{self.sizes[j]}" if chained else "tree" if nodes else "plain"
-        modelled = self.step_ms(batch, context, self.sizes[j], batch) if chained else \
+        kind = "chained tree" if chained else "tree" if nodes else "plain"
+        modelled = self.step_ms(batch, context, self.sizes[-1], batch) if chained else \
             self.verify_ms(batch, 1 + nodes, context)
         seen = self.observed.setdefault(f"{kind} b{key[0]}", [0, 0.0, 0.0])
         seen[0] += 1
@@ -130,17 +127,16 @@ class StepCosts:
         seen[2] += modelled
         residual = ms - self.forward(batch, 1 + nodes, context)
         learned = self._chained_residual if chained else self._residual[key[1]]
-        at = (key[0], j) if chained else key[0]
-        old = learned.get(at)
+        old = learned.get(key[0])
         # A bias-corrected mean: the k-th step weighs w / (1 - (1 - w)^k), so the first few count about
         # alike (a running mean) before the window takes over. Counted fully and then at w, one slow
         # first chained step at batch 1 (4.0 ms where they run 2.0) priced the largest trees out for good.
         mass = self._mass.get((kind, key[0]), 0.0)
         mass += self.cfg.cost_weight * (1.0 - mass)
         self._mass[(kind, key[0])] = mass
-        learned[at] = residual if old is None else old + self.cfg.cost_weight / mass * (residual - old)
+        learned[key[0]] = residual if old is None else old + self.cfg.cost_weight / mass * (residual - old)
         if chained and old is None:
-            self.changes += 1  # the size's cost changed model: decisions held on the old one end
+            self.changes += 1  # the largest trees' cost changed model: decisions held on the old one end
 
     def observe_draft(self, speculating: int, levels: int, ms: float, backlog: int = 0) -> None:
         """The draft's part of a step that asked ``speculating`` trees of ``levels`` levels took ``ms``;
@@ -176,8 +172,8 @@ class StepCosts:
                 "backlog_row_us": round(float(self._row_ms) * 1e3, 4) if self._row_ms is not None else None,
                 "residual_ms": {**{f"{'tree' if t else 'plain'} b{b}": round(float(v), 4)
                                    for t, by_bucket in self._residual.items() for b, v in by_bucket.items()},
-                                **{f"chained tree n{self.sizes[j]} b{b}": round(float(v), 4)
-                                   for (b, j), v in self._chained_residual.items()}},
+                                **{f"chained tree b{b}": round(float(v), 4)
+                                   for b, v in self._chained_residual.items()}},
                 "draft_ms": {f"b{b}": dict(zip(("fixed", "per_level"), (round(float(v), 4) for v in
                                                      cost.fit(self._prior_per_level(b, 1024)))))
                              for b, cost in self._draft.items()},
