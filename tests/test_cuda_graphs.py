@@ -8,7 +8,8 @@ import torch
 from common.sampling_params import SamplingParams
 from kernels import select_kernels
 from kernels.attention_triton import pack_mask
-from runtime.step_layout import Bucket, SeqChunk, StaticLayout, layout_step
+from runtime.static_layout import Bucket, StaticLayout
+from runtime.step_layout import SeqChunk, layout_step
 from tiny_models import TRITON_DEVICE, make_model_dir, target_for
 from verify_service.engine import Engine
 from verify_service.model_runner import MAX_GRAPH_TOKENS, graph_buckets

@@ -20,7 +20,7 @@ from draft_service.spec_config import SpecConfig
 from drafters import OracleDrafter
 from kernels import REFERENCE, select_kernels
 from kernels.attention import unpack_mask
-from runtime.step_layout import Bucket, StaticLayout
+from runtime.static_layout import Bucket, StaticLayout
 from tiny_eagle import make_target_and_head
 from tiny_models import TRITON_DEVICE, target_for
 from verify_service import server_config

@@ -62,7 +62,7 @@ def test_a_graphed_runner_answers_a_prompt_step_from_its_decode_graph(model_dir,
     that holds their tokens, and come back in the step's own layout (the logits of the rows asked for,
     in chunk order; each chunk's query range) equal to the eager step's; more tokens than any graph
     holds: None (the step runs eagerly)."""
-    from runtime.step_layout import Bucket
+    from runtime.static_layout import Bucket
     from verify_service.model_runner import ModelRunner
 
     graphed, ref = target_for(model_dir, max_num_seqs=8), target_for(model_dir, max_num_seqs=8)

@@ -46,7 +46,8 @@ def test_a_graphs_static_layout_holds_what_layout_arrays_computes():
     """``StaticLayout.fill`` (a CUDA graph's inputs, here on the CPU) against ``layout_arrays``, for a
     decode step (its fast path), a step of trees and a prompt's tokens as decodes (one table for all),
     padding zeroed past the step's tokens."""
-    from runtime.step_layout import Bucket, StaticLayout, layout_arrays
+    from runtime.static_layout import Bucket, StaticLayout
+    from runtime.step_layout import layout_arrays
 
     tree_mask = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
     decode = [SeqChunk([9 + i], 5 + 7 * i, [4, i + 1, 7][:1 + (5 + 7 * i) // 16]) for i in range(5)]
@@ -75,7 +76,8 @@ def test_a_static_layout_refilled_step_after_step_holds_each_steps_tables():
     steps mostly send the same ones): after any sequence of fills the table is what a fresh layout
     holds for the last step, whatever the earlier steps held (tables grown in place, shrunk, shared
     by a prompt's tokens, given as arrays, fewer sequences)."""
-    from runtime.step_layout import Bucket, StaticLayout, layout_arrays
+    from runtime.static_layout import Bucket, StaticLayout
+    from runtime.step_layout import layout_arrays
     from verify_service.model_runner import decode_tokens
 
     rng = np.random.default_rng(3)
@@ -163,7 +165,7 @@ def test_trees_written_on_the_device_give_the_layout_the_host_builds():
     the root's position) gives the same inputs, byte for byte, as ``fill`` of the host-built tree
     chunks: the nodes' tokens, positions (root + depth) and packed ancestor masks."""
     from kernels.tree import packed_tree_mask_ref
-    from runtime.step_layout import Bucket, StaticLayout
+    from runtime.static_layout import Bucket, StaticLayout
     from runtime.tree import ancestor_masks
 
     rng = np.random.default_rng(0)

@@ -34,7 +34,8 @@ from runtime.block_manager import blocks_for
 from runtime.graphs import capture_graph
 from kernels.host_copy import take_rows
 from runtime.kv_cache import PagedKVCache
-from runtime.step_layout import Bucket, SeqChunk, Staging, StaticLayout, layout_step
+from runtime.static_layout import Bucket, StaticLayout
+from runtime.step_layout import SeqChunk, Staging, layout_step
 from verify_service.model import CausalLM
 
 __all__ = ["ModelRunner", "SeqChunk", "StepOutput", "graph_buckets"]
