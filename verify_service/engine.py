@@ -241,6 +241,20 @@ class Engine:
         else:
             deferred = self._attach(deferred)
             host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
+        events, rows = self._commit_decodes(due, host, out, feeds)
+        if pending:
+            self._commit_trees(pending, host[len(due):], chained is not None, feeds, events)
+        self._chained = chained
+        draft_s = self.speculation.draft(feeds, rows) if self.speculation and chained is None else 0.0
+        if self.policy is not None and decode_only:
+            self._observe(plan, events, bool(trees), tree_nodes, (time.perf_counter() - t0 - draft_s) * 1e3,
+                          draft_s * 1e3, launched_ahead, from_chain)
+        return events
+
+    def _commit_decodes(self, due, host: list[int], out: StepOutput, feeds: dict[int, DraftFeed]):
+        """Commit each due sequence's sampled token (``host``, in ``due`` order); returns the events and
+        the draft's rows of the one-token decodes, one record for all (a prefill's last chunk goes
+        into ``feeds``)."""
         events, commit = [], self._commit
         one_rows = []  # (chunk, seq_id, start, token) of one-token decodes: their rows go in one record
         for (i, seq, start, n), token in zip(due, host):
@@ -252,29 +266,33 @@ class Engine:
                     continue
                 DraftCoordinator.feed_rows(seq, out, i, start, n, token, feeds)
             events.append(commit(seq, [token]))
-        rows = DraftCoordinator.decode_rows(out, *map(list, zip(*one_rows))) if one_rows else None
-        if pending:
-            verified = self.verifier.finish(pending, host[len(due):])
-            if chained is not None:
-                self.speculation.settle(verified)
-            for v in verified:
-                self.speculation.observe(v)
-                if chained is None:  # (a chained step fed the draft on the device: no feed to build)
-                    feeds[v.seq.seq_id] = v.feed
-                events.append(self._commit(v.seq, v.tokens))
-        self._chained = chained
-        draft_s = self.speculation.draft(feeds, rows) if self.speculation and chained is None else 0.0
-        if self.policy is not None and decode_only:
-            ms = (time.perf_counter() - t0 - draft_s) * 1e3
-            committed = sum(len(e.token_ids) for e in events) if trees else len(events)  # (plain: one each)
-            self.policy.observe_realized(len(plan), committed, ms, draft_s * 1e3, bool(trees))
-            if tree_nodes or launched_ahead and not self.policy.last_held:
-                # Plain steps are measured when they were launched ahead (as a plain stretch runs them: the
-                # first one after trees waits for its tokens, and one after a chained draft whose trees the
-                # sequences' limits cut holds that draft's time) and the policy looks (a few per hold).
-                context = float(np.mean([s.num_cached for s, _ in plan]))
-                self.policy.observe_step(len(plan), tree_nodes, context, ms, chained=from_chain)
-        return events
+        return events, DraftCoordinator.decode_rows(out, *map(list, zip(*one_rows))) if one_rows else None
+
+    def _commit_trees(self, pending, host: list[int], chained: bool, feeds: dict[int, DraftFeed],
+                      events: list[TokenEvent]) -> None:
+        """Commit what acceptance chose (``host``: its values); the draft's feeds of the verified trees
+        (none where the step ``chained`` the draft: fed on the device, its committed rows settled)."""
+        verified = self.verifier.finish(pending, host)
+        if chained:
+            self.speculation.settle(verified)
+        for v in verified:
+            self.speculation.observe(v)
+            if not chained:
+                feeds[v.seq.seq_id] = v.feed
+            events.append(self._commit(v.seq, v.tokens))
+
+    def _observe(self, plan, events: list[TokenEvent], trees: bool, tree_nodes: int, ms: float, draft_ms: float,
+                 launched_ahead: bool, from_chain: bool) -> None:
+        """What a step of decodes and trees only (no prefill) tells the policy: its tokens against its
+        time (``ms``, the draft call's ``draft_ms`` apart), and its cost by kind."""
+        committed = sum(len(e.token_ids) for e in events) if trees else len(events)  # (plain: one each)
+        self.policy.observe_realized(len(plan), committed, ms, draft_ms, trees)
+        if tree_nodes or launched_ahead and not self.policy.last_held:
+            # Plain steps are measured when they were launched ahead (as a plain stretch runs them: the
+            # first one after trees waits for its tokens, and one after a chained draft whose trees the
+            # sequences' limits cut holds that draft's time) and the policy looks (a few per hold).
+            context = float(np.mean([s.num_cached for s, _ in plan]))
+            self.policy.observe_step(len(plan), tree_nodes, context, ms, chained=from_chain)
 
     def _attach(self, deferred) -> None:
         """Give the sequences the trees of ``deferred`` (chained trees the step verified from the
