@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -65,6 +69,9 @@ def main() -> None:
                     help="the draft service's --chained-steps (off: every step's rows and trees through the host)")
     ap.add_argument("--chain-min-seqs", type=int, default=None,
                     help="the verify service's --chain-min-seqs (default: its own default)")
+    ap.add_argument("--py-spy", type=int, default=0, metavar="SECONDS",
+                    help="sample both services with py-spy (installed) for this long at the start of each speculative "
+                         "run; raw stacks beside --out")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     levels = args.concurrency or [1]
@@ -119,10 +126,14 @@ def main() -> None:
                   "max_tokens": args.max_tokens, "runs": []}
         for c in levels:
             before = client.metrics()
-            rows, secs = through_services(client, prompts, args.max_tokens, c, True)
+            spies = py_spy([verify, draft, None], args.py_spy, args.out, c)
+            timings = []
+            rows, secs = through_services(client, prompts, args.max_tokens, c, True, timings)
+            for spy in spies:
+                spy.wait(60)
             steps = {k: client.metrics()[k] - before[k] for k in ("speculative_steps", "plain_steps", "chained_steps")}
             plain, plain_secs = through_services(client, prompts, args.max_tokens, c, False)
-            outputs, in_secs, _ = inprocess[c]
+            outputs, in_secs, in_metrics = inprocess[c]
             tokens = sum(len(t) for t, _ in rows)
             row = {"concurrency": c, "identical_outputs": sum(t == r for (t, _), r in zip(rows, reference)),
                    "tokens": tokens, "tokens_per_s": round(tokens / secs, 1),
@@ -131,7 +142,9 @@ def main() -> None:
                    "plain_identical_outputs": sum(t == r for (t, _), r in zip(plain, reference)),
                    "speculated_requests": sum(bool(s and s.get("speculated")) for _, s in rows),
                    "steps": steps,
-                   "step_ms": round(secs * 1e3 / max(1, steps["speculative_steps"] + steps["plain_steps"]), 3)}
+                   "step_ms": round(secs * 1e3 / max(1, steps["speculative_steps"] + steps["plain_steps"]), 3),
+                   "inprocess_step_ms": round(in_secs * 1e3 / max(1, sum(m.steps for m in in_metrics if m)), 3),
+                   **request_timings(timings)}
             row["speedup_vs_plain"] = round(row["tokens_per_s"] / row["plain_tokens_per_s"], 3)
             spec = [s for _, s in rows if s and s.get("speculated")]
             verified = sum(s["steps"] for s in spec)  # tau: tokens per verification step, the bonus included
@@ -158,6 +171,18 @@ def main() -> None:
                     Path(args.out).with_suffix(f".{name}.log").write_text(log.read_text()[-200_000:])
 
 
+def py_spy(procs, seconds: int, out: str | None, concurrency: int) -> list[subprocess.Popen]:
+    """py-spy recorders of ``procs`` (None: this process; every thread, idle samples too, 500 a second) for ``seconds``;
+    none when ``seconds`` is 0 or there is no ``out`` to put their files beside."""
+    if seconds <= 0 or not out:
+        return []
+    return [subprocess.Popen(["py-spy", "record", "--pid", str(p.pid if p is not None else os.getpid()), "--duration",
+                              str(seconds), "--rate", "500", "--idle", "--threads", "--nonblocking", "--format", "raw",
+                              "-o", str(Path(out).with_suffix(f".{name}_c{concurrency}.pyspy.txt"))],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, p in zip(("verify", "draft", "client"), procs)]
+
+
 def tree_settings(text: str, device: str) -> TreeSettings:
     """``TREE:DEPTH[:TOP_K[:NODES]]``, the parts left out from the device's default tree."""
     parts = text.split(":")
@@ -167,16 +192,38 @@ def tree_settings(text: str, device: str) -> TreeSettings:
     return TreeSettings(parts[0], int(parts[1]), top_k, nodes)
 
 
-def through_services(client: Eagle3Client, prompts, max_tokens: int, concurrency: int, speculate: bool):
-    """Every prompt through the public API, ``concurrency`` requests in flight: [(tokens, speculation)], seconds."""
+def through_services(client: Eagle3Client, prompts, max_tokens: int, concurrency: int, speculate: bool,
+                     timings: list | None = None):
+    """Every prompt through the public API, ``concurrency`` requests in flight: [(tokens, speculation)], seconds.
+    ``timings`` gets each request's (seconds to its first token, seconds from it to the last)."""
     def one(p):
-        c = client.complete(p, max_tokens=max_tokens, speculate=speculate)
-        return c.token_ids, c.speculation
+        ids, speculation, start, first = [], None, time.perf_counter(), None
+        with closing(client.generate(p, max_tokens=max_tokens, speculate=speculate)) as stream:
+            for event in stream:
+                if event.token_ids and first is None:
+                    first = time.perf_counter()
+                ids += event.token_ids
+                speculation = event.speculation or speculation
+        if timings is not None and first is not None:
+            timings.append((start, first, time.perf_counter()))
+        return ids, speculation
 
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         rows = list(pool.map(one, prompts))
     return rows, time.perf_counter() - start
+
+
+def request_timings(timings: list) -> dict:
+    """The requests' time to first token, time from it to the last, and (one request in flight) the
+    client's gap between a request's end and the next one's start: means in milliseconds."""
+    if not timings:
+        return {}
+    timings = sorted(timings)
+    ms = lambda xs: round(statistics.fmean(xs) * 1e3, 3) if xs else None  # noqa: E731
+    gaps = [b[0] - a[2] for a, b in zip(timings, timings[1:]) if b[0] >= a[2]]
+    return {"ttft_ms": ms([f - s for s, f, _ in timings]), "after_first_ms": ms([e - f for _, f, e in timings]),
+            "client_gap_ms": ms(gaps)}
 
 
 if __name__ == "__main__":

@@ -19,3 +19,24 @@ def test_script_help(script):
     run = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "usage:" in run.stdout
+
+
+def test_pyspy_summary_shares_one_threads_samples(tmp_path):
+    from benchmarks.pyspy_summary import summarize
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "thread (1): engine-thread;run (engine_thread.py:1);step (verify_service/engine.py:9);wait (x.py:2) 3\n"
+        "thread (1): engine-thread;run (engine_thread.py:1);idle (verify_service/engine_thread.py:5) 1\n"
+        "thread (2): other;run (engine_thread.py:1) 100\n")
+    text = summarize(str(raw), "engine-thread")
+    assert "4 samples" in text
+    assert " 75.0% step" in text and "100.0% run" in text
+    assert " 75.0% step (verify_service/engine.py:9) :: wait" in text
+
+
+def test_services_bench_request_timings():
+    from benchmarks.services_bench import request_timings
+    rows = [(1.0, 1.01, 1.1), (0.0, 0.02, 0.5)]  # (start, first token, end), seconds, out of order
+    t = request_timings(rows)
+    assert t == pytest.approx({"ttft_ms": 15.0, "after_first_ms": 285.0, "client_gap_ms": 500.0}, abs=0.002)
+    assert request_timings([]) == {}
