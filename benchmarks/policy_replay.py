@@ -144,6 +144,13 @@ def replay(trace: dict, cfg: PolicyConfig, mode: str, costs: ReplayCosts, warm: 
     return tokens / ms, kinds
 
 
+def variant(text: str) -> PolicyConfig:
+    """``field=value[,field=value...]``: the default PolicyConfig with those fields changed."""
+    base = PolicyConfig()
+    fields = dict(part.split("=", 1) for part in text.split(","))
+    return replace(base, **{k: type(getattr(base, k))(v) for k, v in fields.items()})
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     rep = sub.add_parser("replay", help="replay a trace through the policy")
     rep.add_argument("trace")
     rep.add_argument("--warm", type=int, default=1, help="passes before the timed one")
-    rep.add_argument("--variant", action="append", default=[], help="PolicyConfig field=value, e.g. probe_every=16")
+    rep.add_argument("--variant", action="append", default=[], help="PolicyConfig field=value[,field=value], e.g. probe_every=16")
     rep.add_argument("--inside", choices=("passed", "whole"), default="passed",
                      help="a tree chosen inside a recorded step accepts its acceptance less the tokens passed, or whole")
     for field, value in ReplayCosts().__dict__.items():
@@ -169,9 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     base, _ = replay(trace, PolicyConfig(), "target", costs, 0, args.inside)
     fixed, _ = replay(trace, PolicyConfig(), "fixed", costs, 0, args.inside)
     print(f"fixed tree: {fixed / base:.3f}x target-only")
-    variants = [("defaults", PolicyConfig())] + [
-        (v, replace(PolicyConfig(), **{v.split("=")[0]: type(getattr(PolicyConfig(), v.split("=")[0]))(v.split("=")[1])}))
-        for v in args.variant]
+    variants = [("defaults", PolicyConfig())] + [(v, variant(v)) for v in args.variant]
     for name, cfg in variants:
         rate, kinds = replay(trace, cfg, "policy", costs, args.warm, args.inside)
         print(f"policy, {name}: {rate / base:.3f}x target-only ({rate / fixed:.3f} of the fixed tree)  {dict(kinds)}")

@@ -1,6 +1,7 @@
 """Adaptive speculation: the policy's choices on hand-made costs and acceptance, the cost table, the
 feed buffer, and end to end: greedy output equals target-only output whatever the policy picks."""
 
+import dataclasses
 import json
 import random
 
@@ -115,7 +116,8 @@ def test_above_its_own_sizes_a_sequence_follows_the_global_gains():
     from 2 (not its steep gain per node carried on), so the large tree is not chosen; where nobody saw
     larger trees, the optimistic guess stays."""
     limits = TreeSettings("chain", 8)
-    policy = AdaptivePolicy(table(per_token_ms=0.5), limits, PolicyConfig(probe_every=0))
+    own_only = PolicyConfig(probe_every=0, seq_shrink=0.0)  # a sequence's own estimate, not pulled to the batch's
+    policy = AdaptivePolicy(table(per_token_ms=0.5), limits, own_only)
     seen(policy, accepted=2, seq_id=1, nodes=8)  # the batch's large trees: 2 of 8 nodes accepted
     seen(policy, accepted=2, seq_id=2, nodes=2)  # this sequence: trees of 2, both nodes accepted
     assert policy._global.trusted_reach() == 7
@@ -125,7 +127,7 @@ def test_above_its_own_sizes_a_sequence_follows_the_global_gains():
         assert policy.expected_accepted(2, m) == pytest.approx(own + policy.expected_accepted(1, m)
                                                                - policy.expected_accepted(1, 2), abs=1e-3)
     assert policy.expected_accepted(2, 8) < 2.5
-    alone = AdaptivePolicy(table(per_token_ms=0.5), limits, PolicyConfig(probe_every=0))
+    alone = AdaptivePolicy(table(per_token_ms=0.5), limits, own_only)
     seen(alone, accepted=2, seq_id=2, nodes=2)  # no larger tree seen anywhere: 1 node per node carried on
     assert alone.expected_accepted(2, 8) == pytest.approx(8.0, abs=1e-3)
     # One unlucky large tree somewhere (nothing accepted) is no ground yet: the guess stays optimistic,
@@ -133,6 +135,31 @@ def test_above_its_own_sizes_a_sequence_follows_the_global_gains():
     seen(alone, accepted=0, seq_id=3, nodes=8, times=1)
     assert alone._global.trusted_reach() == 1
     assert alone.expected_accepted(2, 8) == pytest.approx(8.0, abs=1e-3)
+
+
+def test_a_sequences_estimate_is_pulled_toward_the_batchs():
+    """One tree that accepted nothing does not send a sequence to plain decoding while the batch's
+    trees accept well: its estimate is its own mean pulled toward the batch's, which weighs as much
+    as ``seq_shrink`` of its trees. A sequence that keeps accepting nothing gets there (its own trees
+    outweigh the pull, up to the running mean's worth of trees); without the pull one tree decides."""
+    limits, cfg = TreeSettings("chain", 4), PolicyConfig(probe_every=0, draft_prior_fraction=0.0)
+    policy = AdaptivePolicy(table(per_token_ms=1.0), limits, cfg)
+    seen(policy, accepted=4, seq_id=1, nodes=4)  # the batch's trees: every node accepted
+    seen(policy, accepted=0, seq_id=2, nodes=4, times=1)
+
+    def batch():  # the global estimate at 4 nodes (every tree of every sequence moves it)
+        return policy._global.curve(policy.sizes, policy._levels)[-1]
+    assert policy.expected_accepted(2, 4) == pytest.approx(cfg.seq_shrink * batch() / (1 + cfg.seq_shrink), abs=1e-3)
+    assert policy.best(1, 1024, [2], [4]) == 4
+    seen(policy, accepted=0, seq_id=2, nodes=4, times=60)
+    most = (2 - cfg.seq_weight) / cfg.seq_weight  # trees a running mean holds
+    assert policy.expected_accepted(2, 4) == pytest.approx(cfg.seq_shrink * batch() / (most + cfg.seq_shrink),
+                                                           abs=1e-3)
+    assert policy.best(1, 1024, [2], [4]) == 0
+    alone = AdaptivePolicy(table(per_token_ms=1.0), limits, dataclasses.replace(cfg, seq_shrink=0.0))
+    seen(alone, accepted=4, seq_id=1, nodes=4)
+    seen(alone, accepted=0, seq_id=2, nodes=4, times=1)
+    assert alone.expected_accepted(2, 4) == 0.0 and alone.best(1, 1024, [2], [4]) == 0
 
 
 def test_measured_draft_and_step_costs_change_the_choice():
@@ -184,7 +211,7 @@ def test_a_probe_from_plain_decoding_tries_the_size_the_global_estimate_picks():
     global estimate expects of them (nothing here: a tight budget does not hold them back). Where the
     global estimate says plain decoding too, the probe is the smallest tree, at the usual period."""
     policy = AdaptivePolicy(table(per_token_ms=1.0), TreeSettings("chain", 4),
-                            PolicyConfig(probe_every=8, probe_share=0.001, draft_prior_fraction=0.0))
+                            PolicyConfig(probe_every=8, probe_share=0.001, draft_prior_fraction=0.0, seq_shrink=0.0))
     seen(policy, accepted=4, seq_id=1, nodes=4)  # the batch's trees: every node accepted
     seen(policy, accepted=0, seq_id=2, nodes=4, times=5)  # this sequence's: nothing
     choices = [policy.choose(1, 1024, [2], [4]) for _ in range(8)]

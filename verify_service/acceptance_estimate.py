@@ -30,16 +30,18 @@ def accepted_within(tree: CandidateTree, accepted: list[int], sizes) -> np.ndarr
 class Acceptance:
     """Expected accepted nodes for each tree size, from the trees seen: an exponentially weighted
     mean per size (bias-corrected, so the first tree of a size counts fully; a prior only while no
-    tree was seen). Above the largest size seen, the last gain per node is carried on: acceptance
+    tree was seen), for a sequence (``shrink`` > 0) pulled toward the batch's estimate. Above the largest size seen, the last gain per node is carried on: acceptance
     grows concavely with the size, so the guess is optimistic, the policy tries a larger tree when
     the guess says it pays, and that tree corrects it. A tree holds every smaller one (the best m
     nodes), so the curve never decreases."""
 
-    def __init__(self, prior: np.ndarray, weight: float, wider: Acceptance | None = None):
+    def __init__(self, prior: np.ndarray, weight: float, wider: Acceptance | None = None, shrink: float = 0.0):
         self.prior, self.weight = prior, weight
         self.wider = wider  # a sequence's: the global estimate, whose gains carry it above its own sizes
+        self.shrink = shrink  # a sequence's: the global estimate weighs as much as this many of its trees
         self._sum = np.zeros_like(prior)  # EWMA from zero ...
         self._mass = np.zeros_like(prior)  # ... and the weight it has gathered: mean = sum / mass
+        self._trees = np.zeros_like(prior)  # trees seen per size
         self.seen = -1  # index of the largest size seen
         self.updates = 0
         self._curve: tuple | None = None  # (the wider one's updates, curve), until the next update
@@ -49,6 +51,7 @@ class Acceptance:
         j, w = len(acc), self.weight
         self._sum[:j] += w * (acc - self._sum[:j])
         self._mass[:j] += w * (1.0 - self._mass[:j])
+        self._trees[:j] += 1
         self.seen = max(self.seen, j - 1)
         self.updates += 1
         self._curve = None
@@ -72,6 +75,14 @@ class Acceptance:
         v = np.zeros_like(self.prior)
         v[:top + 1] = np.maximum.accumulate(self._sum[:top + 1] / self._mass[:top + 1])
         wider = self.wider
+        if self.shrink and wider is not None:
+            # Shrunk toward the batch's estimate, which weighs as much as ``shrink`` of this sequence's
+            # trees (a running mean holds about (2 - w) / w trees' worth): one tree that accepted
+            # nothing does not say a sequence accepts nothing (MT-bench, batch 1: after three trees
+            # that accepted at most one node together, the next accepted 1.67 on average).
+            n = np.minimum(self._trees[:top + 1], (2.0 - self.weight) / self.weight)
+            g = wider.curve(s, levels)[:top + 1]
+            v[:top + 1] = np.maximum.accumulate((n * v[:top + 1] + self.shrink * g) / (n + self.shrink))
         reach = wider.trusted_reach() if wider is not None else -1
         if reach > top:
             # Sizes the batch's trees reached and this sequence's did not: its own estimate at its
