@@ -17,23 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-def _cycles(busy_us: float) -> int:
-    """GPU clock cycles ``torch.cuda._sleep`` spins for about ``busy_us`` microseconds (calibrated)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    probe = 10_000_000
-    torch.cuda._sleep(probe)  # warm
-    start.record()
-    torch.cuda._sleep(probe)
-    end.record()
-    torch.cuda.synchronize()
-    return int(busy_us * probe / (start.elapsed_time(end) * 1e3))
+from benchmarks.ipc_event_wait import sleep_cycles  # noqa: E402
 
 
 def _side_b(conn, cycles: int) -> None:
@@ -166,7 +159,7 @@ def main() -> None:
     procs = {}
     try:
         for a_us, b_us in cases:
-            a_cycles, b_cycles = _cycles(a_us), _cycles(b_us)
+            a_cycles, b_cycles = sleep_cycles(a_us), sleep_cycles(b_us)
             if b_us not in procs:  # a side B per its work size (the cycles are fixed at its start)
                 here_b, there_b = ctx.Pipe()
                 p = ctx.Process(target=_side_b, args=(there_b, b_cycles))

@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _cycles(busy_us: float) -> int:
+def sleep_cycles(busy_us: float) -> int:
     """GPU clock cycles ``torch.cuda._sleep`` spins for about ``busy_us`` microseconds (calibrated)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     probe = 10_000_000
@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
-    cycles = _cycles(args.busy_us)
+    cycles = sleep_cycles(args.busy_us)
     x = torch.zeros(1, device="cuda")
 
     local = []
