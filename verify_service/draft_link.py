@@ -1,7 +1,7 @@
 """Verify side of the internal channel: the remote draft as a ``DraftProvider``.
 
 The draft service dials in, handshakes (compatibility + shared buffers), then holds one
-``Session`` stream. Each engine step with something for the draft becomes one ``StepCall``;
+``Session`` stream (its lifecycle: ``draft_sessions.py``). Each engine step with something for the draft becomes one ``StepCall``;
 the engine waits for the matching ``StepReply`` (bounded by a timeout) and reads the trees from
 the shared tree buffers. A step travels one of two ways, chosen per session:
 
@@ -45,10 +45,8 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -61,30 +59,14 @@ from link.convert import step_call_to_proto, step_reply_from_proto
 from link.protocol import ChainCall, ChainedSeq, DraftFeed, FeedRows, ProposeRequest, StepCall, StepReply
 from link.shared_buffers import BufferExporter
 from link.step_frames import FrameLimits, StepFrames
-from link.step_socket import StepListener, StepSocket, remove_stale
-from protos.eagle3.v1 import draft_link_pb2 as pb
 from runtime.step_layout import Readback
 from runtime.tree import CandidateTree, depths_of_rows, unpack_trees
+from verify_service.draft_sessions import DraftSessions, Session
 
 log = logging.getLogger(__name__)
-ACCEPT_TIMEOUT_S = 5.0  # the draft connects to its step socket before it opens the stream
 
 
-@dataclass(eq=False)
-class Session:
-    session_id: int
-    outgoing: queue.Queue = field(default_factory=queue.Queue)  # VerifyMessage (stream steps), or None to end
-    # StepResult, or None when the peer left. The engine asks one step at a time, so one result
-    # at most waits (plus the end marker): a draft sending more floods the link and is dropped.
-    results: queue.Queue = field(default_factory=lambda: queue.Queue(2))
-    known: set[int] = field(default_factory=set)  # sequences fed from their first row
-    alive: bool = False
-    listener: StepListener | None = None  # the step socket offered at the handshake, until accepted
-    step_socket: StepSocket | None = None  # the accepted step socket (None: steps on the stream)
-    chained: bool = False  # the draft takes chained steps on its step socket
-
-
-class RemoteDraft:
+class RemoteDraft(DraftSessions):
     def __init__(self, exporter: BufferExporter, buffers: dict[str, torch.Tensor], capture_layers: tuple[int, ...],
                  timeout_s: float, on_change=lambda connected: None, on_overhead=lambda seconds: None,
                  step_socket_folder: Path | None = None, chain_min_seqs: int = 1, kernels: KernelSet = REFERENCE):
@@ -94,23 +76,14 @@ class RemoteDraft:
         None: every session steps on its stream). ``chain_min_seqs``: the fewest sequences a chained step
         holds (smaller steps pass through the hosts). ``kernels``: the target's (the chained trees' check
         runs on its device)."""
+        super().__init__(FrameLimits(buffers["tree_tokens"].shape[0], buffers["features"].shape[0]), timeout_s,
+                         on_change, step_socket_folder)
         self.exporter, self.buffers = exporter, buffers
         self.kernels = kernels
         self.capture_layers = capture_layers
-        self.timeout_s = timeout_s
         self.chain_min_seqs = chain_min_seqs
-        self._on_change, self._on_overhead = on_change, on_overhead
-        self.limits = FrameLimits(buffers["tree_tokens"].shape[0], buffers["features"].shape[0])
-        self.step_socket_folder = step_socket_folder if self.limits.fit_socket else None
-        if step_socket_folder is not None and not self.limits.fit_socket:
-            log.info("step frames of up to %d bytes: the draft steps on the Session stream", self.limits.call_bytes)
-        if self.step_socket_folder is not None:
-            remove_stale(self.step_socket_folder)
+        self._on_overhead = on_overhead
         self._frames = StepFrames(self.limits)  # the engine thread's, reused every step
-        self._lock = threading.Lock()
-        self._session: Session | None = None
-        self._pending: Session | None = None  # the newest handshake's, until its stream opens
-        self._ids = itertools.count(1)
         self._steps = itertools.count(1)
         self._finished: list[int] = []
         self.last_nodes: dict[TreeSettings, int] = {}  # nodes a chained tree of each shape held last
@@ -121,118 +94,11 @@ class RemoteDraft:
         cuda = buffers["features"].is_cuda
         self._events = tuple(torch.cuda.Event(interprocess=True) for _ in range(2)) if cuda else None
         self._chain_readback = Readback(buffers["features"].device)
-        self.sessions_opened = 0
-        self.errors = 0  # sessions lost (crash, timeout, broken stream; not a clean close), unusable tree references
         self.overhead_ns: deque[int] = deque(maxlen=1024)  # round trip minus the draft's compute
         self.draft_compute_ns: deque[int] = deque(maxlen=1024)  # the draft's own time per step, as it reports it
 
-    @property
-    def connected(self) -> bool:
-        s = self._session
-        return s is not None and s.alive
-
-    # --- session lifecycle (gRPC threads) --------------------------------------------------
-
-    def new_session(self, step_socket: bool = False) -> Session:
-        """A session for a handshake, pending until its stream opens (only the newest handshake's
-        may); with ``step_socket``, a step socket is offered to it when this link can."""
-        session = Session(next(self._ids))
-        if step_socket and self.step_socket_folder is not None:
-            try:
-                session.listener = StepListener(self.step_socket_folder, session.session_id)
-            except OSError as exc:
-                log.warning("no step socket for draft session %d (%s); it steps on its stream", session.session_id, exc)
-        with self._lock:
-            replaced, self._pending = self._pending, session
-        if replaced is not None:
-            self._end(replaced)
-        return session
-
-    def claim(self, session_id: int) -> Session | None:
-        """The pending session ``session_id`` (taken: a second stream cannot open it), or None."""
-        with self._lock:
-            session = self._pending
-            if session is None or session.session_id != session_id:
-                return None
-            self._pending = None
-        return session
-
-    def open_step_socket(self, session: Session, chosen: bool) -> None:
-        """The draft chose its step transport in its SessionOpen: accept its step socket (it connects
-        before it opens the stream), or withdraw the offer. Raises LinkProtocolError."""
-        listener, session.listener = session.listener, None
-        if not chosen:
-            if listener is not None:
-                listener.close()
-            return
-        if listener is None:
-            raise LinkProtocolError("the draft chose a step socket it was not offered")
-        try:
-            session.step_socket = listener.accept(ACCEPT_TIMEOUT_S, self.limits.reply_bytes, self.limits.call_bytes,
-                                                  self.timeout_s)
-        except OSError as exc:
-            raise LinkProtocolError(f"step socket: no draft connected and said hello in time ({exc})") from exc
-
-    def activate(self, session: Session) -> bool:
-        """Make ``session`` the live one, unless another is alive (one draft at a time: a second
-        process cannot take the link over). Returns whether it became live."""
-        with self._lock:
-            if self._session is not None and self._session.alive:
-                return False
-            self._session = session
-            session.alive = True
-            self.sessions_opened += 1
-        log.info("draft session %d connected (steps on its %s)", session.session_id,
-                 "stream" if session.step_socket is None else "step socket")
-        self._on_change(True)
-        return True
-
-    def deliver(self, session: Session, result: pb.StepResult) -> bool:
-        """Queue a step's result (called by the session's one reader thread). A second result
-        while one still waits is a flood: the session is dropped and False returned."""
-        if not session.results.empty():
-            self.drop(session, "the draft sent results nobody asked for")
-            return False
-        session.results.put_nowait(result)
-        return True
-
-    def drop(self, session: Session, reason: str, clean: bool = False) -> None:
-        """End ``session``. ``clean``: the draft closed the link itself (its normal shutdown), which
-        is no warning; any other end (a crash, a timeout, a broken stream) is."""
-        with self._lock:
-            if self._session is session:
-                self._session = None
-                self._settled = []  # a new session knows none of its sequences
-            was_alive, session.alive = session.alive, False
-        self._end(session)
-        if was_alive and not clean:
-            self.errors += 1  # a lost session: the draft crashed, hung or broke its stream
-        if was_alive:
-            log.log(logging.INFO if clean else logging.WARNING, "draft session %d ended: %s; decoding without "
-                    "speculation", session.session_id, reason)
-            self._on_change(self.connected)
-
-    def close(self) -> None:
-        """Shutdown: end the live session from this side (the draft sees its stream end and waits
-        for a new verify service), so stopping the server need not wait out the stream."""
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is not None:
-            self._end(pending)
-        s = self._session
-        if s is not None:
-            self.drop(s, "the verify service is shutting down", clean=True)
-
-    @staticmethod
-    def _end(session: Session) -> None:
-        session.outgoing.put(None)
-        try:
-            session.results.put_nowait(None)
-        except queue.Full:  # a flooded queue: the engine finds results, then the session gone
-            pass
-        for channel in (session.listener, session.step_socket):
-            if channel is not None:
-                channel.close()  # a step socket's shutdown wakes the engine thread waiting on it
+    def _forget(self) -> None:
+        self._settled = []  # a new session knows none of the chained sequences
 
     # --- DraftProvider (engine thread) ------------------------------------------------------
 
