@@ -30,10 +30,11 @@ def accepted_within(tree: CandidateTree, accepted: list[int], sizes) -> np.ndarr
 class Acceptance:
     """Expected accepted nodes for each tree size, from the trees seen: an exponentially weighted
     mean per size (bias-corrected, so the first tree of a size counts fully; a prior only while no
-    tree was seen), for a sequence (``shrink`` > 0) pulled toward the batch's estimate. Above the largest size seen, the last gain per node is carried on: acceptance
-    grows concavely with the size, so the guess is optimistic, the policy tries a larger tree when
-    the guess says it pays, and that tree corrects it. A tree holds every smaller one (the best m
-    nodes), so the curve never decreases."""
+    tree was seen), for a sequence (``shrink`` > 0) pulled toward the batch's estimate. Above the
+    largest size seen, the last gain per node is carried on: acceptance grows concavely with the
+    size, so the guess is optimistic, the policy tries a larger tree when the guess says it pays,
+    and that tree corrects it. A tree holds every smaller one (the best m nodes), so the curve never
+    decreases."""
 
     def __init__(self, prior: np.ndarray, weight: float, wider: Acceptance | None = None, shrink: float = 0.0):
         self.prior, self.weight = prior, weight

@@ -19,9 +19,9 @@ estimate weighs as much as ``seq_shrink`` of the sequence's trees. One tree that
 noise, not a verdict (MT-bench at batch 1: after three trees that accepted at most one node
 together, the next accepted 1.67 on average, and the largest tree still paid; unpulled, a sequence's
 first tree decided alone, and the policy decoded plainly in a quarter of its steps, 0.90 of the
-fixed tree's speed at batch 1 and 0.83 at batch 4 on one H100, 0.99 and 0.96 pulled). Above the largest size a sequence
-has seen, its estimate follows the global one's gains up to the largest size the global one rests on
-ten trees or more for; sizes above that are guessed optimistically (the last gain per node carried
+fixed tree's speed at batch 1 and 0.83 at batch 4 on one H100, 0.99 and 0.96 pulled). Above the
+largest size a sequence has seen, its estimate follows the global one's gains up to the largest size
+the global one rests on ten trees or more for; sizes above that are guessed optimistically (the last gain per node carried
 on), so a larger tree is tried when it might pay; and every ``probe_every`` decisions the next size up is tried once, so
 acceptance that rises is found even where the guess says no. From plain decoding the probe is the size
 the global estimate would pick for the batch (the smallest tree where that is plain decoding too): a

@@ -1,9 +1,9 @@
 """Verify side of the internal channel: the remote draft as a ``DraftProvider``.
 
 The draft service dials in, handshakes (compatibility + shared buffers), then holds one
-``Session`` stream (its lifecycle: ``draft_sessions.py``). Each engine step with something for the draft becomes one ``StepCall``;
-the engine waits for the matching ``StepReply`` (bounded by a timeout) and reads the trees from
-the shared tree buffers. A step travels one of two ways, chosen per session:
+``Session`` stream (its lifecycle: ``draft_sessions.py``). Each engine step with something for
+the draft becomes one ``StepCall``; the engine waits for the matching ``StepReply`` (bounded by a
+timeout) and reads the trees from the shared tree buffers. A step travels one of two ways, chosen per session:
 
 - the unix step socket (link/step_socket.py), when the internal link is a unix socket: the
   engine thread writes the step's frame and reads the answer itself, no other thread involved;
