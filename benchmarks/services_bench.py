@@ -70,8 +70,8 @@ def main() -> None:
     ap.add_argument("--chain-min-seqs", type=int, default=None,
                     help="the verify service's --chain-min-seqs (default: its own default)")
     ap.add_argument("--py-spy", type=int, default=0, metavar="SECONDS",
-                    help="sample both services with py-spy (installed) for this long at the start of each speculative "
-                         "run; raw stacks beside --out")
+                    help="sample both services and this client with py-spy (installed) for this long at the start of "
+                         "each speculative run; raw stacks beside --out")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     levels = args.concurrency or [1]
@@ -195,7 +195,7 @@ def tree_settings(text: str, device: str) -> TreeSettings:
 def through_services(client: Eagle3Client, prompts, max_tokens: int, concurrency: int, speculate: bool,
                      timings: list | None = None):
     """Every prompt through the public API, ``concurrency`` requests in flight: [(tokens, speculation)], seconds.
-    ``timings`` gets each request's (seconds to its first token, seconds from it to the last)."""
+    ``timings`` gets each request's (start, first token, end) on the ``time.perf_counter`` clock."""
     def one(p):
         ids, speculation, start, first = [], None, time.perf_counter(), None
         with closing(client.generate(p, max_tokens=max_tokens, speculate=speculate)) as stream:
