@@ -20,7 +20,7 @@ from tiny_eagle import make_eagle_dir
 from tiny_models import make_model_dir, target_for, tiny_config
 from common.tree_settings import tree_sizes
 from verify_service.acceptance_estimate import accepted_within
-from verify_service.adaptive import AdaptivePolicy, PolicyConfig, policy_for
+from verify_service.adaptive import AdaptivePolicy, PolicyConfig, batch_key, policy_for
 from verify_service.cost_table import CostGrid, CostTable, calibrate, interp1
 from verify_service.engine import Engine
 from verify_service.feed_buffer import FeedBuffer, FeedRows
@@ -445,6 +445,43 @@ def test_feed_buffer_takes_batched_rows_merged_per_sequence_in_order():
     buf.add([step([5, 5], [7, 7])])  # a row twice
     with pytest.raises(AssertionError, match="in order"):
         buf.take()
+
+
+def test_feed_buffer_counts_a_stretch_of_the_same_plain_decodes_as_one_run():
+    buf = FeedBuffer(max_rows=8, capacity=1000)
+    step = lambda ids, start: FeedRows(list(ids), [start] * len(ids), torch.full((len(ids), 2), float(start)),
+                                       [start + 100] * len(ids))
+    for s in range(5):  # five plain steps of the same three sequences (a new list each step, as the engine's)
+        buf.add([step([1, 2, 3], s)])
+    assert len(buf._uncounted) == 1 and buf._uncounted[0][1] == 5
+    buf.add([step([1, 3], 5)])  # 2 finished: another run starts
+    buf.add([step([1, 3], 6)])
+    assert [times for _, times in buf._uncounted] == [5, 2]
+    assert (buf.waiting(1), buf.waiting(2), buf.waiting(3)) == (7, 5, 7)
+    buf.drop(2)
+    assert buf.rows == 14
+    buf.add([step([1, 3], 7), feed(4, 0, 3)])  # a prefill chunk's rows beside them
+    buf.drop(3)
+    assert buf.rows == 8 + 3 and buf.waiting(4) == 3
+    got = [(f.seq_id, f.start, len(f.next_tokens)) for f in buf.take()]
+    assert got == [(1, 0, 8), (4, 0, 3)]
+
+
+def test_a_held_plain_decision_holds_while_the_batch_stays_in_its_bucket():
+    assert [batch_key(n) for n in (1, 5, 8, 9, 16, 17, 121, 128)] == [1, 5, 8, 16, 16, 24, 128, 128]
+    policy = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4),
+                            PolicyConfig(probe_every=0, hold_steps=100))
+    ids = list(range(128))
+    seen(policy, accepted=0, seq_id=0)  # sequence 0 has its own estimate; the others are on the global curve
+    key = lambda n: (batch_key(n), batch_key(n))
+    assert policy.choose(128, 1024, ids, [4] * 128, quick_key=key(128)) == 0
+    for n in range(127, 120, -1):  # one finishes each step, none with an estimate of its own
+        policy.release(ids[n])
+        assert policy.choose_held(key(n)), n
+    assert not policy.choose_held(key(120))  # another bucket: look again
+    assert policy.choose(120, 1024, ids[:120], [4] * 120, quick_key=key(120)) == 0
+    policy.release(0)  # its own estimate leaves the batch's sum: look again
+    assert not policy.choose_held(key(119))
 
 
 def test_the_largest_trees_cost_what_chained_steps_measured_where_the_drafter_chains():

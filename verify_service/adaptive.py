@@ -82,6 +82,15 @@ class PolicyConfig:
     veto_span: int = 4096  # decisions a veto of trees, measured slower than plain decoding, lasts (0: no veto)
 
 
+def batch_key(n: int) -> int:
+    """A count of sequences as a held plain decision's key holds it: exact up to 8, then rounded up to
+    a multiple of 8. The target's decode and verification graphs are captured for such batches, so
+    within one a step costs the same, and plain decoding's tokens and a tree's both scale with the
+    batch: what was chosen for 128 sequences holds for 121 (a batch that shrinks one sequence a step
+    takes no new decision per step)."""
+    return n if n <= 8 else -(-n // 8) * 8
+
+
 class AdaptivePolicy:
     def __init__(self, table: CostTable, limits: TreeSettings, config: PolicyConfig = PolicyConfig()):
         self.table, self.limits, self.cfg = table, limits, config
@@ -155,7 +164,7 @@ class AdaptivePolicy:
     def choose_held(self, quick_key) -> bool:
         """Plain decoding again, without looking at the sequences: True (and counted as a decision)
         when the latest decision was plain for the same ``quick_key`` (the caller's cheap summary:
-        sequences running, sequences fed), nothing was learned since, it is held fewer than
+        sequences running, sequences fed, each as ``batch_key``), nothing was learned since, it is held fewer than
         ``hold_steps`` steps and no probe is due. A plain step then costs the policy a few
         comparisons; False: call ``choose``."""
         q = self._quick
@@ -316,8 +325,12 @@ class AdaptivePolicy:
         self.realized.observe(batch, tokens, ms, draft_ms, trees, self.decided)
 
     def release(self, seq_id: int) -> None:
-        self._seq.pop(seq_id, None)
-        self._own_version += 1
+        """A finished sequence. Its own estimate, if it had one, leaves the batch's sum: a held decision
+        ends. One on the global curve changes nothing but the batch's size, which the keys hold (at the
+        end of a batch of 128 sequences decoding plainly, one finishing every step cost each step a
+        whole decision, 0.1 ms of host time)."""
+        if self._seq.pop(seq_id, None) is not None:
+            self._own_version += 1
 
     def diagnostics(self) -> dict:
         """What the policy learned and how its model compares with the steps measured (for benchmarks)."""

@@ -22,7 +22,7 @@ import torch
 from link.protocol import DraftFeed, DraftProvider, ProposeRequest
 from kernels.host_copy import take_rows
 from runtime.tree import CandidateTree, InvalidTreeError, invalid_trees
-from verify_service.adaptive import AdaptivePolicy
+from verify_service.adaptive import AdaptivePolicy, batch_key
 from verify_service.feed_buffer import FEED_BUFFER_BYTES, FeedBuffer, FeedRows
 from verify_service.model_runner import StepOutput
 from verify_service.scheduler import Scheduler
@@ -111,7 +111,7 @@ class DraftCoordinator:
             if s.pending_feature is not None or s.tree is not None:
                 return False
             speculating += s.speculate
-        quick = (len(self.scheduler.running), speculating)  # as ``_requests`` keys it
+        quick = (batch_key(len(self.scheduler.running)), batch_key(speculating))  # as ``_requests`` keys it
         self.policy.backlog_rows = self.feed_buffer.rows
         if not speculating or self.policy.choose_held(quick):  # (no sequence that speculates: plain decoding)
             self._decided = 0
@@ -278,7 +278,7 @@ class DraftCoordinator:
         if decided == 0:
             return []
         running = self.scheduler.running
-        quick = (len(running), len(fed))
+        quick = (batch_key(len(running)), batch_key(len(fed)))
         if decided is None and self.policy is not None and self.policy.choose_held(quick):  # held: no look at each
             return []
         ready, decoding, context, joining = [], 0, 0, len(self.scheduler.waiting)  # one pass over the sequences
