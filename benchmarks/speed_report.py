@@ -12,7 +12,10 @@ it applies: prompt lookup (``prompt_lookup_num_tokens``), which needs no second 
 (transformers assists one sequence at a time; SmolLM2-135M has no smaller sibling to assist it).
 Each row says how many outputs equal the target-only ones. The three engines are loaded together and
 run in turn, ``--rounds`` times per batch size, their order rotated each round; each row's time is
-its median round, so a speed-up compares runs made minutes apart at most, not a whole report apart. Verify cost: the target's forward
+its median round, so a speed-up compares runs made minutes apart at most, not a whole report apart;
+``speedup_paired`` is the median over rounds of each round's speed-up against the reference's run of
+the same round (seconds apart), and each row gives its rounds' slowest step and the CUDA caching
+allocator's device allocations, frees and retries (what stalls a round beside the engine's work). Verify cost: the target's forward
 (``verify_service/cost_table.py``) over tokens per sequence x context x batch. tau per depth: the
 share of verification steps that accepted a node at depth d, per speculative row at batch 1.
 A model directory without a tokenizer (tests) gets prompts of token ids derived from the text.
@@ -58,8 +61,40 @@ def prompt_ids(engine, texts: list[str]) -> list[list[int]]:
     return [engine.target.encode(messages=[{"role": "user", "content": t}]) for t in texts]
 
 
+class RoundProbe:
+    """What one engine's round did beside its work: its slowest step, and the CUDA caching allocator's
+    device allocations, frees and retries (a cudaMalloc, or an allocation retried once the cache is
+    emptied, stalls the stream for milliseconds: a round's time then says little about the engine)."""
+
+    COUNTERS = ("segment.all.allocated", "segment.all.freed", "num_alloc_retries")
+
+    def __init__(self, engine, device: str):
+        self.engine, self.cuda = engine, device.startswith("cuda")
+        self.slowest_ms = 0.0
+        self.counts = dict.fromkeys(self.COUNTERS, 0)
+
+    def __enter__(self):
+        step = type(self.engine).step
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return step(self.engine, *args, **kwargs)
+            finally:
+                self.slowest_ms = max(self.slowest_ms, (time.perf_counter() - t0) * 1e3)
+
+        self.engine.step = timed
+        self._before = torch.cuda.memory_stats() if self.cuda else {}
+        return self
+
+    def __exit__(self, *exc):
+        del self.engine.step  # the class's own again
+        after = torch.cuda.memory_stats() if self.cuda else {}
+        self.counts = {k: after.get(k, 0) - self._before.get(k, 0) for k in self.COUNTERS}
+
+
 def engine_rows(engines: list[tuple[str, object]], prompts, batches, min_prompts: int, params, rounds: int,
-                reference, gc_freeze: bool = True) -> list[dict]:
+                reference, gc_freeze: bool = True, device: str = "cpu") -> list[dict]:
     """One row per engine and batch size. The engines run in turn ``rounds`` times per batch size (the
     order rotated each round), so a drift of the machine's speed (clocks, other load) reaches them all
     alike; a row's seconds are its median round. ``reference`` (the first engine's outputs and median
@@ -78,12 +113,15 @@ def engine_rows(engines: list[tuple[str, object]], prompts, batches, min_prompts
         decisions = {name: Counter() for name, _ in engines}
         compiled = {name: 0 for name, _ in engines}
         collected = {name: [0, 0.0] for name, _ in engines}  # full collections, seconds of all collections
+        probes = {name: [] for name, _ in engines}
         for r in range(rounds):
             for name, engine in engines[r % len(engines):] + engines[:r % len(engines)]:
                 policy = getattr(engine, "policy", None)
                 before = Counter(policy.decisions) if policy else None
                 count, (gcs, gc_s) = WATCH.compilations, pauses.snapshot()
-                runs[name].append(run(engine, ps, params, b))
+                with RoundProbe(engine, device) as probe:
+                    runs[name].append(run(engine, ps, params, b))
+                probes[name].append(probe)
                 compiled[name] += WATCH.compilations - count
                 collected[name][0] += pauses.collections[2] - gcs[2]
                 collected[name][1] += sum(pauses.seconds) - sum(gc_s)
@@ -98,6 +136,12 @@ def engine_rows(engines: list[tuple[str, object]], prompts, batches, min_prompts
             if row.get("tau") == 0.0:  # no tree verified (adaptive speculation decoded plainly throughout)
                 del row["tau"], row["acceptance_per_depth"]
             row["seconds_per_round"] = [round(x, 4) for x in seconds]
+            if name != engines[0][0]:  # each round against the reference's of the same round (run minutes apart at most)
+                ref_rounds = [secs for _, secs, _ in runs[engines[0][0]]]
+                tokens = sum(map(len, outputs)) / sum(map(len, ref_out))
+                row["speedup_paired"] = round(statistics.median(r / x for r, x in zip(ref_rounds, seconds)) * tokens, 3)
+            row["slowest_step_ms_per_round"] = [round(p.slowest_ms, 1) for p in probes[name]]
+            row["allocator"] = {k: sum(p.counts[k] for p in probes[name]) for k in RoundProbe.COUNTERS}
             row["compilations"] = compiled[name]  # Triton compilations inside the timed runs
             row["gc"] = {"full_collections": collected[name][0], "ms": round(collected[name][1] * 1e3, 2)}  # all rounds
             policy = getattr(engine, "policy", None)
@@ -230,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["rounds"] = args.rounds
     report["gc_freeze"] = args.gc_freeze
     report["throughput"] += engine_rows(engines, prompts, batches, args.min_prompts, params, args.rounds, reference,
-                                        args.gc_freeze == "on")
+                                        args.gc_freeze == "on", args.device)
     if not args.no_adaptive:
         report["adaptive_decisions"] = {str(k): v for k, v in sorted(engines[-1][1].policy.decisions.items())}
     if args.profile_batch:

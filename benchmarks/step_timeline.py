@@ -28,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import verify_service.draft_coordinator as coordinator
 from runtime.step_layout import Readback
+from verify_service.feed_buffer import StepRows
 
 STEP = "step"
 
@@ -63,8 +64,7 @@ def patched(engine, clock: dict | None = None):
                        (engine.speculation, "draft", "draft_call"),
                        (engine.speculation, "draft_on_device", "draft_chained"),
                        (engine, "attach_trees", "attach_trees"), (engine.speculation, "plain_ahead", "plain_ahead"),
-                       (coordinator.DraftCoordinator, "decode_rows", "decode_rows"),
-                       (coordinator.DraftCoordinator, "feed_rows", "feed_rows"), (engine.feed_buffer, "add", "feed_add")]
+                       (StepRows, "build", "step_rows"), (engine.feed_buffer, "add", "feed_add")]
             inner = getattr(engine.drafter, "_extend", None)
             if inner is not None:  # an in-process drafter: its two halves
                 phases += [(engine.drafter, "_extend", "draft_extend"), (engine.drafter, "_propose_on_device", "draft_propose")]

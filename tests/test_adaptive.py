@@ -23,7 +23,7 @@ from verify_service.acceptance_estimate import accepted_within
 from verify_service.adaptive import AdaptivePolicy, PolicyConfig, batch_key, policy_for
 from verify_service.cost_table import CostGrid, CostTable, calibrate, interp1
 from verify_service.engine import Engine
-from verify_service.feed_buffer import FeedBuffer, FeedRows
+from verify_service.feed_buffer import FeedBuffer, FeedRows, StepRows
 from verify_service.learned_costs import DraftCost, learned_at
 from verify_service.realized_rates import MIN_STEPS, RealizedRates
 
@@ -467,6 +467,27 @@ def test_feed_buffer_counts_a_stretch_of_the_same_plain_decodes_as_one_run():
     assert got == [(1, 0, 8), (4, 0, 3)]
 
 
+def test_a_steps_plain_rows_pair_each_position_with_its_features_and_the_token_after_it():
+    captured = torch.arange(12, dtype=torch.float32)[:, None].expand(-1, 2)  # row r's features: r
+    qsl = [0, 5, 6, 9, 10, 12]  # chunks: a prompt chunk of 5, a decode, a chunk of 3, a decode, a chunk of 2
+    rows = StepRows()
+    rows.add_one(3, 30, 17, 901)  # committed in the second pass, after the chunks still prefilling
+    rows.add(0, 10, 4, [5, 6, 7, 8, 9])  # positions 4..8, a prompt with more to come
+    rows.add(2, 20, 0, [1, 2, 777])  # a prompt's last chunk: its last position before the sampled token
+    rows.add_one(1, 40, 6, 902)
+    got = rows.build(captured, qsl)
+    assert got.seq_ids.tolist() == [10] * 5 + [40] + [20] * 3 + [30]
+    assert got.starts.tolist() == [4, 5, 6, 7, 8, 6, 0, 1, 2, 17]
+    assert got.features[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert got.next_tokens.tolist() == [5, 6, 7, 8, 9, 902, 1, 2, 777, 901]
+    decodes = StepRows()  # decodes alone: the lists as filled, the features a view when the rows follow each other
+    for c in (0, 1, 2):
+        decodes.add_one(c, 50 + c, 3, 100 + c)
+    got = decodes.build(captured, [0, 1, 2, 3])
+    assert got.seq_ids == [50, 51, 52] and got.features.data_ptr() == captured.data_ptr()
+    assert StepRows().build(captured, qsl) is None
+
+
 def test_a_held_plain_decision_holds_while_the_batch_stays_in_its_bucket():
     assert [batch_key(n) for n in (1, 5, 8, 9, 16, 17, 121, 128)] == [1, 5, 8, 16, 16, 24, 128, 128]
     policy = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4),
@@ -563,7 +584,7 @@ def test_the_draft_gets_every_row_before_it_proposes(dirs):
         if seq.tree is not None:  # a tree was just proposed: every committed row reached the draft
             assert rows == seq.num_tokens - 1
         else:  # plain decoding: the rows wait in the buffer, none lost, none twice
-            assert rows + engine.feed_buffer.rows == seq.num_tokens - 1 - (seq.pending_feature is not None)
+            assert rows + engine.feed_buffer.rows == seq.num_tokens - 1
 
 
 class PlainThenTrees(AdaptivePolicy):
@@ -663,7 +684,7 @@ def test_held_plain_decoding_is_launched_ahead_and_feeds_the_draft_every_row(dir
             for i, seq in engine.sequences.items():  # every committed row reached the draft or waits for it
                 rows = engine.drafter.rows.get(i, 0)
                 waiting = engine.feed_buffer.waiting(i)
-                assert rows + waiting == seq.num_tokens - 1 - (seq.pending_feature is not None)
+                assert rows + waiting == seq.num_tokens - 1
         measured = sum(v["steps"] for k, v in engine.policy.diagnostics()["steps"].items() if k.startswith("plain"))
         runs.append(([out[i] for i in ids], engine.decode_steps_ahead, engine.speculation_totals(), fed, measured))
         assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0

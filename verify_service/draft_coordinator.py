@@ -1,9 +1,9 @@
 """The engine's side of speculation: what the draft is fed, which trees it is asked for, and the
 trees it sends back.
 
-Each step the engine hands over the rows that became final (``feed_rows`` per prefill chunk,
-``decode_rows`` for all plain decodes at once: a position's captured target features paired with
-the token that follows it) and calls ``draft``: the rows go to the
+Each step the engine hands over the rows that became final (its prefill chunks and plain decodes in
+one record, ``StepRows``: a position's captured target features paired with the token that follows
+it) and calls ``draft``: the rows go to the
 draft (through the feed buffer, which holds them while adaptive speculation decodes plainly), the
 draft is asked for a tree per decoding sequence that speculates, capped to the policy's choice and
 to what the context and ``max_tokens`` leave, and the trees that come back are checked (all at
@@ -16,15 +16,11 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
-import torch
 
 from link.protocol import DraftFeed, DraftProvider, ProposeRequest
-from kernels.host_copy import take_rows
 from runtime.tree import CandidateTree, InvalidTreeError, invalid_trees
 from verify_service.adaptive import AdaptivePolicy, batch_key
 from verify_service.feed_buffer import FEED_BUFFER_BYTES, FeedBuffer, FeedRows
-from verify_service.model_runner import StepOutput
 from verify_service.scheduler import Scheduler
 from verify_service.sequence import Sequence
 from verify_service.verification import PendingVerification, Verified
@@ -62,53 +58,17 @@ class DraftCoordinator:
             self.policy.release(seq.seq_id)
         self._asked.pop(seq.seq_id, None)
 
-    @staticmethod
-    def feed_rows(seq: Sequence, out: StepOutput, chunk: int, start: int, n: int, sampled: int | None,
-                  feeds: dict[int, DraftFeed]) -> None:
-        """Pair the features of positions start..start+n-1 with the tokens that follow them.
-
-        The last feature's successor is known only once sampled (or once the next prompt
-        chunk runs), so without ``sampled`` it waits in ``seq.pending_feature``.
-        """
-        row = out.query_start_loc[chunk]
-        feats = out.captured[row:row + n]
-        successors = seq.token_slice(start + 1, start + n) + ([sampled] if sampled is not None else [])
-        first = start
-        if seq.pending_feature is not None:
-            feats = torch.cat([seq.pending_feature[None], feats])
-            successors = [seq.token_slice(start, start + 1)[0], *successors]
-            first = start - 1
-        if sampled is None:
-            feats, seq.pending_feature = feats[:-1], feats[-1]
-        else:
-            seq.pending_feature = None
-        if feats.shape[0]:
-            feeds[seq.seq_id] = DraftFeed(seq.seq_id, first, feats, np.asarray(successors, dtype=np.int64))
-
-    @staticmethod
-    def decode_rows(out: StepOutput, chunks: list[int], seq_ids: list[int], starts: list[int],
-                    tokens: list[int]) -> FeedRows:
-        """One-token decodes of sequences without a pending feature (their last feature's successor
-        was known a step ago): chunk ``chunks[j]`` of the step is position ``starts[j]`` of sequence
-        ``seq_ids[j]``, the token after it ``tokens[j]`` (the lists are kept as they are: ``FeedRows``)."""
-        qsl = out.query_start_loc
-        rows = chunks if qsl[-1] == len(qsl) - 1 else [qsl[i] for i in chunks]  # (a decode step: row i is chunk i)
-        # (rows skip a sequence this step finished: a gather, its index never a pageable copy, which would
-        # wait for the step launched ahead)
-        return FeedRows(seq_ids, starts, take_rows(out.captured, rows, increasing=True), tokens)
-
     def plain_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step of these sequences (the whole batch, each decoding one token) is plain
         decoding, decided now, before this step's tokens are read, so that the engine may launch it
-        at once: with a policy, every sequence's feature fed by ``decode_rows`` (none waits for its
-        successor, none has a tree). The policy's choice is taken here, as ``draft`` would take it
-        (the batch's context one token short), and ``draft`` then follows it: plain, no trees; a tree
-        size, trees of that size."""
+        at once: with a policy, and no sequence with a tree. The policy's choice is taken here, as
+        ``draft`` would take it (the batch's context one token short), and ``draft`` then follows it:
+        plain, no trees; a tree size, trees of that size."""
         if self.policy is None:
             return False
         speculating = 0  # (one pass: asked every plain step, at batch 128 each pass is ~10 us)
         for s in seqs:
-            if s.pending_feature is not None or s.tree is not None:
+            if s.tree is not None:
                 return False
             speculating += s.speculate
         quick = (batch_key(len(self.scheduler.running)), batch_key(speculating))  # as ``_requests`` keys it

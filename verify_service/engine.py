@@ -33,7 +33,7 @@ from runtime.step_layout import Readback, SeqChunk
 from verify_service.adaptive import AdaptivePolicy
 from verify_service.detokenizer import StopStringDetokenizer
 from verify_service.draft_coordinator import DraftCoordinator
-from verify_service.feed_buffer import FeedBuffer
+from verify_service.feed_buffer import FeedBuffer, StepRows
 from verify_service.model_runner import StepOutput
 from verify_service.replay import AcceptanceReplay
 from verify_service.sampler import Sampler
@@ -209,9 +209,10 @@ class Engine:
         for i, (seq, n) in enumerate(plan):
             if seq.seq_id in self.sequences:  # (a step launched ahead may hold sequences finished since)
                 (trees if seq.tree or deferred is not None else plain).append((i, seq, n))
-        feeds: dict[int, DraftFeed] = {}
+        feeds: dict[int, DraftFeed] = {}  # the verified trees' rows, per sequence
+        rows = StepRows() if self.speculation is not None else None  # the plain chunks' rows, together
         self.last_step_verified_trees = bool(trees)
-        due = self._advance_plain(plain, out, feeds)
+        due = self._advance_plain(plain, rows)
         # Device work for every sequence first (sampling, acceptance, compaction), then the
         # step's ONE device-to-host copy: the plain tokens and what acceptance chose, together.
         sampled = self.sampler.sample(take_rows(out.logits, [int(logits_at[i]) for i, *_ in due]),
@@ -241,32 +242,32 @@ class Engine:
         else:
             deferred = self._attach(deferred)
             host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist() if parts else []
-        events, rows = self._commit_decodes(due, host, out, feeds)
+        events = self._commit_decodes(due, host, rows)
         if pending:
             self._commit_trees(pending, host[len(due):], chained is not None, feeds, events)
         self._chained = chained
-        draft_s = self.speculation.draft(feeds, rows) if self.speculation and chained is None else 0.0
+        draft_s = self.speculation.draft(feeds, rows.build(out.captured, out.query_start_loc)) \
+            if self.speculation and chained is None else 0.0
         if self.policy is not None and decode_only:
             self._observe(plan, events, bool(trees), tree_nodes, (time.perf_counter() - t0 - draft_s) * 1e3,
                           draft_s * 1e3, launched_ahead, from_chain)
         return events
 
-    def _commit_decodes(self, due, host: list[int], out: StepOutput, feeds: dict[int, DraftFeed]):
-        """Commit each due sequence's sampled token (``host``, in ``due`` order); returns the events and
-        the draft's rows of the one-token decodes, one record for all (a prefill's last chunk goes
-        into ``feeds``)."""
+    def _commit_decodes(self, due, host: list[int], rows: StepRows | None) -> list[TokenEvent]:
+        """Commit each due sequence's sampled token (``host``, in ``due`` order); returns the events. The
+        draft's rows of those that speculate and go on go into ``rows`` (a finished sequence's are not
+        sent): a prefill's last chunk, each position before the token after it, the last one before
+        the sampled token."""
         events, commit = [], self._commit
-        one_rows = []  # (chunk, seq_id, start, token) of one-token decodes: their rows go in one record
+        one = rows.ones.append if rows is not None else None
         for (i, seq, start, n), token in zip(due, host):
-            if seq.speculate:
-                if n == 1 and seq.pending_feature is None:
-                    events.append(commit(seq, [token]))
-                    if seq.finish_reason is None:  # (a finished sequence's rows are not sent)
-                        one_rows.append((i, seq.seq_id, start, token))
-                    continue
-                DraftCoordinator.feed_rows(seq, out, i, start, n, token, feeds)
             events.append(commit(seq, [token]))
-        return events, DraftCoordinator.decode_rows(out, *map(list, zip(*one_rows))) if one_rows else None
+            if seq.speculate and seq.finish_reason is None:
+                if n == 1:
+                    one((i, seq.seq_id, start, token))
+                else:
+                    rows.add(i, seq.seq_id, start, seq.token_slice(start + 1, start + n) + [token])
+        return events
 
     def _commit_trees(self, pending, host: list[int], chained: bool, feeds: dict[int, DraftFeed],
                       events: list[TokenEvent]) -> None:
@@ -384,9 +385,10 @@ class Engine:
         return SeqChunk(seq.token_slice(start, start + n), start, self.target.blocks.block_table(seq.seq_id),
                         logits_rows=(n - 1,) if completes else ())
 
-    def _advance_plain(self, plain, out: StepOutput, feeds) -> list[tuple[int, Sequence, int, int]]:
+    def _advance_plain(self, plain, rows: StepRows | None) -> list[tuple[int, Sequence, int, int]]:
         """Prefill chunks and one-token decodes ran: advance their caches; returns those that draw a
-        token now (the others' features wait for their successors)."""
+        token now. A chunk that leaves more of the prompt gives the draft its rows at once (into
+        ``rows``): the token after its last position is the prompt's next."""
         due = []
         for i, seq, n in plain:
             start = seq.num_cached
@@ -394,7 +396,7 @@ class Engine:
             if not seq.prefilling:
                 due.append((i, seq, start, n))
             elif seq.speculate:
-                DraftCoordinator.feed_rows(seq, out, i, start, n, None, feeds)
+                rows.add(i, seq.seq_id, start, seq.token_slice(start + 1, start + n + 1))
         return due
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> TokenEvent:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from common.sampling_params import SamplingParams
 from common.tree_settings import TreeSettings
 from runtime.tree import CandidateTree
@@ -78,7 +76,6 @@ class Sequence:
     speculate: bool = False  # a draft proposes trees for this sequence
     tree_settings: TreeSettings | None = None  # the shape of its trees
     tree: CandidateTree | None = None  # proposed for the next step, below the newest token
-    pending_feature: torch.Tensor | None = None  # feature of the newest cached position, next token unknown
     speculation: SpeculationMetrics = field(default_factory=SpeculationMetrics)
 
     @property
