@@ -14,7 +14,8 @@ Each row says how many outputs equal the target-only ones. The three engines are
 run in turn, ``--rounds`` times per batch size, their order rotated each round; each row's time is
 its median round, so a speed-up compares runs made minutes apart at most, not a whole report apart;
 ``speedup_paired`` is the median over rounds of each round's speed-up against the reference's run of
-the same round (seconds apart), and each row gives its rounds' slowest step and the CUDA caching
+the same round (seconds apart), ``speedup_best`` their fastest rounds' ratio (what a machine whose
+speed drifts between rounds still shows), and each row gives its rounds' slowest step and the CUDA caching
 allocator's device allocations, frees and retries (what stalls a round beside the engine's work). Verify cost: the target's forward
 (``verify_service/cost_table.py``) over tokens per sequence x context x batch. tau per depth: the
 share of verification steps that accepted a node at depth d, per speculative row at batch 1.
@@ -140,6 +141,7 @@ def engine_rows(engines: list[tuple[str, object]], prompts, batches, min_prompts
                 ref_rounds = [secs for _, secs, _ in runs[engines[0][0]]]
                 tokens = sum(map(len, outputs)) / sum(map(len, ref_out))
                 row["speedup_paired"] = round(statistics.median(r / x for r, x in zip(ref_rounds, seconds)) * tokens, 3)
+                row["speedup_best"] = round(min(ref_rounds) / min(seconds) * tokens, 3)  # each one's fastest round
             row["slowest_step_ms_per_round"] = [round(p.slowest_ms, 1) for p in probes[name]]
             row["allocator"] = {k: sum(p.counts[k] for p in probes[name]) for k in RoundProbe.COUNTERS}
             row["compilations"] = compiled[name]  # Triton compilations inside the timed runs

@@ -90,7 +90,8 @@ def test_speed_report_runs_small(tmp_path):
     assert all(len(r["seconds_per_round"]) == 2 for r in report["throughput"])  # every engine ran twice
     assert all(len(r["slowest_step_ms_per_round"]) == 2 and min(r["slowest_step_ms_per_round"]) > 0
                and r["allocator"]["num_alloc_retries"] == 0 for r in report["throughput"])
-    assert all(("speedup_paired" in r) == (r["config"] != "target-only") for r in report["throughput"])
+    assert all(("speedup_paired" in r) == ("speedup_best" in r) == (r["config"] != "target-only")
+               for r in report["throughput"])
     configs = {(r["batch"], r["config"]) for r in report["throughput"]}
     assert configs == {(b, c) for b in (1, 2) for c in ("target-only", "eagle3 chain:2",
                                                          "eagle3 adaptive (limits chain:2)")}
