@@ -180,13 +180,37 @@ def test_measured_draft_and_step_costs_change_the_choice():
     assert policy.best(1, 1024, [0], [3]) == 3
 
 
-def test_probes_try_the_next_size_up_now_and_then():
+def test_probes_from_plain_decoding_alternate_the_smallest_and_the_largest_tree():
     policy = AdaptivePolicy(table(per_token_ms=10.0), TreeSettings("chain", 4),
                             PolicyConfig(probe_every=4, probe_share=1.0))
     seen(policy, accepted=0)
     choices = [policy.choose(1, 1024, [0], [4]) for _ in range(8)]
-    assert choices == [0, 0, 0, 1, 0, 0, 0, 1]
-    assert policy.decisions == {0: 6, 1: 2} and policy.choice == 1 and policy.probes == 2
+    assert choices == [0, 0, 0, 1, 0, 0, 0, 4]
+    assert policy.decisions == {0: 6, 1: 1, 4: 1} and policy.choice == 4 and policy.probes == 2
+
+
+def test_a_global_estimate_early_trees_put_low_comes_back_through_probes_of_the_largest_tree():
+    """Early trees that accepted nothing put every size's estimate low, the batch's too: plain decoding.
+    Then every tree accepts whole. Probes of the smallest tree alone bring back only its own size (the
+    largest stays priced at what the smallest accepts, and plain decoding stays); every other probe
+    is the largest tree, whose estimate then climbs back until the largest tree is chosen again."""
+    policy = AdaptivePolicy(table(per_token_ms=0.1), TreeSettings("chain", 4),
+                            PolicyConfig(probe_every=8, probe_share=1.0, draft_prior_fraction=0.0))
+    for levels in (1, 2, 4) * 4:  # the draft: 12 ms a call whatever its depth (a tree of 1 never pays)
+        policy.observe_draft(1, levels, 12.0)
+    seen(policy, accepted=0, seq_id=1, nodes=4, times=200)  # released: the global estimate keeps them
+    policy.release(1)
+    choices = []
+    for i in range(600):
+        seq = 10 + i // 50  # a new sequence every 50 decisions, none with trees of its own at first
+        if choices and choices[-1] == 0 and i % 50 == 0:
+            policy.release(seq - 1)
+        choice = policy.choose(1, 1024, [seq], [4])
+        choices.append(choice)
+        if choice:
+            policy.observe_tree(seq, chain(choice), list(range(choice)), choice)  # accepted whole
+    assert choices[:8] == [0] * 7 + [1]
+    assert choices[-50:].count(4) >= 45, choices[-50:]
 
 
 def test_probes_stay_within_their_share_of_the_time():
