@@ -24,8 +24,8 @@ largest size a sequence has seen, its estimate follows the global one's gains up
 the global one rests on ten trees or more for; sizes above that are guessed optimistically (the last gain per node carried
 on), so a larger tree is tried when it might pay; and every ``probe_every`` decisions the next size up is tried once, so
 acceptance that rises is found even where the guess says no. From plain decoding the probe is the size
-the global estimate would pick for the batch (the smallest tree where that is plain decoding too): a
-sequence's own estimate of a size moves only with trees of that size or larger, so after an unlucky
+the global estimate would pick for the batch (where that is plain decoding too, the smallest and the
+largest tree in turn): an estimate of a size moves only with trees of that size or larger, so after an unlucky
 stretch at the largest tree, probes of the smallest one would never bring it back (measured at batch 1:
 plain decoding in 83% of the steps where the fixed tree ran 1.47x target-only). Where that size is a
 tree (the batch's trees pay), such probes come every ``probe_every / 4`` decisions and cost only their
