@@ -209,13 +209,16 @@ class AdaptivePolicy:
         tree verified yet: at a large batch that decodes plainly, all of them) share the global curve,
         taken once per budget: a decision costs a few operations per sequence, not an array each."""
         total = np.zeros(len(self.sizes))
-        shared: Counter[int] = Counter()  # budget -> sequences on the global curve
-        for s, b in zip(seq_ids, budgets):
-            own = self._seq.get(s)
-            if own is None:
-                shared[b] += 1
-            else:
-                total += self._capped(own.curve(self.sizes, self._levels), b)
+        if not self._seq:  # none has an estimate of its own (a large batch decoding plainly): counted at once
+            shared = Counter(budgets)  # budget -> sequences on the global curve
+        else:
+            shared = Counter()
+            for s, b in zip(seq_ids, budgets):
+                own = self._seq.get(s)
+                if own is None:
+                    shared[b] += 1
+                else:
+                    total += self._capped(own.curve(self.sizes, self._levels), b)
         if shared:
             curve = self._global.curve(self.sizes, self._levels)
             for b, k in shared.items():
