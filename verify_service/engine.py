@@ -260,16 +260,15 @@ class Engine:
         draft's rows of those that speculate and go on go into ``rows`` (a finished sequence's are not
         sent): a prefill's last chunk, each position before the token after it, the last one before
         the sampled token."""
-        commit = self._commit
-        events = [commit(d[1], [token]) for d, token in zip(due, host)]
-        if rows is not None:  # (comprehensions: a loop of appends cost ~25 us a step at batch 64)
-            ones = [(i, seq.seq_id, start, token) for (i, seq, start, n), token in zip(due, host)
-                    if n == 1 and seq.speculate and seq.finish_reason is None]
-            rows.ones += ones
-            if len(ones) < len(due):  # a prompt's last chunk, or sequences that finished or do not speculate
-                for (i, seq, start, n), token in zip(due, host):
-                    if n > 1 and seq.speculate and seq.finish_reason is None:
-                        rows.add(i, seq.seq_id, start, seq.token_slice(start + 1, start + n) + [token])
+        events, commit = [], self._commit
+        one = rows.ones.append if rows is not None else None
+        for (i, seq, start, n), token in zip(due, host):
+            events.append(commit(seq, [token]))
+            if seq.speculate and seq.finish_reason is None:
+                if n == 1:
+                    one((i, seq.seq_id, start, token))
+                else:
+                    rows.add(i, seq.seq_id, start, seq.token_slice(start + 1, start + n) + [token])
         return events
 
     def _commit_trees(self, pending, host: list[int], chained: bool, feeds: dict[int, DraftFeed],
