@@ -18,7 +18,8 @@ what a round spends outside ``step`` (requests' admission, results). Rows are th
 each engine; the engines run in turn, their order rotated each round, as the speed report runs them.
 An adaptive row carries the policy's diagnostics (its decisions, and the steps it measured against
 its model). ``--profile``: one more round of each engine under cProfile (OUT.profile.txt: host
-functions by own and cumulative time); ``--phases``: one more with the host phases timed by the clock alone;
+functions by own and cumulative time, and each round's raw statistics, OUT.ENGINE.bB.pstats, for
+``profile_diff.py``); ``--phases``: one more with the host phases timed by the clock alone;
 ``--timeline``: one more under torch.profiler, the engine's host phases
 marked (``step_timeline.py``): the device's busy time against the wall, and what it waited for.
 """
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
                 row["timeline"] = timed_round(engine, ps, params, b)
                 print(f"b{b} {name} timeline: {json.dumps(row['timeline'])}", flush=True)
             if args.profile:
-                profiles.append(profile_run(name, engine, ps, params, b))
+                dump = f"{args.out}.{name.replace(' ', '_')}.b{b}.pstats" if args.out else None
+                profiles.append(profile_run(name, engine, ps, params, b, dump))
     if profiles and args.out:
         Path(args.out + ".profile.txt").write_text("".join(profiles))
     if args.out:

@@ -156,12 +156,15 @@ def engine_rows(engines: list[tuple[str, object]], prompts, batches, min_prompts
     return rows
 
 
-def profile_run(name: str, engine, prompts, params, batch: int) -> str:
-    """One run under cProfile: the functions by own time and by cumulative time."""
+def profile_run(name: str, engine, prompts, params, batch: int, dump: str | None = None) -> str:
+    """One run under cProfile: the functions by own time and by cumulative time (``dump``: also the
+    raw statistics to this path, for ``profile_diff.py``)."""
     prof = cProfile.Profile()
     prof.enable()
     _, secs, _ = run(engine, prompts, params, batch)
     prof.disable()
+    if dump:
+        prof.dump_stats(dump)
     text = io.StringIO()
     text.write(f"=== {name}, batch {batch}: {secs:.3f} s under the profiler ===\n")
     for key in ("tottime", "cumulative"):

@@ -60,7 +60,10 @@ def patched(engine, clock: dict | None = None):
                   (engine.target.runner, "step", "target_forward"), (engine.sampler, "sample", "sample"),
                   (engine, "_launch_decode", "launch_decode"), (engine, "_commit", "commit")]
         if engine.drafter is not None:
-            phases += [(engine.verifier, "accept", "accept"), (engine.verifier, "finish", "finish"),
+            phases += [(engine, "_verify_ahead", "verify_ahead"), (engine.target.runner, "step_trees_on_device",
+                                                                    "verify_graph"),
+                       (engine, "_commit_trees", "commit_trees"), (engine.speculation, "attach", "attach"),
+                       (engine.verifier, "accept", "accept"), (engine.verifier, "finish", "finish"),
                        (engine.speculation, "draft", "draft_call"),
                        (engine.speculation, "draft_on_device", "draft_chained"),
                        (engine, "attach_trees", "attach_trees"), (engine.speculation, "plain_ahead", "plain_ahead"),

@@ -34,6 +34,38 @@ def test_pyspy_summary_shares_one_threads_samples(tmp_path):
     assert " 75.0% step (verify_service/engine.py:9) :: wait" in text
 
 
+def test_profile_diff_puts_the_largest_difference_first(tmp_path):
+    import cProfile
+    import time
+    from benchmarks.profile_diff import diff
+
+    def busy(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def slow():
+        busy(0.03)
+
+    def fast():
+        busy(0.001)
+
+    paths = []
+    for work in ((fast,), (fast, slow)):
+        prof = cProfile.Profile()
+        prof.enable()
+        for fn in work:
+            fn()
+        prof.disable()
+        paths.append(str(tmp_path / f"{len(paths)}.pstats"))
+        prof.dump_stats(paths[-1])
+    rows = diff(*paths, top=5, per=1.0)
+    name, calls_a, calls_b, us_a, us_b = rows[0]
+    assert "busy" in name or "perf_counter" in name  # the loop's own time, only in the second
+    slow_row = next(r for r in diff(*paths, top=50) if r[0].endswith("(slow)"))
+    assert slow_row[1:3] == (0, 1)  # slow: absent from the first, called once in the second
+
+
 def test_services_bench_request_timings():
     from benchmarks.services_bench import request_timings
     rows = [(1.0, 1.01, 1.1), (0.0, 0.02, 0.5)]  # (start, first token, end), seconds, out of order

@@ -58,10 +58,12 @@ def test_host_phases_time_a_speculative_step_and_leave_the_engine_as_it_was(dirs
         engine.step()
     phases = host_phases(engine, 4, lambda: None)
     call = "draft_chained" if chain else "draft_call"
-    for name in ("step", "target_forward", "accept", call, "draft_extend", "draft_propose"):
+    for name in ("step", "target_forward", "accept", call, "draft_extend", "draft_propose", "commit_trees"):
         assert phases[name] > 0, name
+    assert not chain or phases["verify_ahead"] > 0  # (trees from the last step's chained draft)
     assert phases["step"] >= phases[call] >= phases["draft_propose"]
     assert "step" not in engine.__dict__ and "accept" not in engine.verifier.__dict__  # unpatched again
+    assert "_verify_ahead" not in engine.__dict__ and "step_trees_on_device" not in engine.target.runner.__dict__
     with patched(engine):
         assert "step" in engine.__dict__
     assert "step" not in engine.__dict__
