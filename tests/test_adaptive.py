@@ -647,20 +647,27 @@ class CountingOracle(OracleDrafter):
         return super().step(feeds, proposals)
 
 
-@pytest.mark.parametrize("per_token_ms, speculates", [(0.01, True), (100.0, False)])
-def test_a_perfect_draft_speculates_when_trees_are_cheap_and_not_when_dear(dirs, per_token_ms, speculates):
+@pytest.mark.parametrize("per_token_ms, speculates, detach", [(0.01, True, 0.75), (100.0, False, 0.0),
+                                                              (100.0, False, 0.75)])
+def test_a_perfect_draft_speculates_when_trees_are_cheap_and_not_when_dear(dirs, per_token_ms, speculates, detach):
+    """Where trees are dear, a request that starts there runs without the draft (``detach``, the
+    default); kept attached (detach 0), the policy decodes it plainly step after step."""
     limits = TreeSettings("chain", 4)
     drafter = CountingOracle(target_for(dirs[0]), depth=4)
     # The oracle runs a whole target generation per tree: measured, its cost would rule out speculation.
-    policy = AdaptivePolicy(table(per_token_ms), limits, PolicyConfig(cost_weight=0.0))
+    policy = AdaptivePolicy(table(per_token_ms), limits, PolicyConfig(cost_weight=0.0, detach_below=detach))
     engine = Engine(target_for(dirs[0]), drafter, limits, policy)
     drafter.engine = engine
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     result = engine.generate([PROMPTS[1]], params)[0]
     assert result.token_ids == [r.token_ids for r in Engine(target_for(dirs[0])).generate([PROMPTS[1]], params)][0]
     decisions = engine.policy.decisions
+    assert engine.detached_requests == (0 if speculates or not detach else 1)
     if speculates:
         assert decisions.most_common(1)[0][0] == 4 and result.speculation.tau > 3
+    elif detach:  # never attached: no decision, no draft call, no rows kept
+        assert not decisions and drafter.calls == 0 and result.speculation.steps == 0
+        assert engine.feed_buffer.rows == 0
     else:
         assert decisions.most_common(1)[0][0] == 0 and decisions[0] >= 3 * sum(decisions[n] for n in (1, 2, 3, 4))
         assert drafter.calls < len(result.token_ids) / 3  # plain steps do not call the draft
@@ -783,6 +790,42 @@ def test_trees_measured_slower_than_plain_steps_are_vetoed_at_their_batch_and_ab
     assert rates.rates()["trees b16"]["steps"] == MIN_STEPS
     # The veto lapses ``span`` decisions after the last tree step at its bucket, and its trees are measured afresh.
     assert rates.vetoed(64, 109) and not rates.vetoed(64, 110) and "trees b16" not in rates.rates()
+
+
+def test_a_request_starts_without_the_draft_where_trees_do_not_pay_at_its_batch():
+    """Forward = 10 ms + 1 ms per extra token and sequence: a batch of one gains from a tree, a batch
+    of 64 pays 64 ms a node and would lose; below ``detach_below`` of plain decoding's rate, or where
+    trees are vetoed, a starting request runs without the draft; ``detach_below`` 0 never detaches."""
+    limits = TreeSettings("dynamic", 4, 3, 10)
+    policy = AdaptivePolicy(table(1.0), limits)
+    assert not policy.detaches(1, 100.0) and policy.detaches(64, 100.0)
+    assert not AdaptivePolicy(table(1.0), limits, PolicyConfig(detach_below=0.0)).detaches(64, 100.0)
+    cheap = AdaptivePolicy(table(0.001), limits)  # trees measured slower than plain steps at batch 8
+    assert not cheap.detaches(8, 100.0)
+    for _ in range(MIN_STEPS):
+        cheap.realized.observe(8, 8, 1.0, 0.0, trees=False, now=0)
+        cheap.realized.observe(8, 10, 5.0, 0.0, trees=True, now=0)
+    assert cheap.detaches(8, 100.0) and cheap.detaches(64, 100.0) and not cheap.detaches(4, 100.0)
+
+
+def test_requests_started_together_where_trees_do_not_pay_run_without_the_draft(dirs):
+    """Five requests at once, where a tree's nodes cost 3 ms a sequence: they run as target-only would
+    (the same tokens), the draft never sees a row of them; one request alone, where a tree breaks
+    even, keeps the draft."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 30, 14, 2, 25)]
+    want = [r.token_ids for r in Engine(target_for(dirs[0])).generate(PROMPTS, params)]
+    table_only = PolicyConfig(cost_weight=0.0)  # (the table's costs alone: none measured on this machine)
+    engine = eagle_engine(dirs, "dynamic", lambda cost, limits: AdaptivePolicy(cost, limits, table_only), table(3.0))
+    fed = []
+    step = engine.drafter.step
+    engine.drafter.step = lambda feeds, proposals: fed.append(len(feeds)) or step(feeds, proposals)
+    results = engine.generate(PROMPTS, params)
+    assert [r.token_ids for r in results] == want
+    assert engine.detached_requests == 5 and not fed and engine.feed_buffer.rows == 0
+    assert all(r.speculation is not None and r.speculation.steps == 0 for r in results)
+    assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
+    alone = engine.generate([PROMPTS[1]], params[1])[0]
+    assert alone.token_ids == want[1] and engine.detached_requests == 5  # attached (its trees break even)
 
 
 def test_a_draft_call_of_a_plain_step_is_the_trees_cost():

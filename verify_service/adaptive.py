@@ -80,6 +80,8 @@ class PolicyConfig:
     hold_steps: int = 8  # a decision is reused this many steps while nothing but step times was learned
     draft_prior_fraction: float = 0.15  # draft cost per level before one is measured, x a decode forward
     veto_span: int = 4096  # decisions a veto of trees, measured slower than plain decoding, lasts (0: no veto)
+    detach_below: float = 0.75  # a request starting where trees are modelled below this share of plain
+    #                              decoding's tokens per ms (or vetoed) runs without the draft (0: never)
 
 
 def batch_key(n: int) -> int:
@@ -303,6 +305,25 @@ class AdaptivePolicy:
         decoding), and the tokens it expects a step of each size to commit."""
         tokens = batch + speculating * self._global.curve(self.sizes, self._levels)
         return self._fastest(batch, context, speculating, tokens, 0.0), tokens
+
+    def detaches(self, batch: int, context: float) -> bool:
+        """Whether a request starting now, in a batch of ``batch`` decoding sequences at about ``context``
+        tokens, runs without the draft for good: trees are vetoed at this batch (measured slower than
+        plain decoding), or the best tree is modelled at less than ``detach_below`` of plain
+        decoding's tokens per ms for a batch that speculates whole on the global acceptance estimate.
+
+        Such a request costs nothing for a draft it would not use: no target features kept for it,
+        no rows buffered, no draft state (at batch 64 and 128 the rows of plain steps cost 3-7% of
+        target-only's time, H100). It never speculates, even once the batch shrinks."""
+        ratio = self.cfg.detach_below
+        if not ratio or batch < 1:
+            return False
+        if self.cfg.veto_span and self.realized.vetoed(batch, self.decided):
+            return True
+        tokens = batch + batch * self._global.curve(self.sizes, self._levels)
+        plain = batch / self.step_ms(batch, context, 0, batch)
+        best = max(t / self.step_ms(batch, context, m, batch) for t, m in zip(tokens, self.sizes))
+        return best < ratio * plain
 
     def settings(self, seq_settings: TreeSettings, nodes: int) -> TreeSettings:
         """A sequence's tree for a choice of ``nodes`` (> 0)."""

@@ -103,6 +103,7 @@ class Engine:
         self.decode_ahead = drafter is None or policy is not None
         self._ahead_decode = None  # (plan, first logits rows, output, None) of the step so launched
         self.decode_steps_ahead = 0
+        self.detached_requests = 0  # requests that started where trees did not pay: run without the draft
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True,
                     tree: TreeSettings | None = None) -> int:
@@ -188,6 +189,8 @@ class Engine:
                 deferred = chained
         if ahead is None:
             plan = self.scheduler.schedule(lambda s: 1 + s.tree.num_nodes if s.tree else 1)
+            if self.policy is not None:
+                self._detach_starting(plan)
         if not plan:
             return []
         # What the policy learns from: a step of decodes and trees only, and its trees' size.
@@ -198,7 +201,9 @@ class Engine:
         if ahead is None:
             padded = padded_trees(with_tree) if with_tree else None  # for the layout and the acceptance
             chunks = self._chunks(plan, with_tree, padded)
-            out = self.target.runner.step(chunks)
+            # (no sequence that feeds the draft: no features kept, as target-only decoding keeps none)
+            out = self.target.runner.step(chunks, capture=self.speculation is not None and
+                                          any(s.speculate for s, _ in plan))
             logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
         else:
             padded, (logits_at, out, on_device) = None, ahead
@@ -254,6 +259,18 @@ class Engine:
             self._observe(plan, events, bool(trees), tree_nodes, (time.perf_counter() - t0 - draft_s) * 1e3,
                           draft_s * 1e3, launched_ahead, from_chain)
         return events
+
+    def _detach_starting(self, plan) -> None:
+        """Requests whose first chunk runs now, where trees would not pay at the batch they join (the
+        running and waiting requests: ``AdaptivePolicy.detaches``), run without the draft."""
+        new = [s for s, _ in plan if s.num_cached == 0 and s.speculate]
+        if not new:
+            return
+        batch = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if self.policy.detaches(batch, sum(len(s.prompt_ids) for s in new) / len(new)):
+            for s in new:
+                s.speculate, s.detached = False, True
+            self.detached_requests += len(new)
 
     def _commit_decodes(self, due, host: list[int], rows: StepRows | None) -> list[TokenEvent]:
         """Commit each due sequence's sampled token (``host``, in ``due`` order); returns the events. The
@@ -323,7 +340,9 @@ class Engine:
             plan.append((seq, 1))
             chunks.append(SeqChunk(_PLACEHOLDER, seq.num_cached, ensure(seq.seq_id, seq.num_cached + 1), _ROW0))
         self.decode_steps_ahead += 1
-        return plan, np.arange(len(chunks) + 1), self.target.runner.step(chunks, ids=sampled), None  # (one logits row each)
+        out = self.target.runner.step(chunks, ids=sampled, capture=self.speculation is not None and
+                                      any(seq.speculate for _, seq, _, _ in due))
+        return plan, np.arange(len(chunks) + 1), out, None  # (one logits row each)
 
     def _verify_ahead(self, chained) -> tuple[list, tuple[np.ndarray, StepOutput, torch.Tensor] | None]:
         """Schedule the step and, when it is the chained trees' sequences (those of them still running,
@@ -424,7 +443,8 @@ class Engine:
         text += detok.finish() if detok else ""
         self._release(seq)
         self.sequences.pop(seq.seq_id, None)
-        return TokenEvent(seq.seq_id, kept, text, reason, seq.speculation if seq.speculate else None)
+        metrics = seq.speculation if seq.speculate or seq.detached else None
+        return TokenEvent(seq.seq_id, kept, text, reason, metrics)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params

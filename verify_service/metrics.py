@@ -109,4 +109,7 @@ def _adaptive(s: VerifyStats, core) -> list:
     current = core.GaugeMetricFamily("eagle3_verify_adaptive_tree_nodes",
                                      "Adaptive speculation's latest choice: nodes per tree (0: plain decoding)",
                                      value=s.adaptive_tree_nodes)
-    return [decisions, current]
+    detached = core.CounterMetricFamily("eagle3_verify_requests_without_draft",
+                                        "Requests that started where trees did not pay at their batch: run "
+                                        "without the draft", value=s.detached_requests)
+    return [decisions, current, detached]

@@ -121,22 +121,23 @@ class ModelRunner:
         self.capture_layers = tuple(layers)
 
     @torch.inference_mode()
-    def step(self, chunks: list[SeqChunk], ids: torch.Tensor | None = None) -> StepOutput:
+    def step(self, chunks: list[SeqChunk], ids: torch.Tensor | None = None, capture: bool = True) -> StepOutput:
         """``ids``: a decode step's token ids [len(chunks)] on the device (the last step's samples),
-        in place of the chunks' own (placeholders)."""
+        in place of the chunks' own (placeholders). ``capture`` False: no row of the step goes to the
+        draft (its sequences run without one): no captured features are kept (``captured`` None)."""
         bucket = self._bucket(chunks) if self.cuda_graphs else None
         graph = self._graph(bucket) if bucket is not None else None
         if graph is not None and graph.layout.fits(chunks):
             write = None if ids is None else lambda layout: layout.input_ids[:len(ids)].copy_(ids)
-            return self._replay(graph, chunks, write)
+            return self._replay(graph, chunks, write, capture)
         if self.cuda_graphs and bucket is None and ids is None:
-            graphed = self._prefill_as_decodes(chunks) or self._split_step(chunks)
+            graphed = self._prefill_as_decodes(chunks, capture) or self._split_step(chunks, capture)
             if graphed is not None:
                 return graphed
         lay = layout_step(chunks, self.kv_cache.block_size, self.device, self.kernels, self.staging)
         if ids is not None:
             lay.input_ids[:len(ids)].copy_(ids)
-        out = self.model(lay.input_ids, lay.meta, self.kv_cache, self.kernels, self.capture_layers)
+        out = self.model(lay.input_ids, lay.meta, self.kv_cache, self.kernels, self.capture_layers if capture else ())
         logits = self.model.compute_logits(out.hidden[lay.logits_rows], self.kernels.linear)
         return StepOutput(logits, out.hidden, out.captured, lay.query_start_loc.tolist())
 
@@ -280,7 +281,7 @@ class ModelRunner:
             return meta
         return self.kernels.prepare_attention(dataclasses.replace(meta, custom_mask=unpack_mask(meta.custom_mask)))
 
-    def _prefill_as_decodes(self, chunks: list[SeqChunk]) -> StepOutput | None:
+    def _prefill_as_decodes(self, chunks: list[SeqChunk], capture: bool = True) -> StepOutput | None:
         """A step of prompt chunks (and decodes) small enough for a captured decode graph, replayed as
         one: every prompt token a one-token sequence of its own (``decode_tokens``). None when the step
         holds a tree, or more tokens than the largest captured decode graph has sequences: it runs
@@ -290,14 +291,14 @@ class ModelRunner:
         single = decode_tokens(chunks) if fitting else None
         if single is None or not self._graphs[fitting[0]].layout.fits(single):
             return None
-        out = self._replay(self._graphs[fitting[0]], single)
+        out = self._replay(self._graphs[fitting[0]], single, capture=capture)
         qsl = np.concatenate(([0], np.cumsum([len(c.token_ids) for c in chunks])))
         rows = [int(qsl[i]) + int(r) for i, c in enumerate(chunks) for r in c.logits_rows]  # increasing
         # Consecutive rows (a prompt's last token): a view; else a gather with no host sync.
         logits = take_rows(out.logits, rows) if rows else out.logits[:0]
         return StepOutput(logits, out.hidden, out.captured, qsl.tolist())
 
-    def _split_step(self, chunks: list[SeqChunk]) -> StepOutput | None:
+    def _split_step(self, chunks: list[SeqChunk], capture: bool = True) -> StepOutput | None:
         """A step of decodes or trees followed by prompt chunks (the scheduler's order: a request
         arriving while others decode), run as two forwards: the prompt chunks (``step``: a prompt
         graph where they fit one, else eagerly), then the rest on its captured graph; their outputs
@@ -314,11 +315,11 @@ class ModelRunner:
         if graph is None or not graph.layout.fits(head):
             return None
         self.split_steps += 1
-        prompt = self.step(tail)  # never split again: its chunks are all prompt chunks
+        prompt = self.step(tail, capture=capture)  # never split again: its chunks are all prompt chunks
         # A prompt graph's outputs, copied before the next replay (graphs of one pool may reuse each
         # other's memory); its captured rows are the caller's already.
         logits, hidden = prompt.logits.clone(), prompt.hidden.clone()
-        rest = self._replay(graph, head)
+        rest = self._replay(graph, head, capture=capture)
         offset = rest.query_start_loc[-1]
         captured = None if rest.captured is None else torch.cat([rest.captured, prompt.captured])
         return StepOutput(torch.cat([rest.logits, logits]), torch.cat([rest.hidden, hidden]), captured,
@@ -354,19 +355,20 @@ class ModelRunner:
             return None
         return next((self._graphs[b] for b in self._fitting(True, B, n + 1) if self._graphs.get(b) is not None), None)
 
-    def _replay(self, graph: _Graph, chunks: list[SeqChunk], on_device=None) -> StepOutput:
+    def _replay(self, graph: _Graph, chunks: list[SeqChunk], on_device=None, capture: bool = True) -> StepOutput:
         """``on_device(layout)``: device work that completes the inputs after the host's fill."""
         qsl = graph.layout.fill(chunks)
         if on_device is not None:
             on_device(graph.layout)
-        return self._run(graph, qsl)
+        return self._run(graph, qsl, capture)
 
-    def _run(self, graph: _Graph, qsl: np.ndarray) -> StepOutput:
-        """Replay ``graph`` on its filled inputs (``qsl``: the step's query_start_loc)."""
+    def _run(self, graph: _Graph, qsl: np.ndarray, capture: bool = True) -> StepOutput:
+        """Replay ``graph`` on its filled inputs (``qsl``: the step's query_start_loc); ``capture``:
+        keep a copy of the captured features (the next replay overwrites the graph's own)."""
         graph.graph.replay()
         self.graph_steps += 1
         T = int(qsl[-1])
-        captured = graph.captured[:T].clone() if graph.captured is not None else None  # outlives the step
+        captured = graph.captured[:T].clone() if capture and graph.captured is not None else None
         return StepOutput(graph.logits[:T], graph.hidden[:T], captured, qsl.tolist(), graph)
 
 

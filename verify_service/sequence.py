@@ -74,6 +74,7 @@ class Sequence:
     num_cached: int = 0
     finish_reason: FinishReason | None = None
     speculate: bool = False  # a draft proposes trees for this sequence
+    detached: bool = False  # asked to speculate, started where trees did not pay: runs without the draft
     tree_settings: TreeSettings | None = None  # the shape of its trees
     tree: CandidateTree | None = None  # proposed for the next step, below the newest token
     speculation: SpeculationMetrics = field(default_factory=SpeculationMetrics)

@@ -38,6 +38,7 @@ class VerifyStats:
     adaptive_speculation: bool = False  # the tree size is chosen per step (verify_service/adaptive.py)
     adaptive_tree_nodes: int = 0  # its latest choice: nodes per tree (0: plain decoding)
     adaptive_decisions: dict[int, int] = field(default_factory=dict)  # choice -> steps it was made for
+    detached_requests: int = 0  # requests that started where trees did not pay: run without the draft
     chained_steps: int = 0  # steps whose draft work went in behind acceptance on the device
     draft_compute_p50_us: float = 0.0  # the draft's own time per step, as it reports it
     draft_compute_p99_us: float = 0.0
@@ -88,4 +89,4 @@ def _adaptive(engine: Engine) -> dict:
     if policy is None:
         return {}
     return {"adaptive_speculation": True, "adaptive_tree_nodes": policy.choice,
-            "adaptive_decisions": dict(policy.decisions)}
+            "adaptive_decisions": dict(policy.decisions), "detached_requests": engine.detached_requests}
