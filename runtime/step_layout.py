@@ -32,6 +32,8 @@ class SeqChunk:
     over the KV indices ``mask_start .. mask_start + m`` (default ``mask_start`` = kv_start;
     every index before it is visible to all new tokens). ``logits_rows`` selects which of
     the new tokens get logits (e.g. the last one of a prefill chunk, all nodes of a tree).
+    ``write_from``: KV indices below it are in the cache already and not written again (their
+    tokens are recomputed for their features alone: a sequence that takes up the draft again).
     """
 
     token_ids: list[int] | np.ndarray
@@ -41,6 +43,7 @@ class SeqChunk:
     positions: list[int] | np.ndarray | None = None
     custom_mask: np.ndarray | None = None
     mask_start: int | None = None
+    write_from: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +167,10 @@ def layout_arrays(chunks: list[SeqChunk], block_size: int, table_width: int | No
     kv_idx = starts[token_seq] + token_q_idx
     tables = pad_rows([c.block_table for c in chunks], table_width)
     slots = tables[token_seq, kv_idx // block_size] * block_size + kv_idx % block_size
+    for i, c in enumerate(chunks):
+        if c.write_from is not None:  # cached already: not written (a negative slot)
+            rows = slice(qsl[i], qsl[i + 1])
+            slots[rows] = np.where(kv_idx[rows] < c.write_from, -1, slots[rows])
     positions = np.concatenate([np.asarray(c.positions) if c.positions is not None else
                                 np.arange(c.kv_start, c.kv_start + len(c.token_ids)) for c in chunks])
     return {"qsl": qsl, "seq_lens": starts + q_lens, "tables": tables, "slots": slots,

@@ -662,7 +662,7 @@ def test_a_perfect_draft_speculates_when_trees_are_cheap_and_not_when_dear(dirs,
     result = engine.generate([PROMPTS[1]], params)[0]
     assert result.token_ids == [r.token_ids for r in Engine(target_for(dirs[0])).generate([PROMPTS[1]], params)][0]
     decisions = engine.policy.decisions
-    assert engine.detached_requests == (0 if speculates or not detach else 1)
+    assert engine.speculation.detached_requests == (0 if speculates or not detach else 1)
     if speculates:
         assert decisions.most_common(1)[0][0] == 4 and result.speculation.tau > 3
     elif detach:  # never attached: no decision, no draft call, no rows kept
@@ -821,11 +821,66 @@ def test_requests_started_together_where_trees_do_not_pay_run_without_the_draft(
     engine.drafter.step = lambda feeds, proposals: fed.append(len(feeds)) or step(feeds, proposals)
     results = engine.generate(PROMPTS, params)
     assert [r.token_ids for r in results] == want
-    assert engine.detached_requests == 5 and not fed and engine.feed_buffer.rows == 0
+    assert engine.speculation.detached_requests == 5 and not fed and engine.feed_buffer.rows == 0
     assert all(r.speculation is not None and r.speculation.steps == 0 for r in results)
     assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
     alone = engine.generate([PROMPTS[1]], params[1])[0]
-    assert alone.token_ids == want[1] and engine.detached_requests == 5  # attached (its trees break even)
+    assert alone.token_ids == want[1] and engine.speculation.detached_requests == 5  # attached (its trees break even)
+
+
+class DetachAboveTwo(AdaptivePolicy):
+    """Trees pay at batch 1 and 2 only, and then the largest is always chosen."""
+
+    def detaches(self, batch, context):
+        return batch > 2
+
+    def choose(self, batch, context, seq_ids, budgets, quick_key=None):
+        self.choice, self.last_held = self.sizes[-1], False
+        self.decisions[self.choice] += 1
+        return self.choice
+
+
+def test_requests_without_the_draft_take_it_up_again_once_the_batch_shrinks(dirs):
+    """Five requests start together without the draft; once three have finished, the two with more
+    than ``REATTACH_MIN_TOKENS`` tokens left recompute every position for the draft (their KV left as
+    it is) and speculate: the same tokens as target-only decoding, the draft fed every row in order
+    before its first tree (a row missing or repeated fails the feed buffer's and the draft's checks)."""
+    from verify_service.draft_coordinator import REATTACH_MIN_TOKENS
+    lengths = (9, 80, 14, 2, 70)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    want = [r.token_ids for r in Engine(target_for(dirs[0])).generate(PROMPTS, params)]
+    engine = eagle_engine(dirs, "dynamic", DetachAboveTwo, table(1.0))
+    results = engine.generate(PROMPTS, params)
+    assert [r.token_ids for r in results] == want
+    spec = engine.speculation
+    assert spec.detached_requests == 5 and spec.reattached_requests == 2
+    assert [r.speculation.steps > 0 for r in results] == [n - 14 >= REATTACH_MIN_TOKENS for n in lengths]
+    assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
+
+
+def test_a_recomputed_position_keeps_its_kv_and_gives_the_decode_steps_logits(dirs):
+    """A catch-up chunk (every position again, ``write_from`` the newest): the cache's earlier entries
+    are not written, and the newest token's logits are a plain decode step's."""
+    from runtime.step_layout import SeqChunk, layout_arrays
+    target = target_for(dirs[0])
+    engine = Engine(target)
+    seq_id = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    seq = engine.sequences[seq_id]
+    table = target.blocks.block_table(seq.seq_id)
+    n = seq.num_cached
+    runner, cache = target.runner, target.kv_cache.data  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    decode = runner.step([SeqChunk(seq.token_slice(n, n + 1), n, table, logits_rows=(0,))]).logits.clone()
+    written = cache.clone()
+    again = runner.step([SeqChunk(seq.token_slice(0, n + 1), 0, table, logits_rows=(n,), write_from=n)], eager=True)
+    torch.testing.assert_close(again.logits, decode, rtol=1e-4, atol=1e-4)
+    block, offset = table[n // cache.shape[3]], n % cache.shape[3]
+    torch.testing.assert_close(cache[:, :, block, offset], written[:, :, block, offset], rtol=1e-4, atol=1e-4)
+    cache[:, :, block, offset] = written[:, :, block, offset]  # (the newest token's KV: written again)
+    assert torch.equal(cache, written)  # every earlier position left as it was
+    slots = layout_arrays([SeqChunk(seq.token_slice(0, n + 1), 0, table, write_from=n)], cache.shape[3])["slots"]
+    assert (slots[:n] == -1).all() and slots[n] == block * cache.shape[3] + offset
 
 
 def test_a_draft_call_of_a_plain_step_is_the_trees_cost():

@@ -103,7 +103,6 @@ class Engine:
         self.decode_ahead = drafter is None or policy is not None
         self._ahead_decode = None  # (plan, first logits rows, output, None) of the step so launched
         self.decode_steps_ahead = 0
-        self.detached_requests = 0  # requests that started where trees did not pay: run without the draft
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True,
                     tree: TreeSettings | None = None) -> int:
@@ -187,10 +186,13 @@ class Engine:
                 self.speculation.attach(chained.collect())
             else:
                 deferred = chained
+        catch_up = 0  # positions recomputed this step for requests taking the draft up again
         if ahead is None:
-            plan = self.scheduler.schedule(lambda s: 1 + s.tree.num_nodes if s.tree else 1)
             if self.policy is not None:
-                self._detach_starting(plan)
+                catch_up = self.speculation.reattach(self.target.cfg.max_batch_tokens // 4)
+            plan = self.scheduler.schedule(lambda s: 1 + s.tree.num_nodes if s.tree else 1, catch_up)
+            if self.policy is not None:
+                self.speculation.detach_starting(plan)
         if not plan:
             return []
         # What the policy learns from: a step of decodes and trees only, and its trees' size.
@@ -203,7 +205,7 @@ class Engine:
             chunks = self._chunks(plan, with_tree, padded)
             # (no sequence that feeds the draft: no features kept, as target-only decoding keeps none)
             out = self.target.runner.step(chunks, capture=self.speculation is not None and
-                                          any(s.speculate for s, _ in plan))
+                                          any(s.speculate for s, _ in plan), eager=catch_up > 0)
             logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
         else:
             padded, (logits_at, out, on_device) = None, ahead
@@ -259,18 +261,6 @@ class Engine:
             self._observe(plan, events, bool(trees), tree_nodes, (time.perf_counter() - t0 - draft_s) * 1e3,
                           draft_s * 1e3, launched_ahead, from_chain)
         return events
-
-    def _detach_starting(self, plan) -> None:
-        """Requests whose first chunk runs now, where trees would not pay at the batch they join (the
-        running and waiting requests: ``AdaptivePolicy.detaches``), run without the draft."""
-        new = [s for s, _ in plan if s.num_cached == 0 and s.speculate]
-        if not new:
-            return
-        batch = len(self.scheduler.running) + len(self.scheduler.waiting)
-        if self.policy.detaches(batch, sum(len(s.prompt_ids) for s in new) / len(new)):
-            for s in new:
-                s.speculate, s.detached = False, True
-            self.detached_requests += len(new)
 
     def _commit_decodes(self, due, host: list[int], rows: StepRows | None) -> list[TokenEvent]:
         """Commit each due sequence's sampled token (``host``, in ``due`` order); returns the events. The
@@ -328,7 +318,8 @@ class Engine:
         it takes the policy's decision)."""
         return self.decode_ahead and not self.scheduler.waiting and all(
             n == 1 and len(seq.output_ids) + 1 < seq.max_new_tokens for _, seq, _, n in due) and (
-            self.speculation is None or self.speculation.plain_ahead([seq for _, seq, _, _ in due]))
+            self.speculation is None or not self.speculation.reattach_due() and
+            self.speculation.plain_ahead([seq for _, seq, _, _ in due]))
 
     def _launch_decode(self, due, sampled: torch.Tensor) -> tuple:
         """The next decode step of ``due``'s sequences, queued now: each sequence's token sampled this
@@ -402,6 +393,9 @@ class Engine:
 
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
         start = seq.num_cached
+        if seq.catch_up:  # every position again, for the draft's features; only the newest token's KV is written
+            return SeqChunk(seq.token_slice(0, start + 1), 0, self.target.blocks.block_table(seq.seq_id),
+                            logits_rows=(start,), write_from=start)
         completes = start + n >= seq.num_tokens  # logits only where a token is drawn next
         return SeqChunk(seq.token_slice(start, start + n), start, self.target.blocks.block_table(seq.seq_id),
                         logits_rows=(n - 1,) if completes else ())
@@ -414,7 +408,10 @@ class Engine:
         for i, seq, n in plain:
             start = seq.num_cached
             seq.num_cached += n
-            if not seq.prefilling:
+            if seq.catch_up:  # its one new token, after every position recomputed from 0: all the draft's rows
+                seq.catch_up = False
+                due.append((i, seq, 0, start + 1))
+            elif not seq.prefilling:
                 due.append((i, seq, start, n))
             elif seq.speculate:
                 rows.add(i, seq.seq_id, start, seq.token_slice(start + 1, start + n + 1))

@@ -121,16 +121,18 @@ class ModelRunner:
         self.capture_layers = tuple(layers)
 
     @torch.inference_mode()
-    def step(self, chunks: list[SeqChunk], ids: torch.Tensor | None = None, capture: bool = True) -> StepOutput:
+    def step(self, chunks: list[SeqChunk], ids: torch.Tensor | None = None, capture: bool = True,
+             eager: bool = False) -> StepOutput:
         """``ids``: a decode step's token ids [len(chunks)] on the device (the last step's samples),
         in place of the chunks' own (placeholders). ``capture`` False: no row of the step goes to the
-        draft (its sequences run without one): no captured features are kept (``captured`` None)."""
-        bucket = self._bucket(chunks) if self.cuda_graphs else None
+        draft (its sequences run without one): no captured features are kept (``captured`` None).
+        ``eager``: no graph (a chunk with ``write_from``: the graphs' layouts write every row's KV)."""
+        bucket = self._bucket(chunks) if self.cuda_graphs and not eager else None
         graph = self._graph(bucket) if bucket is not None else None
         if graph is not None and graph.layout.fits(chunks):
             write = None if ids is None else lambda layout: layout.input_ids[:len(ids)].copy_(ids)
             return self._replay(graph, chunks, write, capture)
-        if self.cuda_graphs and bucket is None and ids is None:
+        if self.cuda_graphs and bucket is None and ids is None and not eager:
             graphed = self._prefill_as_decodes(chunks, capture) or self._split_step(chunks, capture)
             if graphed is not None:
                 return graphed

@@ -46,14 +46,16 @@ class Scheduler:
             self._reserved += need
             self.running.append(self.waiting.popleft())
 
-    def schedule(self, decode_tokens: Callable[[Sequence], int] = lambda s: 1) -> list[tuple[Sequence, int]]:
+    def schedule(self, decode_tokens: Callable[[Sequence], int] = lambda s: 1,
+                 extra_tokens: int = 0) -> list[tuple[Sequence, int]]:
         """Sequences to run this step with their number of new tokens.
 
         A decoding sequence runs ``decode_tokens(seq)`` tokens (1, or 1 + its tree's nodes).
+        ``extra_tokens``: tokens the step runs beside (recomputed ones): prompt chunks get fewer.
         """
         self._admit()
         plan = [(s, decode_tokens(s)) for s in self.running if not s.prefilling]
-        budget = self.max_batch_tokens - sum(n for _, n in plan)
+        budget = self.max_batch_tokens - sum(n for _, n in plan) - extra_tokens
         for seq in self.running:
             if seq.prefilling and budget > 0:
                 n = min(len(seq.prompt_ids) - seq.num_cached, budget)

@@ -75,6 +75,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     speculate: bool = False  # a draft proposes trees for this sequence
     detached: bool = False  # asked to speculate, started where trees did not pay: runs without the draft
+    catch_up: bool = False  # taking the draft up again: its next step recomputes every position for it
     tree_settings: TreeSettings | None = None  # the shape of its trees
     tree: CandidateTree | None = None  # proposed for the next step, below the newest token
     speculation: SpeculationMetrics = field(default_factory=SpeculationMetrics)
