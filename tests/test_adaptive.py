@@ -806,6 +806,9 @@ def test_a_request_starts_without_the_draft_where_trees_do_not_pay_at_its_batch(
         cheap.realized.observe(8, 8, 1.0, 0.0, trees=False, now=0)
         cheap.realized.observe(8, 10, 5.0, 0.0, trees=True, now=0)
     assert cheap.detaches(8, 100.0) and cheap.detaches(64, 100.0) and not cheap.detaches(4, 100.0)
+    for _ in range(PolicyConfig().veto_span):  # steps of requests without the draft, no decision taken
+        cheap.observe_realized(8, 8, 1.0, 0.0, trees=False)
+    assert not cheap.detaches(8, 100.0)  # the veto lapsed: the model alone decides again
 
 
 def test_requests_started_together_where_trees_do_not_pay_run_without_the_draft(dirs):

@@ -105,6 +105,7 @@ class AdaptivePolicy:
         self.costs = StepCosts(table, config, self.sizes, self._levels)
         self.decisions: Counter[int] = Counter()  # steps per choice (0: plain decoding)
         self.decided = 0  # decisions so far (the sum of ``decisions``)
+        self._undecided = [0, 0]  # steps that took no decision (their requests without the draft), decided at the last
         self.realized = RealizedRates(span=config.veto_span)  # what trees delivered against plain steps
         self.vetoes = 0  # decisions taken under a veto (``RealizedRates``): plain decoding, the model not asked
         self.choice = 0
@@ -186,7 +187,7 @@ class AdaptivePolicy:
         """argmax over {0} + sizes of expected tokens per ms (no probing; plain decoding where a veto holds)."""
         if not seq_ids:
             return 0
-        if self.cfg.veto_span and self.realized.vetoed(batch, self.decided):  # trees measured slower here
+        if self.cfg.veto_span and self.realized.vetoed(batch, self._clock):  # trees measured slower here
             self.vetoes += 1
             return 0
         tokens = batch + self._accepted(seq_ids, budgets)  # [len(sizes)]
@@ -246,7 +247,7 @@ class AdaptivePolicy:
         if not every or best == self.sizes[-1] or not speculating:
             self._account(best_ms)
             return best
-        if best == 0 and self.cfg.veto_span and self.realized.vetoed(batch, self.decided):
+        if best == 0 and self.cfg.veto_span and self.realized.vetoed(batch, self._clock):
             self._account(best_ms)  # trees measured slower here: no probe until the veto lapses
             return best
         if best == 0:
@@ -318,7 +319,7 @@ class AdaptivePolicy:
         ratio = self.cfg.detach_below
         if not ratio or batch < 1:
             return False
-        if self.cfg.veto_span and self.realized.vetoed(batch, self.decided):
+        if self.cfg.veto_span and self.realized.vetoed(batch, self._clock):
             return True
         tokens = batch + batch * self._global.curve(self.sizes, self._levels)
         plain = batch / self.step_ms(batch, context, 0, batch)
@@ -355,7 +356,17 @@ class AdaptivePolicy:
     def observe_realized(self, batch: int, tokens: int, ms: float, draft_ms: float, trees: bool) -> None:
         """A step of ``batch`` decoding sequences, no prefill: ``tokens`` committed in ``ms`` of its own
         and ``draft_ms`` of a draft call; ``trees``: it verified trees (``RealizedRates``)."""
-        self.realized.observe(batch, tokens, ms, draft_ms, trees, self.decided)
+        u = self._undecided
+        if self.decided == u[1]:  # no decision since the last step: its requests run without the draft
+            u[0] += 1
+        u[1] = self.decided
+        self.realized.observe(batch, tokens, ms, draft_ms, trees, self._clock)
+
+    @property
+    def _clock(self) -> int:
+        """What a veto's span counts: decisions, and steps that took none (requests without the draft
+        decide nothing: a veto over their batch would otherwise never lapse)."""
+        return self.decided + self._undecided[0]
 
     def release(self, seq_id: int) -> None:
         """A finished sequence. Its own estimate, if it had one, leaves the batch's sum: a held decision
