@@ -662,7 +662,7 @@ def test_a_perfect_draft_speculates_when_trees_are_cheap_and_not_when_dear(dirs,
     result = engine.generate([PROMPTS[1]], params)[0]
     assert result.token_ids == [r.token_ids for r in Engine(target_for(dirs[0])).generate([PROMPTS[1]], params)][0]
     decisions = engine.policy.decisions
-    assert engine.speculation.detached_requests == (0 if speculates or not detach else 1)
+    assert engine.speculation.detacher.detached_requests == (0 if speculates or not detach else 1)
     if speculates:
         assert decisions.most_common(1)[0][0] == 4 and result.speculation.tau > 3
     elif detach:  # never attached: no decision, no draft call, no rows kept
@@ -824,11 +824,11 @@ def test_requests_started_together_where_trees_do_not_pay_run_without_the_draft(
     engine.drafter.step = lambda feeds, proposals: fed.append(len(feeds)) or step(feeds, proposals)
     results = engine.generate(PROMPTS, params)
     assert [r.token_ids for r in results] == want
-    assert engine.speculation.detached_requests == 5 and not fed and engine.feed_buffer.rows == 0
+    assert engine.speculation.detacher.detached_requests == 5 and not fed and engine.feed_buffer.rows == 0
     assert all(r.speculation is not None and r.speculation.steps == 0 for r in results)
     assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
     alone = engine.generate([PROMPTS[1]], params[1])[0]
-    assert alone.token_ids == want[1] and engine.speculation.detached_requests == 5  # attached (its trees break even)
+    assert alone.token_ids == want[1] and engine.speculation.detacher.detached_requests == 5  # attached (its trees break even)
 
 
 class DetachAboveTwo(AdaptivePolicy):
@@ -848,15 +848,15 @@ def test_requests_without_the_draft_take_it_up_again_once_the_batch_shrinks(dirs
     than ``REATTACH_MIN_TOKENS`` tokens left recompute every position for the draft (their KV left as
     it is) and speculate: the same tokens as target-only decoding, the draft fed every row in order
     before its first tree (a row missing or repeated fails the feed buffer's and the draft's checks)."""
-    from verify_service.draft_coordinator import REATTACH_MIN_TOKENS
+    from verify_service.detacher import REATTACH_MIN_TOKENS
     lengths = (9, 80, 14, 2, 70)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
     want = [r.token_ids for r in Engine(target_for(dirs[0])).generate(PROMPTS, params)]
     engine = eagle_engine(dirs, "dynamic", DetachAboveTwo, table(1.0))
     results = engine.generate(PROMPTS, params)
     assert [r.token_ids for r in results] == want
-    spec = engine.speculation
-    assert spec.detached_requests == 5 and spec.reattached_requests == 2
+    detacher = engine.speculation.detacher
+    assert detacher.detached_requests == 5 and detacher.reattached_requests == 2
     assert [r.speculation.steps > 0 for r in results] == [n - 14 >= REATTACH_MIN_TOKENS for n in lengths]
     assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
 

@@ -20,16 +20,13 @@ import time
 from link.protocol import DraftFeed, DraftProvider, ProposeRequest
 from runtime.tree import CandidateTree, InvalidTreeError, invalid_trees
 from verify_service.adaptive import AdaptivePolicy, batch_key
+from verify_service.detacher import Detacher
 from verify_service.feed_buffer import FEED_BUFFER_BYTES, FeedBuffer, FeedRows
 from verify_service.scheduler import Scheduler
 from verify_service.sequence import Sequence
 from verify_service.verification import PendingVerification, Verified
 
 log = logging.getLogger(__name__)
-
-# A request without the draft takes it up again only with at least this many tokens left to it: its
-# catch-up recomputes every position it has (a step of that many tokens) and the draft extends them.
-REATTACH_MIN_TOKENS = 32
 
 
 class DraftCoordinator:
@@ -52,11 +49,8 @@ class DraftCoordinator:
         self.early_choices = 0  # chained steps whose choice was taken while the device ran the forward
         if policy is not None:  # the largest trees are chained where the drafter can (``chains``)
             policy.chainable = hasattr(drafter, "step_on_device")
-        # Requests without the draft (``detach_starting``) and back to it (``reattach``).
-        self.detached_requests = 0  # started where trees did not pay at their batch
-        self.reattached_requests = 0  # of those, took the draft up again once the batch shrank
-        self._detached = 0  # running ones still without it
-        self._reattach_look: tuple[int, bool] | None = None  # (batch key, trees pay there) of the last look
+        # With a policy: the requests that start without the draft, and take it up again.
+        self.detacher = Detacher(policy, scheduler) if policy is not None else None
 
     def release(self, seq: Sequence) -> None:
         """A finished or cancelled sequence: its waiting rows, its draft state, its policy estimates."""
@@ -64,65 +58,10 @@ class DraftCoordinator:
             self.feed_buffer.drop(seq.seq_id)
             self.drafter.release(seq.seq_id)
         elif seq.detached:
-            self._detached -= 1
+            self.detacher.released()
         if self.policy is not None:
             self.policy.release(seq.seq_id)
         self._asked.pop(seq.seq_id, None)
-
-    # --- requests without the draft ----------------------------------------------------------
-
-    def detach_starting(self, plan) -> None:
-        """Requests whose first chunk runs now, where trees would not pay at the batch they join (the
-        running and waiting requests: ``AdaptivePolicy.detaches``), run without the draft."""
-        new = [s for s, _ in plan if s.num_cached == 0 and s.speculate]
-        if not new:
-            return
-        batch = len(self.scheduler.running) + len(self.scheduler.waiting)
-        if self.policy.detaches(batch, sum(len(s.prompt_ids) for s in new) / len(new)):
-            for s in new:
-                s.speculate, s.detached = False, True
-            self.detached_requests += len(new)
-            self._detached += len(new)
-
-    def reattach_due(self) -> bool:
-        """Whether requests without the draft run where trees now pay: looked at once per batch
-        bucket (``batch_key``; at batch 128 a look is a few tens of microseconds), so that a plain
-        step is launched ahead (``Engine._decode_ahead_ok``) unless they may take the draft up again."""
-        if not self._detached:
-            return False
-        sched = self.scheduler
-        batch = len(sched.running) + len(sched.waiting)
-        key = batch_key(batch)
-        look = self._reattach_look
-        if look is None or look[0] != key:
-            decoding = [s.num_tokens for s in sched.running if not s.prefilling]
-            context = sum(decoding) / len(decoding) if decoding else 0.0
-            look = self._reattach_look = (key, not self.policy.detaches(batch, context))
-        return look[1]
-
-    def reattach(self, max_tokens: int) -> int:
-        """Where trees now pay (``reattach_due``), requests without the draft take it up again: each
-        recomputes every position in its next step (``Sequence.catch_up``: the target's features of
-        them all for the draft, only its newest token's KV written), if at least
-        ``REATTACH_MIN_TOKENS`` tokens are left to it, as many as ``max_tokens`` recomputed positions
-        allow this step (the others at the next). Returns the positions to recompute."""
-        if not self.reattach_due():
-            return 0
-        tokens, left = 0, False
-        for s in self.scheduler.running:
-            if not s.detached or s.prefilling or s.finished or \
-                    s.max_new_tokens - len(s.output_ids) < REATTACH_MIN_TOKENS:
-                continue
-            if tokens + s.num_cached + 1 > max_tokens:
-                left = left or s.num_cached + 1 <= max_tokens  # fits a later step
-                continue
-            s.detached, s.speculate, s.catch_up = False, True, True
-            tokens += s.num_cached + 1
-            self._detached -= 1
-            self.reattached_requests += 1
-        if not left:  # none left that could: plain steps go ahead again until the batch changes
-            self._reattach_look = (self._reattach_look[0], False)
-        return tokens
 
     def plain_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step of these sequences (the whole batch, each decoding one token) is plain

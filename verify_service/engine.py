@@ -188,11 +188,12 @@ class Engine:
                 deferred = chained
         catch_up = 0  # positions recomputed this step for requests taking the draft up again
         if ahead is None:
-            if self.policy is not None:
-                catch_up = self.speculation.reattach(self.target.cfg.max_batch_tokens // 4)
+            detacher = self.speculation.detacher if self.speculation else None
+            if detacher is not None:
+                catch_up = detacher.reattach(self.target.cfg.max_batch_tokens // 4)
             plan = self.scheduler.schedule(lambda s: 1 + s.tree.num_nodes if s.tree else 1, catch_up)
-            if self.policy is not None:
-                self.speculation.detach_starting(plan)
+            if detacher is not None:
+                detacher.starting(plan)
         if not plan:
             return []
         # What the policy learns from: a step of decodes and trees only, and its trees' size.
@@ -318,7 +319,7 @@ class Engine:
         it takes the policy's decision)."""
         return self.decode_ahead and not self.scheduler.waiting and all(
             n == 1 and len(seq.output_ids) + 1 < seq.max_new_tokens for _, seq, _, n in due) and (
-            self.speculation is None or not self.speculation.reattach_due() and
+            self.speculation is None or not (self.speculation.detacher and self.speculation.detacher.due()) and
             self.speculation.plain_ahead([seq for _, seq, _, _ in due]))
 
     def _launch_decode(self, due, sampled: torch.Tensor) -> tuple:

@@ -89,4 +89,4 @@ def _adaptive(engine: Engine) -> dict:
     if policy is None:
         return {}
     return {"adaptive_speculation": True, "adaptive_tree_nodes": policy.choice,
-            "adaptive_decisions": dict(policy.decisions), "detached_requests": engine.speculation.detached_requests}
+            "adaptive_decisions": dict(policy.decisions), "detached_requests": engine.speculation.detacher.detached_requests}

@@ -1,0 +1,83 @@
+"""Which requests use the draft, with adaptive speculation (``AdaptivePolicy.detaches``).
+
+A request whose first chunk starts where trees would not pay at the batch it joins runs without the
+draft, as target-only decoding runs: no features kept for it, no rows buffered, no draft state, no
+per-step decision. When the batch changes bucket (``batch_key``) the policy looks again; where trees
+now pay, such a request takes the draft up again: its next step recomputes every position it has
+(``Sequence.catch_up``, ``SeqChunk.write_from``: the draft's features, the KV left as it is).
+"""
+
+from __future__ import annotations
+
+from verify_service.adaptive import AdaptivePolicy, batch_key
+from verify_service.scheduler import Scheduler
+
+# A request without the draft takes it up again only with at least this many tokens left to it: its
+# catch-up recomputes every position it has (a step of that many tokens) and the draft extends them.
+REATTACH_MIN_TOKENS = 32
+
+
+class Detacher:
+    def __init__(self, policy: AdaptivePolicy, scheduler: Scheduler):
+        self.policy, self.scheduler = policy, scheduler
+        self.detached_requests = 0  # started where trees did not pay at their batch
+        self.reattached_requests = 0  # of those, took the draft up again once the batch shrank
+        self._detached = 0  # running ones still without it
+        self._look: tuple[int, bool] | None = None  # (batch key, trees pay there) of the last look
+
+    def released(self) -> None:
+        """A request without the draft finished or was cancelled."""
+        self._detached -= 1
+
+    def starting(self, plan) -> None:
+        """Requests whose first chunk runs now, where trees would not pay at the batch they join (the
+        running and waiting requests: ``AdaptivePolicy.detaches``), run without the draft."""
+        new = [s for s, _ in plan if s.num_cached == 0 and s.speculate]
+        if not new:
+            return
+        batch = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if self.policy.detaches(batch, sum(len(s.prompt_ids) for s in new) / len(new)):
+            for s in new:
+                s.speculate, s.detached = False, True
+            self.detached_requests += len(new)
+            self._detached += len(new)
+
+    def due(self) -> bool:
+        """Whether requests without the draft run where trees now pay: looked at once per batch
+        bucket (``batch_key``; at batch 128 a look is a few tens of microseconds), so that a plain
+        step is launched ahead (``Engine._decode_ahead_ok``) unless they may take the draft up again."""
+        if not self._detached:
+            return False
+        sched = self.scheduler
+        batch = len(sched.running) + len(sched.waiting)
+        key = batch_key(batch)
+        look = self._look
+        if look is None or look[0] != key:
+            decoding = [s.num_tokens for s in sched.running if not s.prefilling]
+            context = sum(decoding) / len(decoding) if decoding else 0.0
+            look = self._look = (key, not self.policy.detaches(batch, context))
+        return look[1]
+
+    def reattach(self, max_tokens: int) -> int:
+        """Where trees now pay (``due``), requests without the draft take it up again: each
+        recomputes every position in its next step (``Sequence.catch_up``: the target's features of
+        them all for the draft, only its newest token's KV written), if at least
+        ``REATTACH_MIN_TOKENS`` tokens are left to it, as many as ``max_tokens`` recomputed positions
+        allow this step (the others at the next). Returns the positions to recompute."""
+        if not self.due():
+            return 0
+        tokens, left = 0, False
+        for s in self.scheduler.running:
+            if not s.detached or s.prefilling or s.finished or \
+                    s.max_new_tokens - len(s.output_ids) < REATTACH_MIN_TOKENS:
+                continue
+            if tokens + s.num_cached + 1 > max_tokens:
+                left = left or s.num_cached + 1 <= max_tokens  # fits a later step
+                continue
+            s.detached, s.speculate, s.catch_up = False, True, True
+            tokens += s.num_cached + 1
+            self._detached -= 1
+            self.reattached_requests += 1
+        if not left:  # none left that could: plain steps go ahead again until the batch changes
+            self._look = (self._look[0], False)
+        return tokens
