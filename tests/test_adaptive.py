@@ -110,6 +110,33 @@ def test_each_sequence_keeps_its_own_acceptance():
     assert policy.expected_accepted(1, 5) == policy.expected_accepted(99, 5)  # back to the global prior
 
 
+def test_on_trees_the_batch_pays_for_a_sequences_dip_leaves_them_only_by_the_stay_margin():
+    """A sequence whose own estimate dips just below break-even (a hard passage) while the global
+    estimate picks trees: from trees, the policy stays on them (``stay_margin``); from plain decoding,
+    or with the margin off, it decodes plainly; where the global estimate says plain decoding too, it
+    leaves trees at once."""
+    limits = TreeSettings("chain", 5)
+
+    def policy(stay: float, dip: int) -> AdaptivePolicy:
+        p = AdaptivePolicy(table(per_token_ms=1.0), limits, PolicyConfig(probe_every=0, stay_margin=stay))
+        seen(p, accepted=4, seq_id=1, times=100)  # the batch's trees pay
+        seen(p, accepted=0, seq_id=2, times=dip)  # this sequence: trees that accepted nothing
+        return p
+
+    dip = next(k for k in range(1, 60) if policy(0.0, k).best(1, 1024, [2], [5]) == 0)  # just below break-even
+    on_trees = policy(0.2, dip)
+    assert on_trees.best(1, 1024, [2], [5]) == 0  # from plain decoding: no margin to stay by
+    on_trees.choice = 5
+    assert on_trees.best(1, 1024, [2], [5]) > 0
+    off = policy(0.0, dip)
+    off.choice = 5
+    assert off.best(1, 1024, [2], [5]) == 0
+    low = AdaptivePolicy(table(per_token_ms=1.0), limits, PolicyConfig(probe_every=0, stay_margin=0.2))
+    seen(low, accepted=0, seq_id=1, times=100)  # the global estimate: trees do not pay
+    low.choice = 5
+    assert low.best(1, 1024, [1], [5]) == 0
+
+
 def test_above_its_own_sizes_a_sequence_follows_the_global_gains():
     """A sequence that only saw small trees, accepting all of them, against global trees of every size
     that gain little past 2 nodes: its guess for the larger sizes is its own at 2 plus the global gain

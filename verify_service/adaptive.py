@@ -74,6 +74,7 @@ class PolicyConfig:
     global_weight: float = 0.02  # ... in the global estimate (the prior of new sequences)
     cost_weight: float = 0.05  # EWMA weight of one measured step in the learned costs (0: the table alone)
     margin: float = 0.02  # a tree must beat plain decoding by this fraction (noise in the estimates)
+    stay_margin: float = 0.2  # on trees the global estimate picks, plain decoding must beat them by this (0: off)
     probe_every: int = 32  # decisions between probes of the next size up (0: never)
     probe_share: float = 0.03  # probes may cost at most this share of the steps' (modelled) time ...
     probe_window: int = 256  # ... over about this many recent decisions (an exponential window)
@@ -191,7 +192,13 @@ class AdaptivePolicy:
             self.vetoes += 1
             return 0
         tokens = batch + self._accepted(seq_ids, budgets)  # [len(sizes)]
-        return self._fastest(batch, context, len(seq_ids), tokens, self.cfg.margin)
+        pick = self._fastest(batch, context, len(seq_ids), tokens, self.cfg.margin)
+        if pick == 0 and self.choice and self.cfg.stay_margin and self._global_pick(batch, context, len(seq_ids))[0]:
+            # On trees, where the global estimate picks trees for this batch, the sequences' own dip
+            # leaves them only when plain decoding wins by ``stay_margin``: each switch costs a plain
+            # step not launched ahead and a tree step not chained, and a hard passage ends.
+            pick = self._fastest(batch, context, len(seq_ids), tokens, -self.cfg.stay_margin)
+        return pick
 
     def _fastest(self, batch: int, context: float, speculating: int, tokens, margin: float) -> int:
         """The size whose expected ``tokens`` [len(sizes)] per ms beat plain decoding's by ``margin``
