@@ -69,9 +69,9 @@ def test_a_graphed_runner_answers_a_prompt_step_from_its_decode_graph(model_dir,
     runner = graphed.runner
     replayed = []
 
-    def replay(graph, chunks):  # the graph's forward, eagerly (this CPU runner has no graphs)
+    def replay(graph, chunks, on_device=None, capture=True):  # the graph's forward, eagerly (no graphs on a CPU)
         replayed.append((graph, len(chunks)))
-        return ModelRunner.step(runner, chunks)
+        return ModelRunner.step(runner, chunks, capture=capture)
 
     class Captured:
         class layout:
