@@ -101,7 +101,7 @@ class Engine:
         # next decode step is launched before this one's tokens reach the host (``_launch_decode``),
         # its token ids taken from the sampled ones on the device.
         self.decode_ahead = drafter is None or policy is not None
-        self._ahead_decode = None  # (plan, first logits rows, output, None) of the step so launched
+        self._ahead_decode = None  # (plan, first logits rows, output, None, 0) of the step so launched
         self.decode_steps_ahead = 0
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True,
@@ -198,7 +198,9 @@ class Engine:
             return []
         # What the policy learns from: a step of decodes and trees only, and its trees' size.
         decode_only = not any(s.prefilling for s, _ in plan)
-        tree_nodes = max((s.tree.num_nodes for s, _ in plan if s.tree), default=0)
+        # (trees verified from the device reach the host after the step: their size is the chain's)
+        tree_nodes = ahead[3] if ahead is not None and deferred is not None else \
+            max((s.tree.num_nodes for s, _ in plan if s.tree), default=0)
         with_tree = [s for s, _ in plan if s.tree]
         on_device = None  # the trees the step verified from the device, in plan order
         if ahead is None:
@@ -209,7 +211,7 @@ class Engine:
                                           any(s.speculate for s, _ in plan), eager=catch_up > 0)
             logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
         else:
-            padded, (logits_at, out, on_device) = None, ahead
+            padded, (logits_at, out, on_device, _) = None, ahead
         if self.policy is not None and (deferred is not None or len(with_tree) == len(plan)):
             # A step of trees alone: the policy's choice for the next step while the device runs this one.
             self.speculation.choose_ahead([s for s, _ in plan])
@@ -334,7 +336,7 @@ class Engine:
         self.decode_steps_ahead += 1
         out = self.target.runner.step(chunks, ids=sampled, capture=self.speculation is not None and
                                       any(seq.speculate for _, seq, _, _ in due))
-        return plan, np.arange(len(chunks) + 1), out, None  # (one logits row each)
+        return plan, np.arange(len(chunks) + 1), out, None, 0  # (one logits row each; no tree)
 
     def _verify_ahead(self, chained) -> tuple[list, tuple[np.ndarray, StepOutput, torch.Tensor] | None]:
         """Schedule the step and, when it is the chained trees' sequences (those of them still running,
@@ -343,7 +345,7 @@ class Engine:
         since are left out on the device (at batch 64 a sequence finishes every few steps; each one
         sent the whole batch down the host's layout). The step's layout goes to the device before the
         trees are asked for: through the link, while the draft service answers. Returns the plan and
-        (each sequence's first logits row and the end, the output, its trees on the device), or
+        (each sequence's first logits row and the end, the output, its trees on the device, their nodes), or
         (None, None) for the usual path."""
         n = chained.nodes_hint
         if n is None:  # the first of its shape through the link: the answer says
@@ -383,7 +385,7 @@ class Engine:
         if out is None:
             return None, None
         self.steps_ahead += 1
-        return plan, (np.arange(len(seqs) + 1) * (n + 1), out, picked[0])
+        return plan, (np.arange(len(seqs) + 1) * (n + 1), out, picked[0], n)
 
     def _chunks(self, plan: list[tuple[Sequence, int]], with_tree: list[Sequence], padded) -> list[SeqChunk]:
         """The step's inputs in plan order: tree chunks (``with_tree``, the plan's sequences with a
