@@ -838,6 +838,30 @@ def test_a_request_starts_without_the_draft_where_trees_do_not_pay_at_its_batch(
     assert not cheap.detaches(8, 100.0)  # the veto lapsed: the model alone decides again
 
 
+def test_a_request_starts_without_the_draft_only_where_even_the_trees_lowest_cost_loses():
+    """A request that starts without the draft stays so until the batch changes bucket, and no tree of
+    its measures what trees cost there: the decision prices trees at their lower bound, the calibrated
+    forward plus only what ``EVIDENCE_STEPS`` steps measured at the batch's own bucket. Costs learned
+    at batch 1 are not read at batch 4, nor a few steps' at batch 1; many steps at batch 4 are."""
+    from verify_service.step_costs import EVIDENCE_STEPS
+    policy = AdaptivePolicy(table(per_token_ms=0.02), TreeSettings("chain", 3), PolicyConfig(probe_every=0,
+                                                                                          cost_weight=1.0))
+    seen(policy, accepted=3, nodes=3)
+
+    def dear_steps(batch, times):  # a draft call of 40 ms, a tree step 60 ms beyond its forward
+        for _ in range(times):
+            policy.observe_draft(batch, 3, 40.0)
+            policy.observe_step(batch, 3, 1024, policy.costs.forward(batch, 4, 1024) + 60.0)
+
+    dear_steps(1, EVIDENCE_STEPS - 1)
+    assert policy.best(1, 1024, [0], [3]) == 0  # the model: trees lose at batch 1 ...
+    assert not policy.detaches(1, 1024) and not policy.detaches(4, 1024)  # ... a few steps say so
+    dear_steps(1, 1)
+    assert policy.detaches(1, 1024) and not policy.detaches(4, 1024)  # batch 1's costs are not batch 4's
+    dear_steps(4, EVIDENCE_STEPS)
+    assert policy.detaches(4, 1024)
+
+
 def test_requests_started_together_where_trees_do_not_pay_run_without_the_draft(dirs):
     """Five requests at once, where a tree's nodes cost 3 ms a sequence: they run as target-only would
     (the same tokens), the draft never sees a row of them; one request alone, where a tree breaks

@@ -317,8 +317,13 @@ class AdaptivePolicy:
     def detaches(self, batch: int, context: float) -> bool:
         """Whether a request starting now, in a batch of ``batch`` decoding sequences at about ``context``
         tokens, runs without the draft: trees are vetoed at this batch (measured slower than plain
-        decoding), or the best tree is modelled at less than ``detach_below`` of plain decoding's
-        tokens per ms for a batch that speculates whole on the global acceptance estimate.
+        decoding), or the best tree, at the lower bound of its cost (``StepCosts.lower_bound_ms``: the
+        calibrated forward and what was measured at this batch), is modelled at less than
+        ``detach_below`` of plain decoding's tokens per ms for a batch that speculates whole on the
+        global acceptance estimate. (A request started without the draft stays so until the batch
+        changes bucket, and none of its trees measures what they cost: priced with costs learned at
+        batch 1 and scaled up, or from a machine's first few tree steps, every request of batch 1 or 4
+        started without the draft on the H200, at 0.99x target-only where trees ran at 1.4-1.8x.)
 
         Such a request costs nothing for a draft it would not use: no target features kept for it,
         no rows buffered, no draft state (at batch 64 and 128 the rows of plain steps cost 1-12% of
@@ -331,7 +336,7 @@ class AdaptivePolicy:
             return True
         tokens = batch + batch * self._global.curve(self.sizes, self._levels)
         plain = batch / self.step_ms(batch, context, 0, batch)
-        best = max(t / self.step_ms(batch, context, m, batch) for t, m in zip(tokens, self.sizes))
+        best = max(t / self.costs.lower_bound_ms(batch, context, m) for t, m in zip(tokens, self.sizes))
         return best < ratio * plain
 
     def settings(self, seq_settings: TreeSettings, nodes: int) -> TreeSettings:

@@ -34,6 +34,7 @@ from verify_service.learned_costs import DraftCost, batch_bucket, learned_at, ne
 OUTLIER_FACTOR = 10.0  # a draft call this many times its expected cost is a stall, not its cost ...
 OUTLIER_RUN = 3  # ... unless this many come in a row
 BACKLOG_ROWS = 256  # a draft call's catch-up of fewer rows is lost in its own noise: not learned per row
+EVIDENCE_STEPS = 16  # steps (or draft calls) of a kind at a batch bucket before ``lower_bound_ms`` counts them
 
 
 class StepCosts:
@@ -74,6 +75,27 @@ class StepCosts:
             forward = self.forward(batch, 1 + self.nodes[j], context)
             return min(max(forward + residual, 0.05 * forward), unchained)
         return unchained
+
+    def lower_bound_ms(self, batch: int, context: float, nodes: int) -> float:
+        """A step of the whole batch with trees of ``nodes`` nodes at its lowest: the calibrated forward,
+        plus only what was measured at this batch's own bucket over ``EVIDENCE_STEPS`` steps at least
+        (the residual of tree or chained steps, the draft's call). Nothing read from other batches or
+        from a few steps: a machine's first tree steps (graphs captured, kernels compiled) ran at a
+        third of their later rate on the H200, and a fit of the draft's cost from two calls read 0.19
+        ms a level where later calls took 0.06."""
+        bucket, j = batch_bucket(batch), self.sizes.index(nodes)
+        forward = self.forward(batch, 1 + self.nodes[j], context)
+
+        def measured(kind: str) -> bool:
+            return self.observed.get(f"{kind} b{bucket}", (0,))[0] >= EVIDENCE_STEPS
+
+        if self.chainable and nodes == self.sizes[-1] and measured("chained tree"):
+            extra = self._chained_residual[bucket]
+        else:
+            extra = self._residual[True][bucket] if measured("tree") else 0.0
+            if measured("draft"):
+                extra += self._draft[bucket].predict(1 + self.levels[j], self._prior_per_level(bucket, context))
+        return max(forward + extra, 0.05 * forward)
 
     def verify_ms(self, batch: int, tokens: float, context: float) -> float:
         """A step without its draft: the forward plus the learned residual. The residual may be negative
