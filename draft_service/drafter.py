@@ -208,8 +208,9 @@ class EagleDrafter:
             tokens = tokens.clamp(0, self.net.embed_weight.shape[0] - 1)
             self._extend([DraftFeed(i, start, features[j, :n[j]], tokens[j, :n[j]].cpu().numpy())
                           for j, (i, start) in enumerate(zip(seq_ids, starts))])
-            return PendingTrees(trees=self._propose_on_device([ProposeRequest(i, settings.depth, settings)
-                                                               for i in seq_ids], settings))
+            trees, on_device = self._propose_on_device([ProposeRequest(i, settings.depth, settings)
+                                                        for i in seq_ids], settings, keep_on_device=True)
+            return PendingTrees(seq_ids, trees=trees, on_device=on_device)
         self.roots.release_rows(seq_ids)  # (the roots of others that the replay would overwrite: copied out)
         on_device = chain.launch(seq_ids, np.asarray(starts, dtype=np.int64), np.asarray(most, dtype=np.int64),
                                  tables, counts, tokens, features)
@@ -330,17 +331,20 @@ class EagleDrafter:
             self.blocks.truncate(i, self.rows[i])
         return {r.seq_id: t.prune_depth(r.max_depth) for r, t in zip(requests, builder.finish())}
 
-    def _propose_on_device(self, requests: list[ProposeRequest], settings: TreeSettings) -> dict[int, CandidateTree]:
+    def _propose_on_device(self, requests: list[ProposeRequest], settings: TreeSettings, keep_on_device: bool = False):
         """Every level at once (``proposal_graph.py``): one CUDA graph where the drafter has them. Trees
         grow to the shape's full depth, and a request near its end (``max_depth`` below it) gets its
-        tree cut there: one graph per shape, none captured in the middle of serving."""
+        tree cut there: one graph per shape, none captured in the middle of serving. Returns the trees
+        by sequence; ``keep_on_device``: and the trees on the device too, int64 [4, n, nodes] (as a
+        chained step's graph leaves them; valid until the shape's next proposal)."""
         ids = [r.seq_id for r in requests]
         rows = np.array([self.rows[i] for i in ids], dtype=np.int64)
         for i, m in zip(ids, rows):
             self.blocks.ensure_capacity(i, int(m) + settings.draft_tree_rows)
         root_out, root_logp = self.roots.stack(ids)
-        tokens, parents, depths, scores = self._proposal(settings, len(ids)).run(
-            root_logp, root_out, rows, [self.blocks.block_table(i) for i in ids])
+        proposal = self._proposal(settings, len(ids))
+        ticket, on_device = proposal.launch(root_logp, root_out, rows, [self.blocks.block_table(i) for i in ids])
+        tokens, parents, depths, scores = proposal.collect(ticket)
         for i in ids:  # drop the speculative rows; the next feed overwrites them
             self.blocks.truncate(i, self.rows[i])
         deepest = depths.max(axis=1).tolist() if depths.shape[1] else [0] * len(requests)  # one pass for all
@@ -348,7 +352,7 @@ class EagleDrafter:
         for j, r in enumerate(requests):
             tree = CandidateTree(tokens[j], parents[j], depths[j], scores[j], deepest[j])
             trees[r.seq_id] = tree if deepest[j] <= r.max_depth else tree.prune_depth(r.max_depth)
-        return trees
+        return (trees, on_device) if keep_on_device else trees
 
     def _proposal(self, settings: TreeSettings, n: int) -> DeviceProposal:
         """The device proposal of ``settings`` for ``n`` sequences (a padded batch), made on first use."""

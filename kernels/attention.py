@@ -43,14 +43,23 @@ def attention_mask_ref(meta: AttentionMetadata) -> torch.Tensor:
         start = meta.mask_start[:, None, None]
         custom = unpack_mask(meta.custom_mask) if meta.custom_mask.dtype == torch.int32 else meta.custom_mask
         cols = custom.shape[1]
-        dense = torch.zeros(meta.num_seqs, meta.max_query_len, cols, dtype=torch.bool, device=device)
-        dense[meta.token_seq, meta.token_q_idx] = custom
+        dense = torch.zeros(meta.num_seqs, meta.max_query_len + 1, cols, dtype=torch.bool, device=device)
+        dense[meta.token_seq, _real_rows(meta)] = custom[:len(meta.token_seq)]
+        dense = dense[:, :-1]
         rel = (key - start).clamp(0, cols - 1).expand(-1, meta.max_query_len, -1)  # (B, Q, K)
         masked = torch.gather(dense, 2, rel) & (key - start < cols)
     visible = ((key < start) | masked) & (key < meta.seq_lens[:, None, None])
     # Padding query rows see key 0 so softmax stays finite; their outputs are dropped.
     visible[:, :, 0] |= q_idx[:, :, 0] >= q_lens[:, None]
     return visible
+
+
+def _real_rows(meta: AttentionMetadata) -> torch.Tensor:
+    """Each token row's index within its sequence, and ``max_query_len`` for the padding rows past
+    the step's tokens (a static layout's: sequence 0, index 0): scattered there, into a column the
+    caller drops, they leave sequence 0's first row as it is. With no sync with the device."""
+    rows = torch.arange(len(meta.token_q_idx), device=meta.token_q_idx.device)
+    return torch.where(rows < meta.query_start_loc[-1], meta.token_q_idx, meta.max_query_len)
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -94,9 +103,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     tables = meta.block_tables[:, : -(-K // k_cache.shape[1])]
     k = k_cache[tables].flatten(1, 2)[:, :K].transpose(1, 2)  # (B, kvh, K, d)
     v = v_cache[tables].flatten(1, 2)[:, :K].transpose(1, 2)
-    qp = q.new_zeros(B, Q, kvh * g, d)
-    qp[meta.token_seq, meta.token_q_idx] = q
-    qp = qp.view(B, Q, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(B, kvh, Q * g, d)  # row = qi*g + gi
+    qp = q.new_zeros(B, Q + 1, kvh * g, d)  # (a last column for the padding rows, dropped)
+    qp[meta.token_seq, _real_rows(meta)] = q
+    qp = qp[:, :Q].view(B, Q, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(B, kvh, Q * g, d)  # row = qi*g + gi
     mask = meta.dense_mask if meta.dense_mask is not None else attention_mask_ref(meta)
     mask = mask.repeat_interleave(g, dim=1).unsqueeze(1)  # (B, 1, Q*g, K)
     with sdpa_kernel(_SDPA_BACKENDS):

@@ -777,15 +777,18 @@ class Fixed(AdaptivePolicy):
         return self.choice
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("largest", [True, False])
-def test_a_policy_that_picks_the_largest_trees_chains_them_behind_acceptance(dirs, largest):
+def test_a_policy_that_picks_the_largest_trees_chains_them_behind_acceptance(dirs, largest, graphs):
     """With a policy, steps of the requests' own (largest) trees grow the next trees on the device
     behind acceptance, as without one (``DraftCoordinator.chains``), and learn their cost as chained
-    steps; a smaller choice calls the draft for capped trees. The tokens are target-only's either way."""
+    steps; a smaller choice calls the draft for capped trees. The tokens are target-only's either way.
+    ``graphs``: the graphed paths (run eagerly on a CPU), where chained trees are verified straight
+    from the device and reach the host after their step (whose size the policy must still learn)."""
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 25)]
     want = [r.token_ids for r in Engine(target_for(dirs[0])).generate(PROMPTS[:2], params)]
     policy_cls = type("Pick", (Fixed,), {"nodes": None if largest else 4})
-    engine = eagle_engine(dirs, "dynamic", policy_cls, table(1.0))
+    engine = eagle_engine(dirs, "dynamic", policy_cls, table(1.0), graphs_on_cpu=graphs)
     assert engine.policy.chainable
     assert [r.token_ids for r in engine.generate(PROMPTS[:2], params)] == want
     chained = engine.speculation.chained_steps
@@ -796,6 +799,7 @@ def test_a_policy_that_picks_the_largest_trees_chains_them_behind_acceptance(dir
         assert engine.speculation.early_choices == chained
         # The last steps, whose chained trees max_tokens cut away, ran behind a chained draft: not plain costs.
         assert not any(k.startswith("plain") for k in steps), steps
+        assert (engine.steps_ahead > 10) == (graphs or engine.target.device.type == "cuda")
     else:
         assert chained == 0 and not any(k.startswith("chained") for k in steps)
         assert engine.speculation_totals().steps > 10

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
-from kernels import select_kernels
 from kernels.attention_triton import pack_mask
 from runtime.static_layout import Bucket, StaticLayout
 from runtime.step_layout import SeqChunk, layout_step
@@ -100,14 +99,15 @@ def test_bucket_choice_is_the_smallest_fitting_one_captured_first(tmp_path):
     runner._graphs = {}
 
 
+@pytest.mark.parametrize("kernels", ["triton", "reference"])
 @pytest.mark.parametrize("bucket", [Bucket(4, 8, True), Bucket(3, 16, True)])
-def test_static_layout_forward_equals_eager_layout(tmp_path, bucket):
+def test_static_layout_forward_equals_eager_layout(tmp_path, bucket, kernels):
     """The model on a padded static layout (as a graph replays it) matches the eager layout row by
-    row: padding rows read nothing, write nothing and disturb no real row."""
-    target = target_for(make_model_dir(tmp_path / "m", "llama3", seed=2, std=0.3), kernels="triton",
+    row: padding rows read nothing, write nothing and disturb no real row (with the references too:
+    their padding rows, sequence 0's first row by their indices, once overwrote its query)."""
+    target = target_for(make_model_dir(tmp_path / "m", "llama3", seed=2, std=0.3), kernels=kernels,
                         max_model_len=96, device=TRITON_DEVICE, enforce_eager=True)
     kernels, runner = target.runner.kernels, target.runner
-    assert kernels.name == "triton"
     prompts = [list(range(3, 30)), list(range(40, 51)), list(range(7, 20))]
     for sid, p in enumerate(prompts):  # prefill the three sequences
         target.blocks.ensure_capacity(sid, len(p))
@@ -122,7 +122,8 @@ def test_static_layout_forward_equals_eager_layout(tmp_path, bucket):
         target.kv_cache.data.copy_(saved)
         static = StaticLayout(bucket, 8, target.max_model_len, target.kv_cache.block_size, target.device)
         qsl = static.fill(chunks)
-        got = target.model.compute_logits(target.model(static.input_ids, static.meta, target.kv_cache, kernels).hidden)
+        got = target.model.compute_logits(target.model(static.input_ids, runner._graph_meta(static), target.kv_cache,
+                                                       kernels).hidden)
     torch.testing.assert_close(got[:qsl[-1]], want, atol=1e-4, rtol=1e-4)
     # (GEMMs of 9 and of 32 rows block their sums differently on a GPU: a few ulps apart)
     torch.testing.assert_close(target.kv_cache.data, kv_after, atol=1e-4, rtol=1e-4, equal_nan=True)
@@ -286,3 +287,43 @@ def test_the_warm_up_placeholders_run_on_every_kernel_set(tmp_path, kernels):
     out = runner.step([prefill, _chain_chunk(8, 15, bs)])
     assert out.logits.shape[0] == 1 + 8 and torch.isfinite(out.logits).all()
     runner._warm_acceptance(8, bs)
+
+
+def test_every_graphed_path_gives_the_eager_tokens_with_graphs_run_eagerly_on_a_cpu(tmp_path):
+    """``graphs_on_cpu``: on a CPU each graph's replay is an eager forward (``runtime/graphs.py``), so
+    the paths CUDA graphs take run in CI. Target-only: decode graphs launched ahead, prompts as
+    decodes. Speculative, requests arriving every two steps: split steps (a prompt's forward, then
+    the trees' graph), and chained trees verified straight from the draft's trees on the device,
+    accepted by the acceptance graph. Every output is the eager target-only engine's. (On a GPU test
+    device the same runs take the real graphs.)"""
+    from draft_service.drafter import EagleDrafter
+    from draft_service.spec_config import SpecConfig
+    from tiny_eagle import make_eagle_dir
+    from tiny_models import tiny_config
+
+    model_dir = make_model_dir(tmp_path / "m", "llama3", seed=5, std=0.3)
+    draft = make_eagle_dir(tmp_path / "d", tiny_config("llama3"), draft_vocab=64, seed=1)
+    prompts = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [r.token_ids for r in Engine(target_for(model_dir, max_num_seqs=8, enforce_eager=True)).generate(prompts, params)]
+    plain = Engine(target_for(model_dir, max_num_seqs=8, graphs_on_cpu=True))
+    assert [r.token_ids for r in plain.generate(prompts, params)] == want
+    assert plain.target.runner.graph_steps > 0 and plain.decode_steps_ahead > 0
+
+    spec = SpecConfig(str(draft), tree="dynamic", depth=4, top_k=3, max_nodes=10)
+    target = target_for(model_dir, max_num_seqs=8, graphs_on_cpu=True)
+    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                           target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels)
+    engine = Engine(target, drafter, spec.settings)
+    ids, got = [], {}
+    for prompt in prompts:  # one arrival every two steps
+        ids.append(engine.add_request(prompt, params))
+        for _ in range(2):
+            for ev in engine.step():
+                got.setdefault(ev.seq_id, []).extend(ev.token_ids)
+    for ev in engine.run_until_done():
+        got.setdefault(ev.seq_id, []).extend(ev.token_ids)
+    assert [got[i] for i in ids] == want
+    assert target.runner.split_steps > 0 and engine.steps_ahead > 0 and engine.verifier.graph_accepts > 0
+    assert engine.released_speculation.accepted_tokens > 0
+    assert target.blocks.num_used_blocks == 0 and drafter.blocks.num_used_blocks == 0

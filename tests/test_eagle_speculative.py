@@ -25,13 +25,15 @@ def dirs(tmp_path_factory):
     return target_dir, draft, static
 
 
-def eagle_engine(dirs, tree, **engine_kw):
+def eagle_engine(dirs, tree, eager: bool = False, **engine_kw):
+    """``eager``: no graphs on either side, on any test device (the eager paths' own behaviour)."""
     target_dir, draft, static = dirs
     spec = SpecConfig(str(draft), tree=tree, depth=4, top_k=3, max_nodes=10,
                       static_tree_file=str(static) if tree == "static" else None)
-    target = target_for(target_dir, **engine_kw)
+    target = target_for(target_dir, **({"enforce_eager": True} if eager else {}), **engine_kw)
     drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
-                                           target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels)
+                                           target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels,
+                                           cuda_graphs=not eager)
     return Engine(target, drafter, spec.settings)
 
 
@@ -39,21 +41,26 @@ def target_only(target_dir, prompts, params, **engine_kw):
     return [r.token_ids for r in Engine(target_for(target_dir, **engine_kw)).generate(prompts, params)]
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
-def test_greedy_output_equals_target_only_for_every_tree(dirs, tree):
+def test_greedy_output_equals_target_only_for_every_tree(dirs, tree, graphs):
+    """``graphs``: the target's graphed paths on a CPU too (each replay eager): chained trees verified
+    straight from the draft's trees on the device, a stop token mid-tree, max_tokens cut short."""
     free_run = target_only(dirs[0], [PROMPTS[1]], SamplingParams(max_tokens=30, ignore_eos=True))[0]
     stop = free_run[9]  # lands mid-tree for the second prompt
     params = [SamplingParams(max_tokens=n, stop_token_ids=(stop,)) for n in (9, 30, 14, 2, 25)]
-    engine = eagle_engine(dirs, tree, max_batch_tokens=32)
+    engine = eagle_engine(dirs, tree, max_batch_tokens=32, graphs_on_cpu=graphs)
     results = engine.generate(PROMPTS, params)
     assert [r.token_ids for r in results] == target_only(dirs[0], PROMPTS, params)
     assert results[1].finish_reason == "stop"
     assert all(r.speculation.steps > 0 for r in results if len(r.token_ids) > 2)
     assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
+    assert (engine.steps_ahead > 0) == (graphs or engine.target.device.type == "cuda")
 
 
 def test_draft_cache_holds_exactly_the_committed_rows(dirs):
-    engine = eagle_engine(dirs, "dynamic")
+    """(Eager: a chained step's graph keeps the blocks of its tree rows between steps.)"""
+    engine = eagle_engine(dirs, "dynamic", eager=True)
     seq_id = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=20, ignore_eos=True))
     for _ in range(4):
         engine.step()
@@ -152,13 +159,15 @@ def test_the_in_process_drafters_trees_skip_the_structural_checks(dirs, monkeypa
 def test_the_draft_chained_after_acceptance_gives_the_unchained_steps(dirs, tree, sampled):
     """Steps of trees alone hand the draft its rows on the device before the step's one wait
     (``DraftCoordinator.draft_on_device``); the tokens, acceptance and trees are the ones the
-    draft gets after the host commits, through a stop token mid-tree and max_tokens cut short."""
+    draft gets after the host commits, through a stop token mid-tree and max_tokens cut short.
+    (Eager: trees verified from the device are scheduled at their full size, so steps of graphs
+    may hold fewer sequences within the token budget; their tokens are compared elsewhere.)"""
     free_run = target_only(dirs[0], [PROMPTS[1]], SamplingParams(max_tokens=30, ignore_eos=True))[0]
     extra = dict(temperature=0.8, seed=3) if sampled else {}
     params = [SamplingParams(max_tokens=n, stop_token_ids=(free_run[9],), **extra) for n in (9, 30, 14, 2, 25)]
     runs = []
     for chain in (True, False):
-        engine = eagle_engine(dirs, tree, max_batch_tokens=32)
+        engine = eagle_engine(dirs, tree, eager=True, max_batch_tokens=32)
         engine.speculation.chain = chain
         runs.append((run_steps(engine, PROMPTS, params), engine.speculation.chained_steps,
                      engine.drafter.blocks.num_used_blocks,
@@ -195,7 +204,8 @@ def test_the_chained_draft_reserves_no_row_past_its_capacity(dirs, monkeypatch):
     spec = SpecConfig(str(draft), tree="dynamic", depth=4, top_k=3, max_nodes=10)
     target = target_for(target_dir, max_model_len=64)
     drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
-                                           target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels)
+                                           target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels,
+                                           cuda_graphs=False)  # (the eager path, on any test device)
     width = len(drafter.capture_layers) * target.model_config.hidden_size
     for seq, n in ((0, 63), (1, 3)):
         drafter.step([DraftFeed(seq, 0, torch.zeros(n, width), np.arange(n) % 50 + 1)], [])

@@ -41,6 +41,7 @@ class EngineConfig:
     max_batch_tokens: int = 2048
     kernels: str = "auto"  # "triton", "reference", or "auto" (kernels.select_kernels decides)
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the Triton kernels)
+    graphs_on_cpu: bool = False  # on a CPU, the graphs' paths with each replay run eagerly (runtime/graphs.py: tests)
     sampling_acceptance: str = "seeded"  # one of SAMPLING_ACCEPTANCE
     exact: bool = False  # batch-invariant kernels (kernels.exact_set): bf16 speculative == target-only
 

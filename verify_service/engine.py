@@ -351,7 +351,7 @@ class Engine:
         if n is None:  # the first of its shape through the link: the answer says
             trees = chained.on_device
             n = None if trees is None else trees.shape[2]
-        if n is None or not self.speculation.trees_fit(chained.seq_ids):
+        if n is None or not self.target.runner.cuda_graphs or not self.speculation.trees_fit(chained.seq_ids):
             return None, None
         ids = set(chained.seq_ids)
         plan = self.scheduler.schedule(lambda s: n + 1 if s.seq_id in ids else 1 + s.tree.num_nodes if s.tree else 1)

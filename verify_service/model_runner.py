@@ -94,7 +94,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, kernels: KernelSet,
                  capture_layers: tuple[int, ...] = (), cuda_graphs: bool = False, max_num_seqs: int = 1):
         """``cuda_graphs``: replay captured graphs for decode and verification steps (CUDA with the
-        Triton or the exact kernels only; the caller decides)."""
+        Triton or the exact kernels; on a CPU, ``EngineConfig.graphs_on_cpu``, each replay an eager
+        forward: tests of the graphed paths. The caller decides)."""
         self.model = model
         self.kv_cache = kv_cache
         self.kernels = kernels
@@ -102,7 +103,7 @@ class ModelRunner:
         self.staging = Staging(self.device)  # one host-to-device copy per step, reused buffers
         self.max_num_seqs = max_num_seqs
         self.max_model_len = model.cos.shape[0]
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.cuda_graphs = cuda_graphs  # (on a CPU: each replay runs eagerly, ``runtime/graphs.py``)
         self._graphs: dict[Bucket, _Graph | None] = {}  # None: capture failed, that bucket runs eagerly
         self._pool = None
         self._fits: dict[tuple, list[Bucket]] = {}  # _fitting's answers
@@ -267,7 +268,7 @@ class ModelRunner:
                              self.capture_layers)
             return self.model.compute_logits(out.hidden, self.kernels.linear), out.hidden, out.captured
 
-        if self._pool is None:
+        if self._pool is None and self.device.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
         graph, (logits, hidden, captured) = capture_graph(forward, self.device, self._pool)
         return _Graph(layout, graph, logits, hidden, captured)

@@ -41,11 +41,13 @@ class Target:
         self.kv_cache = PagedKVCache.for_model(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         kernels = select_kernels(self.device, cfg.kernels, exact=cfg.exact)
-        graphs = self.device.type == "cuda" and kernels.name in ("triton", "exact") and not cfg.enforce_eager
+        graphs = not cfg.enforce_eager and (self.device.type == "cuda" and kernels.name in ("triton", "exact")
+                                            or self.device.type == "cpu" and cfg.graphs_on_cpu)
         self.runner = ModelRunner(model, self.kv_cache, kernels, capture_layers, graphs, cfg.max_num_seqs)
         log.info("target engine: %s on %s/%s, %d KV blocks of %d tokens, context %d, %s kernels, %s",
                  self.model_config.architecture, self.device, self.dtype, num_blocks, cfg.block_size,
-                 self.max_model_len, kernels.name, "CUDA graphs" if graphs else "eager")
+                 self.max_model_len, kernels.name,
+                 ("CUDA graphs" if self.device.type == "cuda" else "graphs run eagerly") if graphs else "eager")
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, capture_layers: tuple[int, ...] = ()) -> "Target":
