@@ -7,7 +7,10 @@ deadline. Meanwhile the draft service is killed (SIGKILL) at random moments and 
 and the verify service is restarted once (SIGTERM; clients reconnect). At the end the
 system must be idle with no KV block in use; the resident memory of every process is sampled
 and its slope reported (MB per hour, by least squares over each process's life); on CUDA each
-process's GPU memory too (``nvidia-smi``), with its slope.
+process's GPU memory too (``nvidia-smi``), with its slope. ``--trace-heap``: the first verify
+service runs under ``tracemalloc`` (``benchmarks/traced_serve.py``) and the report gives its Python
+heap at the first snapshot past the first quarter of the run and at the last, and the source lines
+whose allocations grew most in between: what a growing resident size is, or is not, made of.
 
     python benchmarks/soak.py --clients 64 --minutes 30 --device cuda --out soak.json
     python benchmarks/soak.py --model DIR --draft DIR --clients 6 --seconds 40 --device cpu
@@ -43,11 +46,16 @@ TOKEN_PROMPTS = [[5 + i, 9, 13 + 2 * i, 7] * (1 + i % 3) for i in range(8)]  # f
 class Service:
     """A service process started from the command line; its resident memory sampled over time."""
 
-    def __init__(self, name: str, args: list[str], log_dir: Path):
+    def __init__(self, name: str, args: list[str], log_dir: Path, heap: tuple[Path, float] | None = None):
+        """``heap``: run under tracemalloc, a snapshot to the folder every so many seconds."""
         self.name = name
         self.log = open(log_dir / f"{name}-{time.monotonic_ns()}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=ROOT, stdout=self.log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if heap is not None:
+            env.update(SOAK_HEAP_DIR=str(heap[0]), SOAK_HEAP_EVERY_S=str(heap[1]))
+        module = "benchmarks.traced_serve" if heap is not None else "cli.main"
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env)
         self.rss: list[tuple[float, float]] = []  # (seconds since start, MB)
         self.gpu: list[tuple[float, float]] = []  # (seconds since start, MB of GPU memory), on CUDA
         self.started = time.monotonic()
@@ -139,7 +147,9 @@ class Soak:
                  "--max-num-seqs", str(a.max_num_seqs)]
         flags += ["--model", a.model] if a.model else []
         flags += ["--dtype", a.dtype] if a.dtype else []
-        self.verify = Service("verify", flags + a.verify_arg, self.tmp)
+        traced = a.trace_heap and not self.services  # the first verify service only
+        self.verify = Service("verify", flags + a.verify_arg, self.tmp,
+                              (self.tmp / "heap", a.heap_every_s) if traced else None)
         self.services.append(self.verify)
         self.client.wait_until_healthy(300)
 
@@ -264,12 +274,31 @@ class Soak:
                 "gpu_slope_mb_per_hour": {f"{s.name}_{i}": s.slope_mb_per_hour(s.gpu)
                                           for i, s in enumerate(self.services) if s.gpu},
                 "gpu_mb_last": {f"{s.name}_{i}": s.gpu[-1][1] for i, s in enumerate(self.services) if s.gpu},
+                **({"heap": heap_growth(self.tmp / "heap")} if a.trace_heap else {}),
                 "error_samples": self.error_samples}
 
     def close(self) -> None:
         for s in self.services:
             s.stop()
         self.client.close()
+
+
+def heap_growth(folder: Path, top: int = 10) -> dict:
+    """The traced service's Python heap: MB at the first snapshot past the first quarter of its
+    snapshots (warm-up) and at the last, and the ``top`` source lines whose live allocations grew
+    most in between (KB, blocks)."""
+    import tracemalloc
+    paths = sorted(folder.glob("heap_*.pickle"))
+    if len(paths) < 2:
+        return {"snapshots": len(paths)}
+    skip = [tracemalloc.Filter(False, tracemalloc.__file__)]
+    first = tracemalloc.Snapshot.load(str(paths[len(paths) // 4])).filter_traces(skip)
+    last = tracemalloc.Snapshot.load(str(paths[-1])).filter_traces(skip)
+    mb = [round(sum(t.size for t in s.traces) / 2**20, 3) for s in (first, last)]
+    grew = [d for d in last.compare_to(first, "lineno") if d.size_diff > 0][:top]
+    return {"snapshots": len(paths), "first_mb": mb[0], "last_mb": mb[1], "growth_kb": round((mb[1] - mb[0]) * 1024, 1),
+            "top_growth": [{"line": str(d.traceback), "kb": round(d.size_diff / 1024, 1), "blocks": d.count_diff}
+                           for d in grew]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -290,6 +319,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sample-every-s", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verify-arg", action="append", default=[], help="extra serve-verify flag (repeatable)")
+    ap.add_argument("--trace-heap", action="store_true", help="the first verify service under tracemalloc")
+    ap.add_argument("--heap-every-s", type=float, default=60.0, help="seconds between heap snapshots")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.duration_s = 60 * args.minutes if args.minutes is not None else (args.seconds or 60.0)

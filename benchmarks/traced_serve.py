@@ -1,0 +1,37 @@
+"""The command line (``cli.main``) under ``tracemalloc``, for the soak's ``--trace-heap``: every
+``SOAK_HEAP_EVERY_S`` seconds a snapshot of the Python heap (after a full collection) goes to
+``SOAK_HEAP_DIR``/heap_NNN.pickle, each allocation with its line.
+
+    SOAK_HEAP_DIR=/tmp/h python -m benchmarks.traced_serve serve-verify --model ... --listen ...
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+
+def _dump_every(folder: Path, every_s: float) -> None:
+    for i in range(10**6):
+        time.sleep(every_s)
+        gc.collect()
+        tracemalloc.take_snapshot().dump(str(folder / f"heap_{i:03d}.pickle"))
+
+
+def main() -> int:
+    folder = Path(os.environ["SOAK_HEAP_DIR"])
+    folder.mkdir(parents=True, exist_ok=True)
+    tracemalloc.start(1)  # (the allocating line: what the report groups by; deeper traces cost more)
+    threading.Thread(target=_dump_every, args=(folder, float(os.environ.get("SOAK_HEAP_EVERY_S", "60"))),
+                     daemon=True).start()
+    from cli.main import main as cli_main
+    return cli_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
