@@ -210,8 +210,6 @@ def test_requests_arriving_beside_trees_give_the_target_only_tokens(tmp_path):
     """Speculative decoding on CUDA (float32, graphs on) while requests keep arriving: their prompt
     chunks share steps with the others' trees (split steps: the prompt's forward, then the trees'
     graph); every output is the target-only engine's."""
-    from draft_service.drafter import EagleDrafter
-    from draft_service.spec_config import SpecConfig
     from tiny_eagle import make_eagle_dir
     from tiny_models import tiny_config
 
@@ -221,21 +219,32 @@ def test_requests_arriving_beside_trees_give_the_target_only_tokens(tmp_path):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     want = [r.token_ids for r in Engine(target_for(model_dir, device="cuda", dtype="float32", kernels="triton",
                                                    max_num_seqs=8)).generate(prompts, params)]
-    spec = SpecConfig(str(draft), tree="dynamic", depth=4, top_k=3, max_nodes=10)
-    target = target_for(model_dir, device="cuda", dtype="float32", kernels="triton", max_num_seqs=8)
+    engine = speculate_with_arrivals(target_for(model_dir, device="cuda", dtype="float32", kernels="triton",
+                                                max_num_seqs=8), draft, prompts, params)
+    assert engine.outputs == want
+    assert engine.target.runner.split_steps > 0 and engine.released_speculation.accepted_tokens > 0
+
+
+def speculate_with_arrivals(target, draft_dir, prompts, params) -> Engine:
+    """A tiny dynamic-tree head on ``target``; one request arrives every two steps. The engine's
+    ``outputs``: each request's tokens, in arrival order."""
+    from draft_service.drafter import EagleDrafter
+    from draft_service.spec_config import SpecConfig
+
+    spec = SpecConfig(str(draft_dir), tree="dynamic", depth=4, top_k=3, max_nodes=10)
     drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                            target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels)
     engine = Engine(target, drafter, spec.settings)
     ids, got = [], {}
-    for prompt in prompts:  # one arrival every two steps
+    for prompt in prompts:
         ids.append(engine.add_request(prompt, params))
         for _ in range(2):
             for ev in engine.step():
                 got.setdefault(ev.seq_id, []).extend(ev.token_ids)
     for ev in engine.run_until_done():
         got.setdefault(ev.seq_id, []).extend(ev.token_ids)
-    assert [got[i] for i in ids] == want
-    assert target.runner.split_steps > 0 and engine.released_speculation.accepted_tokens > 0
+    engine.outputs = [got[i] for i in ids]
+    return engine
 
 
 def test_warm_up_does_nothing_on_a_cpu(tmp_path):
@@ -296,8 +305,6 @@ def test_every_graphed_path_gives_the_eager_tokens_with_graphs_run_eagerly_on_a_
     the trees' graph), and chained trees verified straight from the draft's trees on the device,
     accepted by the acceptance graph. Every output is the eager target-only engine's. (On a GPU test
     device the same runs take the real graphs.)"""
-    from draft_service.drafter import EagleDrafter
-    from draft_service.spec_config import SpecConfig
     from tiny_eagle import make_eagle_dir
     from tiny_models import tiny_config
 
@@ -310,20 +317,8 @@ def test_every_graphed_path_gives_the_eager_tokens_with_graphs_run_eagerly_on_a_
     assert [r.token_ids for r in plain.generate(prompts, params)] == want
     assert plain.target.runner.graph_steps > 0 and plain.decode_steps_ahead > 0
 
-    spec = SpecConfig(str(draft), tree="dynamic", depth=4, top_k=3, max_nodes=10)
-    target = target_for(model_dir, max_num_seqs=8, graphs_on_cpu=True)
-    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
-                                           target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels)
-    engine = Engine(target, drafter, spec.settings)
-    ids, got = [], {}
-    for prompt in prompts:  # one arrival every two steps
-        ids.append(engine.add_request(prompt, params))
-        for _ in range(2):
-            for ev in engine.step():
-                got.setdefault(ev.seq_id, []).extend(ev.token_ids)
-    for ev in engine.run_until_done():
-        got.setdefault(ev.seq_id, []).extend(ev.token_ids)
-    assert [got[i] for i in ids] == want
-    assert target.runner.split_steps > 0 and engine.steps_ahead > 0 and engine.verifier.graph_accepts > 0
+    engine = speculate_with_arrivals(target_for(model_dir, max_num_seqs=8, graphs_on_cpu=True), draft, prompts, params)
+    assert engine.outputs == want
+    assert engine.target.runner.split_steps > 0 and engine.steps_ahead > 0 and engine.verifier.graph_accepts > 0
     assert engine.released_speculation.accepted_tokens > 0
-    assert target.blocks.num_used_blocks == 0 and drafter.blocks.num_used_blocks == 0
+    assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
