@@ -15,6 +15,8 @@ import time
 import tracemalloc
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 
 def _dump_every(folder: Path, every_s: float) -> None:
     for i in range(10**6):
@@ -24,11 +26,13 @@ def _dump_every(folder: Path, every_s: float) -> None:
 
 
 def main() -> int:
-    folder = Path(os.environ["SOAK_HEAP_DIR"])
-    folder.mkdir(parents=True, exist_ok=True)
-    tracemalloc.start(1)  # (the allocating line: what the report groups by; deeper traces cost more)
-    threading.Thread(target=_dump_every, args=(folder, float(os.environ.get("SOAK_HEAP_EVERY_S", "60"))),
-                     daemon=True).start()
+    """(Without ``SOAK_HEAP_DIR``: the command line untraced.)"""
+    if os.environ.get("SOAK_HEAP_DIR"):
+        folder = Path(os.environ["SOAK_HEAP_DIR"])
+        folder.mkdir(parents=True, exist_ok=True)
+        tracemalloc.start(1)  # (the allocating line: what the report groups by; deeper traces cost more)
+        threading.Thread(target=_dump_every, args=(folder, float(os.environ.get("SOAK_HEAP_EVERY_S", "60"))),
+                         daemon=True).start()
     from cli.main import main as cli_main
     return cli_main(sys.argv[1:])
 
