@@ -304,7 +304,7 @@ class Engine:
             # Plain steps are measured when they were launched ahead (as a plain stretch runs them: the
             # first one after trees waits for its tokens, and one after a chained draft whose trees the
             # sequences' limits cut holds that draft's time) and the policy looks (a few per hold).
-            context = float(np.mean([s.num_cached for s, _ in plan]))
+            context = sum(s.num_cached for s, _ in plan) / len(plan)  # (np.mean of a list: ~4x the time)
             self.policy.observe_step(len(plan), tree_nodes, context, ms, chained=from_chain)
 
     def _attach(self, deferred) -> None:
