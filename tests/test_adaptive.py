@@ -1013,3 +1013,14 @@ def test_a_slow_first_step_weighs_no_more_than_the_next_few():
     for _ in range(400):
         policy.observe_step(1, 3, 1024, forward + 1.0, chained=True)  # later, the window: the recent ones
     assert policy.diagnostics()["residual_ms"]["chained tree b1"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_the_lower_bound_counts_draft_calls_that_taught_nothing_as_no_cost():
+    """Draft calls counted at a bucket but none learned (costs not learned: ``cost_weight`` 0): the
+    lower bound is the forward's, not an error."""
+    policy = AdaptivePolicy(table(per_token_ms=0.02), TreeSettings("chain", 3), PolicyConfig(cost_weight=0.0))
+    from verify_service.step_costs import EVIDENCE_STEPS
+    for _ in range(EVIDENCE_STEPS):
+        policy.observe_draft(4, 3, 40.0)
+    assert policy.costs.lower_bound_ms(4, 1024, 3) == pytest.approx(policy.costs.forward(4, 4, 1024))
+    assert not policy.detaches(4, 1024)

@@ -89,12 +89,14 @@ class StepCosts:
         def measured(kind: str) -> bool:
             return self.observed.get(f"{kind} b{bucket}", (0,))[0] >= EVIDENCE_STEPS
 
-        if self.chainable and nodes == self.sizes[-1] and measured("chained tree"):
-            extra = self._chained_residual[bucket]
+        chained = self._chained_residual.get(bucket) if measured("chained tree") else None
+        if self.chainable and nodes == self.sizes[-1] and chained is not None:
+            extra = chained
         else:
-            extra = self._residual[True][bucket] if measured("tree") else 0.0
-            if measured("draft"):
-                extra += self._draft[bucket].predict(1 + self.levels[j], self._prior_per_level(bucket, context))
+            extra = self._residual[True].get(bucket, 0.0) if measured("tree") else 0.0
+            draft = self._draft.get(bucket) if measured("draft") else None  # (None: calls counted, none learned:
+            if draft is not None:  # stalls, or cost_weight 0)
+                extra += draft.predict(1 + self.levels[j], self._prior_per_level(bucket, context))
         return max(forward + extra, 0.05 * forward)
 
     def verify_ms(self, batch: int, tokens: float, context: float) -> float:
