@@ -5,8 +5,11 @@ GPU). Tiny random models; the engines alternate, rounds after the first counted;
 median step::
 
     python benchmarks/host_step_time.py --batch 64 --rounds 4
+    python benchmarks/host_step_time.py --batch 64 --rounds 6 --skip-forward
 
-What the host adds to a step is what a GPU step bound by its host pays (large batches, SmolLM2).
+``--skip-forward``: the replays do nothing (the tokens are the logits buffers' stale values, their
+host work the same): each step's wall time is its host work alone, without the noise of subtracting
+a forward many times longer. What the host adds to a step is what a GPU step bound by its host pays (large batches, SmolLM2).
 """
 
 from __future__ import annotations
@@ -51,9 +54,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=120)
+    ap.add_argument("--skip-forward", action="store_true", help="replays do nothing: the host's work alone")
     args = ap.parse_args(argv)
     replay_s = [0.0]
-    replay = graphs.EagerGraph.replay
+    replay = (lambda graph: None) if args.skip_forward else graphs.EagerGraph.replay
 
     def timed(graph):
         t0 = time.perf_counter()
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
                     host.append(time.perf_counter() - t0 - replay_s[0])
                 if r:  # the first round warms up
                     result[name].append(round(statistics.median(host) * 1e6, 1))
-    out = {"batch": args.batch, "host_us_per_step_by_round": result}
+    out = {"batch": args.batch, "skip_forward": args.skip_forward, "host_us_per_step_by_round": result}
     print(json.dumps(out))
     return out
 

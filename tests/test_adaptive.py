@@ -916,6 +916,36 @@ def test_requests_without_the_draft_take_it_up_again_once_the_batch_shrinks(dirs
     assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
 
 
+def test_the_count_of_requests_using_the_draft_follows_every_change(dirs):
+    """``DraftCoordinator.speculating`` (a step where it is 0 skips the draft's bookkeeping: no
+    features kept, no rows, no draft call) equals the live requests that speculate after every step:
+    requests started without the draft and taking it up again, one that never asked for it, one
+    cancelled without the draft and one cancelled while it speculates."""
+    lengths = (9, 80, 14, 2, 70)
+    engine = eagle_engine(dirs, "dynamic", DetachAboveTwo, table(1.0))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS, lengths)]
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True), speculate=False)
+    kept = []
+    real = engine.target.runner.step
+    engine.target.runner.step = lambda chunks, **kw: kept.append(kw.get("capture", True)) or real(chunks, **kw)
+    counts, cancelled = [], []
+    while engine.has_work:
+        engine.step()
+        live = [s for s in engine.sequences.values() if s.speculate]
+        if len(counts) == 3:
+            engine.abort(ids[2])  # (started without the draft)
+            cancelled.append(ids[2])
+        elif len(cancelled) == 1 and live and live[0].speculation.steps >= 2:
+            engine.abort(live[0].seq_id)
+            cancelled.append(live.pop(0).seq_id)
+        assert engine.speculation.speculating == len(live)  # (a request waiting to start counts)
+        counts.append(len(live))
+    assert len(cancelled) == 2 and engine.speculation.speculating == 0
+    quiet = counts.index(0)  # every request started without the draft ...
+    assert max(counts[quiet:]) >= 1 and engine.speculation.detacher.reattached_requests >= 1  # ... one took it up
+    assert not any(kept[:quiet]) and any(kept)  # features kept only where a request speculates
+
+
 def test_a_recomputed_position_keeps_its_kv_and_gives_the_decode_steps_logits(dirs):
     """A catch-up chunk (every position again, ``write_from`` the newest): the cache's earlier entries
     are not written, and the newest token's logits are a plain decode step's."""

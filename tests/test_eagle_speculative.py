@@ -206,15 +206,16 @@ def test_the_chained_draft_reserves_no_row_past_its_capacity(dirs, monkeypatch):
     drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                            target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels,
                                            cuda_graphs=False)  # (the eager path, on any test device)
-    width = len(drafter.capture_layers) * target.model_config.hidden_size
+    width, dev = len(drafter.capture_layers) * target.model_config.hidden_size, target.device
     for seq, n in ((0, 63), (1, 3)):
-        drafter.step([DraftFeed(seq, 0, torch.zeros(n, width), np.arange(n) % 50 + 1)], [])
+        drafter.step([DraftFeed(seq, 0, torch.zeros(n, width, device=dev), np.arange(n) % 50 + 1)], [])
     asked = []
     real = drafter.blocks.ensure_capacity
     monkeypatch.setattr(drafter.blocks, "ensure_capacity", lambda s, n: asked.append(n) or real(s, n))
     D = 5
-    trees = drafter.step_on_device([0, 1], [63, 3], [2, 11], torch.tensor([1, 5]), torch.ones(2, D, dtype=torch.long),
-                                   torch.zeros(2, D, width), spec.settings).collect()
+    trees = drafter.step_on_device([0, 1], [63, 3], [2, 11], torch.tensor([1, 5], device=dev),
+                                   torch.ones(2, D, dtype=torch.long, device=dev), torch.zeros(2, D, width, device=dev),
+                                   spec.settings).collect()
     assert set(trees) == {0, 1} and asked and max(asked) <= drafter._capacity
     assert drafter.rows[0] == 64 and drafter.rows[1] == 8  # the eager path settles as it feeds
 

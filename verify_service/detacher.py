@@ -22,12 +22,12 @@ class Detacher:
         self.policy, self.scheduler = policy, scheduler
         self.detached_requests = 0  # started where trees did not pay at their batch
         self.reattached_requests = 0  # of those, took the draft up again once the batch shrank
-        self._detached = 0  # running ones still without it
+        self.detached = 0  # running ones still without it
         self._look: tuple[int, bool] | None = None  # (batch key, trees pay there) of the last look
 
     def released(self) -> None:
         """A request without the draft finished or was cancelled."""
-        self._detached -= 1
+        self.detached -= 1
 
     def starting(self, plan) -> None:
         """Requests whose first chunk runs now, where trees would not pay at the batch they join (the
@@ -40,13 +40,13 @@ class Detacher:
             for s in new:
                 s.speculate, s.detached = False, True
             self.detached_requests += len(new)
-            self._detached += len(new)
+            self.detached += len(new)
 
     def due(self) -> bool:
         """Whether requests without the draft run where trees now pay: looked at once per batch
         bucket (``batch_key``; at batch 128 a look is a few tens of microseconds), so that a plain
         step is launched ahead (``Engine._decode_ahead_ok``) unless they may take the draft up again."""
-        if not self._detached:
+        if not self.detached:
             return False
         sched = self.scheduler
         batch = len(sched.running) + len(sched.waiting)
@@ -76,7 +76,7 @@ class Detacher:
                 continue
             s.detached, s.speculate, s.catch_up = False, True, True
             tokens += s.num_cached + 1
-            self._detached -= 1
+            self.detached -= 1
             self.reattached_requests += 1
         if not left:  # none left that could: plain steps go ahead again until the batch changes
             self._look = (self._look[0], False)

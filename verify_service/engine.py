@@ -65,6 +65,9 @@ class GenerationResult:
     speculation: SpeculationMetrics | None = None
 
 
+# Where no request uses the draft (every one started without it), one plain step in this many tells
+# the policy its cost (a look costs ~7 us of a host-bound step at batch 128; the steps are alike).
+PLAIN_COST_SAMPLE = 8
 _PLACEHOLDER = np.zeros(1, dtype=np.int64)  # a decode chunk's token, written on the device instead
 _ROW0 = (0,)  # its logits row
 
@@ -103,6 +106,7 @@ class Engine:
         self.decode_ahead = drafter is None or policy is not None
         self._ahead_decode = None  # (plan, first logits rows, output, None, 0) of the step so launched
         self.decode_steps_ahead = 0
+        self._unused_steps = 0  # plain steps where no request used the draft (``PLAIN_COST_SAMPLE``)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True,
                     tree: TreeSettings | None = None) -> int:
@@ -125,6 +129,8 @@ class Engine:
                        tree_settings=tree or self.limits)
         self.scheduler.add(seq)
         self.sequences[seq.seq_id] = seq
+        if self.speculation is not None:
+            self.speculation.admit(seq)
         return seq.seq_id
 
     def abort(self, seq_id: int) -> None:
@@ -207,8 +213,7 @@ class Engine:
             padded = padded_trees(with_tree) if with_tree else None  # for the layout and the acceptance
             chunks = self._chunks(plan, with_tree, padded)
             # (no sequence that feeds the draft: no features kept, as target-only decoding keeps none)
-            out = self.target.runner.step(chunks, capture=self.speculation is not None and
-                                          any(s.speculate for s, _ in plan), eager=catch_up > 0)
+            out = self.target.runner.step(chunks, capture=self._feeds_draft(s for s, _ in plan), eager=catch_up > 0)
             logits_at = np.concatenate(([0], np.cumsum([len(c.logits_rows) for c in chunks])))
         else:
             padded, (logits_at, out, on_device, _) = None, ahead
@@ -220,9 +225,10 @@ class Engine:
             if seq.seq_id in self.sequences:  # (a step launched ahead may hold sequences finished since)
                 (trees if seq.tree or deferred is not None else plain).append((i, seq, n))
         feeds: dict[int, DraftFeed] = {}  # the verified trees' rows, per sequence
-        rows = StepRows() if self.speculation is not None else None  # the plain chunks' rows, together
+        # the plain chunks' rows, together (none where no request uses the draft: ``speculating``)
+        rows = StepRows() if self.speculation is not None and self.speculation.speculating else None
         self.last_step_verified_trees = bool(trees)
-        due = self._advance_plain(plain, rows)
+        due, cached = self._advance_plain(plain, rows)
         # Device work for every sequence first (sampling, acceptance, compaction), then the
         # step's ONE device-to-host copy: the plain tokens and what acceptance chose, together.
         first_rows = logits_at.tolist()  # (per-element numpy indexing and starred unpacking cost a step at
@@ -258,11 +264,11 @@ class Engine:
         if pending:
             self._commit_trees(pending, host[len(due):], chained is not None, feeds, events)
         self._chained = chained
-        draft_s = self.speculation.draft(feeds, rows.build(out.captured, out.query_start_loc)) \
+        draft_s = self.speculation.draft(feeds, rows.build(out.captured, out.query_start_loc) if rows is not None else None) \
             if self.speculation and chained is None else 0.0
         if self.policy is not None and decode_only:
-            self._observe(plan, events, bool(trees), tree_nodes, (time.perf_counter() - t0 - draft_s) * 1e3,
-                          draft_s * 1e3, launched_ahead, from_chain)
+            self._observe(plan, cached if len(plain) == len(plan) else None, events, bool(trees), tree_nodes,
+                          (time.perf_counter() - t0 - draft_s) * 1e3, draft_s * 1e3, launched_ahead, from_chain)
         return events
 
     def _commit_decodes(self, due, host: list[int], rows: StepRows | None) -> list[TokenEvent]:
@@ -294,17 +300,22 @@ class Engine:
                 feeds[v.seq.seq_id] = v.feed
             events.append(self._commit(v.seq, v.tokens))
 
-    def _observe(self, plan, events: list[TokenEvent], trees: bool, tree_nodes: int, ms: float, draft_ms: float,
-                 launched_ahead: bool, from_chain: bool) -> None:
+    def _observe(self, plan, cached: int | None, events: list[TokenEvent], trees: bool, tree_nodes: int, ms: float,
+                 draft_ms: float, launched_ahead: bool, from_chain: bool) -> None:
         """What a step of decodes and trees only (no prefill) tells the policy: its tokens against its
-        time (``ms``, the draft call's ``draft_ms`` apart), and its cost by kind."""
+        time (``ms``, the draft call's ``draft_ms`` apart), and its cost by kind. ``cached``: the plan's
+        cached positions summed, where the step counted them (None: counted here)."""
         committed = sum(len(e.token_ids) for e in events) if trees else len(events)  # (plain: one each)
         self.policy.observe_realized(len(plan), committed, ms, draft_ms, trees)
+        if not tree_nodes and not self.speculation.speculating:
+            self._unused_steps += 1
+            if self._unused_steps % PLAIN_COST_SAMPLE:
+                return
         if tree_nodes or launched_ahead and not self.policy.last_held:
             # Plain steps are measured when they were launched ahead (as a plain stretch runs them: the
             # first one after trees waits for its tokens, and one after a chained draft whose trees the
             # sequences' limits cut holds that draft's time) and the policy looks (a few per hold).
-            context = sum(s.num_cached for s, _ in plan) / len(plan)  # (np.mean of a list: ~4x the time)
+            context = (cached if cached is not None else sum(s.num_cached for s, _ in plan)) / len(plan)
             self.policy.observe_step(len(plan), tree_nodes, context, ms, chained=from_chain)
 
     def _attach(self, deferred) -> None:
@@ -319,10 +330,16 @@ class Engine:
         step's KV stays within what it reserved), no request waiting to start, and the next step
         plain decoding too (no draft, or the policy chooses plain decoding: ``plain_ahead``, last, as
         it takes the policy's decision)."""
+        spec = self.speculation
         return self.decode_ahead and not self.scheduler.waiting and all(
             n == 1 and len(seq.output_ids) + 1 < seq.max_new_tokens for _, seq, _, n in due) and (
-            self.speculation is None or not (self.speculation.detacher and self.speculation.detacher.due()) and
-            self.speculation.plain_ahead([seq for _, seq, _, _ in due]))
+            spec is None or not (spec.detacher and spec.detacher.due()) and
+            spec.plain_ahead([seq for _, seq, _, _ in due] if spec.speculating else []))
+
+    def _feeds_draft(self, seqs) -> bool:
+        """Whether any of ``seqs`` (an iterable, read only when some request uses the draft) feeds the
+        draft: the step then keeps the target's captured features."""
+        return self.speculation is not None and self.speculation.speculating > 0 and any(s.speculate for s in seqs)
 
     def _launch_decode(self, due, sampled: torch.Tensor) -> tuple:
         """The next decode step of ``due``'s sequences, queued now: each sequence's token sampled this
@@ -334,8 +351,7 @@ class Engine:
             plan.append((seq, 1))
             chunks.append(SeqChunk(_PLACEHOLDER, seq.num_cached, ensure(seq.seq_id, seq.num_cached + 1), _ROW0))
         self.decode_steps_ahead += 1
-        out = self.target.runner.step(chunks, ids=sampled, capture=self.speculation is not None and
-                                      any(seq.speculate for _, seq, _, _ in due))
+        out = self.target.runner.step(chunks, ids=sampled, capture=self._feeds_draft(seq for _, seq, _, _ in due))
         return plan, np.arange(len(chunks) + 1), out, None, 0  # (one logits row each; no tree)
 
     def _verify_ahead(self, chained) -> tuple[list, tuple[np.ndarray, StepOutput, torch.Tensor] | None]:
@@ -403,14 +419,16 @@ class Engine:
         return SeqChunk(seq.token_slice(start, start + n), start, self.target.blocks.block_table(seq.seq_id),
                         logits_rows=(n - 1,) if completes else ())
 
-    def _advance_plain(self, plain, rows: StepRows | None) -> list[tuple[int, Sequence, int, int]]:
+    def _advance_plain(self, plain, rows: StepRows | None) -> tuple[list[tuple[int, Sequence, int, int]], int]:
         """Prefill chunks and one-token decodes ran: advance their caches; returns those that draw a
-        token now. A chunk that leaves more of the prompt gives the draft its rows at once (into
-        ``rows``): the token after its last position is the prompt's next."""
-        due = []
+        token now, and the positions now cached summed (what the policy's context is; counted here,
+        where a plain step visits each sequence anyway). A chunk that leaves more of the prompt gives
+        the draft its rows at once (into ``rows``): the token after its last position is the prompt's next."""
+        due, cached = [], 0
         for i, seq, n in plain:
             start = seq.num_cached
             seq.num_cached += n
+            cached += start + n
             if seq.catch_up:  # its one new token, after every position recomputed from 0: all the draft's rows
                 seq.catch_up = False
                 due.append((i, seq, 0, start + 1))
@@ -418,7 +436,7 @@ class Engine:
                 due.append((i, seq, start, n))
             elif seq.speculate:
                 rows.add(i, seq.seq_id, start, seq.token_slice(start + 1, start + n + 1))
-        return due
+        return due, cached
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> TokenEvent:
         """Append tokens one by one until one of them finishes the sequence."""
