@@ -14,6 +14,12 @@ the kernel: every key before ``mask_start`` is visible; after it, causal by defa
 (key - mask_start) of the token's row of the packed ancestor mask (int32 words, 32 keys each).
 No dense [B, Q, K] mask exists anywhere.
 
+A ragged step (``meta.ragged``: a graphed prompt step, its grid fixed by its capacity of tokens)
+numbers its programs over the step's tiles instead: program p finds its sequence from the chunks'
+tile counts (a cumulative sum over ``query_start_loc`` in the kernel), one split::
+
+    grid = (ceil(T / BLOCK_Q) + sequences, kv_heads, 1)     (programs past the last tile exit)
+
 With several splits (flash-decoding: one long sequence still fills the GPU) each program writes
 its normalised partial output and log-sum-exp; ``_combine_splits`` merges them::
 
@@ -159,13 +165,16 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_q = cfg.block_m // g  # tokens per tile: g rows each
     assert block_q >= 1, f"{g} query heads per KV head exceed a tile of {cfg.block_m} rows"
     q_tiles = triton.cdiv(meta.max_query_len, block_q)
+    if meta.ragged:
+        assert meta.custom_mask is None, "a ragged step is causal"
     has_mask = meta.custom_mask is not None
     mask = meta.custom_mask if has_mask else meta.seq_lens  # any tensor: never read without a mask
     mask_start = meta.mask_start if has_mask else meta.seq_lens
     constants = dict(G=g, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
                      BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask,
                      EVEN_D=triton.next_power_of_2(D) == D and D >= 16,
-                     PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                     PRECISION="ieee" if q.dtype == torch.float32 else "tf32", RAGGED=meta.ragged,
+                     BLOCK_B=triton.next_power_of_2(meta.num_seqs) if meta.ragged else 1,
                      DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32),
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -178,13 +187,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             meta.block_tables.stride(0), mask.stride(0) if has_mask else 0, mask.shape[1] if has_mask else 0,
             part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
             lse.stride(0) if splits > 1 else 0, lse.stride(-2) if splits > 1 else 0,
-            q_tiles, splits, SPLIT=splits > 1, **constants, **extra)
+            q_tiles, splits, meta.num_seqs, SPLIT=splits > 1, **constants, **extra)
 
     def partials(splits):
         return (torch.empty(splits, T, H, D, dtype=torch.float32, device=q.device),
                 torch.empty(splits, T, H, dtype=torch.float32, device=q.device))
 
-    splits = cfg.splits
+    splits = 1 if meta.ragged else cfg.splits
     if not splits:
         slots = _CPU_SLOTS
         if q.is_cuda:  # the split variant's resources decide how many programs run at once
@@ -196,7 +205,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         splits = _num_splits(meta.num_seqs * q_tiles * kvh, meta.max_seq_len, cfg.block_n, slots)
     out = torch.empty_like(q)
     part, lse = partials(splits) if splits > 1 else (out, out)  # one split: written directly, normalised
-    launch((meta.num_seqs * q_tiles, kvh, splits), part, lse, splits)
+    programs = triton.cdiv(meta.max_query_len, block_q) + meta.num_seqs if meta.ragged else meta.num_seqs * q_tiles
+    launch((programs, kvh, splits), part, lse, splits)
     if splits > 1:
         _combine_kernel[(T, H)](part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2),
                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), D,
@@ -292,17 +302,30 @@ def _query_tile(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh, G: tl.co
 # value class (== 1, divisible by 16), and a variant first met mid-serving stalls every stream for
 # the compilation (a block table's width, the splits, the mask's words, strides that scale with T).
 @triton.jit(do_not_specialize=["stride_bt", "stride_mask", "mask_words", "stride_os", "stride_ls", "q_tiles",
-                               "splits"])
+                               "splits", "num_seqs"])
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, qsl_ptr, seq_lens_ptr, tables_ptr,
                       mask_ptr, mask_start_ptr, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                       stride_bt, stride_mask, mask_words, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                      q_tiles, splits,
+                      q_tiles, splits, num_seqs,
                       G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
-                      PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    b = tl.program_id(0) // q_tiles
-    tile = tl.program_id(0) % q_tiles
+                      PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, RAGGED: tl.constexpr,
+                      BLOCK_B: tl.constexpr):
+    if RAGGED:  # program p: the step's tile p, counted over the chunks' tiles in order
+        p = tl.program_id(0)
+        s = tl.arange(0, BLOCK_B)
+        s_ok = s < num_seqs
+        lens = tl.load(qsl_ptr + s + 1, mask=s_ok, other=0) - tl.load(qsl_ptr + s, mask=s_ok, other=0)
+        tiles = (lens + BLOCK_Q - 1) // BLOCK_Q
+        ends = tl.cumsum(tiles, 0)  # each sequence's tiles end there (exclusive)
+        b = tl.sum((ends <= p).to(tl.int32), 0)  # the first sequence whose tiles reach past p
+        if b >= num_seqs:
+            return
+        tile = p - tl.sum(tl.where(s < b, tiles, 0), 0)
+    else:
+        b = tl.program_id(0) // q_tiles
+        tile = tl.program_id(0) % q_tiles
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)

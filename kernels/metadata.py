@@ -46,6 +46,10 @@ class AttentionMetadata:
     # bool [B, max_query_len, max_seq_len]: the reference attention's dense visibility mask,
     # built once per step by ``prepare_attention_ref`` rather than once per layer.
     dense_mask: torch.Tensor | None = None
+    # A graphed step of ragged chunks (prompts; ``max_query_len`` is then the step's capacity of
+    # tokens): attention's programs each find their sequence and query tile from ``query_start_loc``,
+    # so its grid depends on that capacity alone, not on B x the longest chunk's tiles.
+    ragged: bool = False
 
     @property
     def num_seqs(self) -> int:

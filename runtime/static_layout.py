@@ -19,15 +19,18 @@ _UNKNOWN = object()  # a host table row whose content is not kept (rewritten at 
 @dataclass(frozen=True, slots=True)
 class Bucket:
     """The shape a graphed step is captured for: up to ``seqs`` sequences of up to ``tokens`` new
-    tokens each; ``tree``: with a packed ancestor mask (verification), else one decode token each."""
+    tokens each; ``tree``: with a packed ancestor mask (verification), else one decode token each.
+    ``ragged``: causal chunks of any lengths (prompt steps), ``tokens`` in all, logits for at most
+    one row a chunk (``StaticLayout.logit_rows``)."""
 
     seqs: int
     tokens: int
     tree: bool
+    ragged: bool = False
 
     @property
     def num_tokens(self) -> int:
-        return self.seqs * self.tokens
+        return self.tokens if self.ragged else self.seqs * self.tokens
 
     @property
     def mask_words(self) -> int:
@@ -42,7 +45,8 @@ class StaticLayout:
     Padding: sequences past the step's own have no tokens (``query_start_loc`` repeats) and
     length 0; token rows past the step's own write no KV (slot -1). Outputs of padding rows
     are garbage that no one reads. ``meta.max_seq_len`` is the cache's capacity, so the
-    attention kernel's grid never depends on a step's lengths.
+    attention kernel's grid never depends on a step's lengths. A ragged bucket's layout also holds
+    the rows whose logits the graph computes (``logit_rows``: each chunk's, in order; padding row 0).
     """
 
     def __init__(self, bucket: Bucket, table_width: int, max_seq_len: int, block_size: int, device: torch.device):
@@ -50,7 +54,8 @@ class StaticLayout:
         B, T, W = bucket.seqs, bucket.num_tokens, table_width
         mask_int64 = -(-T * bucket.mask_words // 2)  # int32 words, two to an int64
         shapes = {"qsl": (B + 1,), "seq_lens": (B,), "tables": (B, W), "slots": (T,), "positions": (T,),
-                  "token_seq": (T,), "q_idx": (T,), "ids": (T,), "mask_start": (B,), "mask": (mask_int64,)}
+                  "token_seq": (T,), "q_idx": (T,), "ids": (T,), "mask_start": (B,), "mask": (mask_int64,),
+                  "logit_rows": (B if bucket.ragged else 0,)}
         total = sum(-(-int(np.prod(s)) // ALIGN) * ALIGN for s in shapes.values())  # aligned as Staging's
         self.device_buffer = torch.zeros(total, dtype=torch.int64, device=device)
         self.host_buffer = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -67,6 +72,7 @@ class StaticLayout:
         self._mask_bytes = self.host["mask"].view(np.uint8)[:T * words * 4].reshape(T, words * 4) if words else None
         mask = dev["mask"].view(torch.int32)[:T * words].view(T, words) if words else None
         self.input_ids = dev["ids"]
+        self.logit_rows = dev["logit_rows"]  # (a ragged bucket's)
         # The last fill's copy: the host buffer is written again only once it has run (a step may be
         # launched before the step ahead of it was waited for).
         self._sent = torch.cuda.Event() if device.type == "cuda" else None
@@ -79,23 +85,38 @@ class StaticLayout:
             query_start_loc=dev["qsl"], seq_lens=dev["seq_lens"], block_tables=dev["tables"],
             slot_mapping=dev["slots"], positions=dev["positions"], token_seq=dev["token_seq"],
             token_q_idx=dev["q_idx"], max_query_len=bucket.tokens, max_seq_len=max_seq_len,
-            custom_mask=mask, mask_start=dev["mask_start"] if words else None)
+            custom_mask=mask, mask_start=dev["mask_start"] if words else None, ragged=bucket.ragged)
         self.fill_placeholder()
 
     def fits(self, chunks: list[SeqChunk]) -> bool:
-        return len(chunks) <= self.bucket.seqs and all(len(c.block_table) <= self.table_width for c in chunks)
+        if len(chunks) > self.bucket.seqs or any(len(c.block_table) > self.table_width for c in chunks):
+            return False
+        if not self.bucket.ragged:
+            return True
+        return sum(len(c.token_ids) for c in chunks) <= self.bucket.tokens and all(
+            c.custom_mask is None and c.positions is None and c.write_from is None and len(c.logits_rows) <= 1
+            for c in chunks)
 
     def fill_placeholder(self) -> None:
-        """Every sequence full, reading block 0 and writing nothing: the inputs a capture runs on."""
+        """Every sequence full, reading block 0 and writing nothing: the inputs a capture runs on (a
+        ragged bucket: its tokens split evenly over its sequences)."""
         h, B, Q = self.host, self.bucket.seqs, self.bucket.tokens
-        h["qsl"][:] = np.arange(B + 1) * Q
-        h["seq_lens"][:] = Q
+        if self.bucket.ragged:
+            q_lens = np.diff(np.arange(B + 1) * Q // B)
+            qsl = np.concatenate(([0], np.cumsum(q_lens)))
+            h["logit_rows"][:] = qsl[1:] - 1
+        else:
+            q_lens, qsl = np.full(B, Q), np.arange(B + 1) * Q
+        h["qsl"][:] = qsl
+        h["seq_lens"][:] = q_lens
         h["tables"][:] = 0
         self._table_rows[:] = [None] * len(self._table_rows)
         h["slots"][:] = -1
-        h["positions"][:] = np.tile(np.arange(Q), B)
-        h["token_seq"][:] = np.repeat(np.arange(B), Q)
-        h["q_idx"][:] = np.tile(np.arange(Q), B)
+        token_seq = np.repeat(np.arange(B), q_lens)
+        q_idx = np.arange(len(token_seq)) - qsl[token_seq]
+        h["positions"][:] = q_idx
+        h["token_seq"][:] = token_seq
+        h["q_idx"][:] = q_idx
         h["ids"][:] = 0
         h["mask_start"][:] = 0
         if self._mask_bytes is not None:
@@ -126,6 +147,9 @@ class StaticLayout:
             h["ids"][:T] = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks])
         h["positions"][T:] = 0
         h["ids"][T:] = 0
+        if self.bucket.ragged:  # each chunk's logits row (at most one), in order
+            rows = [at + c.logits_rows[0] for c, at in zip(chunks, qsl[:-1].tolist()) if len(c.logits_rows)]
+            h["logit_rows"][:len(rows)], h["logit_rows"][len(rows):] = rows, 0
         if self._mask_bytes is not None and mask_on_device:
             h["mask_start"][:n], h["mask_start"][n:] = starts, 0
             self._mask_bytes[:] = 0

@@ -84,6 +84,35 @@ def test_paged_attention_matches_reference(kvh, g, d, dtype, batch):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("kvh, g, d, dtype", [(2, 2, 16, torch.float32), (1, 3, 32, torch.float32),
+                                              (2, 4, 64, torch.bfloat16)])
+def test_a_ragged_graphed_step_matches_reference(kvh, g, d, dtype):
+    """A graphed prompt step's layout (``meta.ragged``: each program finds its chunk and tile from
+    query_start_loc, the grid fixed by the layout's capacity of tokens), with padding sequences and
+    rows past the step's: every real row equals the reference on the eager layout. The padding
+    rows' queries are NaN: a program that took one for a real row fails the comparison. The
+    reference runs the same static layout too (the CPU's stand-in for the graph)."""
+    from kernels.attention import prepare_attention_ref
+    from runtime.static_layout import Bucket, StaticLayout
+    cases = [(0, 19, None, None), (5, 1, None, None), (21, 40, None, None), (0, 3, None, None), (70, 2, None, None)]
+    k_cache, v_cache, chunks = build(cases, kvh, d, dtype, seed=11)
+    T, capacity = sum(len(c.token_ids) for c in chunks), 96
+    lay = StaticLayout(Bucket(8, capacity, False, ragged=True), 8, 128, BLOCK, torch.device(DEVICE))
+    lay.fill(chunks)
+    q = torch.randn(capacity, kvh * g, d, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    scale = d ** -0.5
+    clean_k, clean_v = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    want = paged_attention_ref(q[:T], clean_k, clean_v, layout_step(chunks, BLOCK, torch.device(DEVICE), REFERENCE).meta,
+                               scale)
+    on_static = paged_attention_ref(q, clean_k, clean_v, prepare_attention_ref(lay.meta), scale)[:T]
+    q[T:] = float("nan")
+    got = paged_attention_triton(q, k_cache, v_cache, lay.meta, scale)[:T]
+    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(on_static.float(), want.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("block_m, block_n", [(16, 32), (64, 64), (128, 32), (128, 64), (128, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_tile_config_matches_reference(block_m, block_n, dtype):

@@ -92,7 +92,7 @@ def test_bucket_choice_is_the_smallest_fitting_one_captured_first(tmp_path):
                            custom_mask=np.ones((n, n), bool) if tree else None) for n in sizes]
         runner._graphs = {b: (object() if gen.random() < 0.3 else None) for b in buckets if gen.random() < 0.5}
         most = max(sizes) if tree else 1
-        fitting = [b for b in buckets if b.tree == tree and len(chunks) <= b.seqs <= 20 and b.tokens >= most]
+        fitting = [b for b in buckets if b.tree == tree and not b.ragged and len(chunks) <= b.seqs <= 20 and b.tokens >= most]
         captured = [b for b in fitting if runner._graphs.get(b) is not None]
         want = min(captured or fitting, key=lambda b: (b.num_tokens, b.tokens)) if fitting else None
         assert runner._bucket(chunks) == want
@@ -150,21 +150,23 @@ def test_graphed_engine_gives_the_eager_tokens(tmp_path, dtype):
 def test_a_short_prompt_replays_a_decode_graph_with_the_eager_tokens(tmp_path):
     """A prompt of at most as many tokens as the largest decode or prompt graph has sequences runs as
     that graph (its tokens as one-token sequences): one replay, the eager engine's tokens. Without the
-    prompt graphs, a prompt longer than the largest decode graph runs eagerly."""
+    prompt graphs, a prompt longer than the largest decode graph replays a ragged graph."""
     model_dir = make_model_dir(tmp_path / "m", "llama3", seed=4, std=0.3)
     prompts = [list(range(3, 9)), [5, 6, 7], list(range(20, 31)), [(7 * i) % 90 for i in range(100)]]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     eager = Engine(target_for(model_dir, device="cuda", dtype="float32", kernels="triton", enforce_eager=True))
     for prompt_graphs in (True, False):  # decode graphs of 8 at most; prompt graphs of 64, 128 and 256
         target = target_for(model_dir, device="cuda", dtype="float32", kernels="triton", max_num_seqs=8)
-        target.runner.capture([b for b in target.runner._buckets() if not b.tree and (prompt_graphs or b.seqs <= 8)])
+        target.runner.capture([b for b in target.runner._buckets() if not b.tree and not b.ragged
+                               and (prompt_graphs or b.seqs <= 8)])
         engine = Engine(target)
         for prompt in prompts:
             engine.add_request(prompt, params)
-            before = target.runner.graph_steps
+            before, ragged = target.runner.graph_steps, target.runner.ragged_steps
             first = engine.step()  # the whole prompt in one step, its first token drawn
             assert first and first[0].token_ids
-            assert target.runner.graph_steps == before + (prompt_graphs or len(prompt) <= 8)
+            assert target.runner.graph_steps == before + 1
+            assert target.runner.ragged_steps == ragged + (not prompt_graphs and len(prompt) > 8)
             got = first[0].token_ids + [t for ev in engine.run_until_done() for t in ev.token_ids]
             assert got == eager.generate([prompt], params)[0].token_ids
 
@@ -174,8 +176,9 @@ def test_a_short_prompt_replays_a_decode_graph_with_the_eager_tokens(tmp_path):
 @pytest.mark.parametrize("prompt_len", [20, 700])
 def test_a_mixed_step_runs_its_trees_on_a_graph_and_gives_the_eager_outputs(tmp_path, prompt_len):
     """Trees and a decode followed by a prompt chunk (a request arriving while others verify): the
-    prompt chunk runs first (a prompt graph, or eagerly when longer than the largest), the rest on
-    its tree graph; logits, captured features and row offsets are the one eager forward's."""
+    prompt chunk runs first (a prompt graph of one-token rows, or a ragged graph when longer than
+    the largest), the rest on its tree graph; logits, captured features and row offsets are the one
+    eager forward's."""
     target = target_for(make_model_dir(tmp_path / "m", "llama3", seed=2, std=0.3), kernels="triton",
                         max_model_len=1024, device="cuda", dtype="float32")
     runner = target.runner
@@ -195,9 +198,10 @@ def test_a_mixed_step_runs_its_trees_on_a_graph_and_gives_the_eager_outputs(tmp_
         out = target.model(eager.input_ids, eager.meta, target.kv_cache, runner.kernels, runner.capture_layers)
         want = target.model.compute_logits(out.hidden[eager.logits_rows])
     target.kv_cache.data.copy_(saved)
-    before = runner.graph_steps
+    before, ragged = runner.graph_steps, runner.ragged_steps
     got = runner.step(chunks + [prompt])
-    assert runner.graph_steps == before + (2 if prompt_len <= 512 else 1)  # the trees' graph, the prompt's
+    assert runner.graph_steps == before + 2  # the trees' graph, the prompt's
+    assert runner.ragged_steps == ragged + (prompt_len > 512)
     assert got.query_start_loc == eager.query_start_loc.tolist()
     torch.testing.assert_close(got.logits, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got.captured, out.captured, atol=1e-4, rtol=1e-4)
@@ -245,6 +249,35 @@ def speculate_with_arrivals(target, draft_dir, prompts, params) -> Engine:
         got.setdefault(ev.seq_id, []).extend(ev.token_ids)
     engine.outputs = [got[i] for i in ids]
     return engine
+
+
+def test_a_prompt_step_too_big_for_the_prompt_graphs_replays_a_ragged_graph(tmp_path):
+    """Four long prompts and a short one arriving together (543 tokens, past the largest prompt graph
+    of one-token rows): their step replays a ragged graph (``Bucket.ragged``), target-only and with
+    the draft fed its captured rows; every output is the eager engine's. With ``graphs_on_cpu`` on a
+    CPU (reference kernels) and the real graphs on a GPU (the Triton kernels' ragged grid)."""
+    from draft_service.drafter import EagleDrafter
+    from draft_service.spec_config import SpecConfig
+    from tiny_eagle import make_eagle_dir
+    from tiny_models import tiny_config
+
+    model_dir = make_model_dir(tmp_path / "m", "llama3", seed=5, std=0.3)
+    prompts = [[(7 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((150, 140, 130, 120))] + [[5, 6, 7]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    want = [r.token_ids for r in Engine(target_for(model_dir, max_num_seqs=8, enforce_eager=True)).generate(prompts, params)]
+    graphed = dict(max_num_seqs=8, graphs_on_cpu=True)
+    plain = Engine(target_for(model_dir, **graphed))
+    assert [r.token_ids for r in plain.generate(prompts, params)] == want
+    assert plain.target.runner.ragged_steps == 1
+
+    target = target_for(model_dir, **graphed)
+    spec = SpecConfig(str(make_eagle_dir(tmp_path / "d", tiny_config("llama3"), draft_vocab=64, seed=1)),
+                      tree="dynamic", depth=4, top_k=3, max_nodes=10)
+    drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                           target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels)
+    engine = Engine(target, drafter, spec.settings)
+    assert [r.token_ids for r in engine.generate(prompts, params)] == want
+    assert target.runner.ragged_steps == 1 and engine.released_speculation.accepted_tokens > 0
 
 
 def test_warm_up_does_nothing_on_a_cpu(tmp_path):

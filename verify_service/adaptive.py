@@ -366,12 +366,14 @@ class AdaptivePolicy:
         j = len(acc) - 1
         self.costs.nodes[j] += self.cfg.cost_weight * (min(nodes, self.sizes[j]) - self.costs.nodes[j])
 
-    def observe_realized(self, batch: int, tokens: int, ms: float, draft_ms: float, trees: bool) -> None:
+    def observe_realized(self, batch: int, tokens: int, ms: float, draft_ms: float, trees: bool,
+                         steps: int = 1) -> None:
         """A step of ``batch`` decoding sequences, no prefill: ``tokens`` committed in ``ms`` of its own
-        and ``draft_ms`` of a draft call; ``trees``: it verified trees (``RealizedRates``)."""
+        and ``draft_ms`` of a draft call; ``trees``: it verified trees (``RealizedRates``). ``steps``:
+        the steps it stands for (plain steps no request speculates in are sampled: ``Engine._observe``)."""
         u = self._undecided
         if self.decided == u[1]:  # no decision since the last step: its requests run without the draft
-            u[0] += 1
+            u[0] += steps
         u[1] = self.decided
         self.realized.observe(batch, tokens, ms, draft_ms, trees, self._clock)
 

@@ -66,7 +66,7 @@ class GenerationResult:
 
 
 # Where no request uses the draft (every one started without it), one plain step in this many tells
-# the policy its cost (a look costs ~7 us of a host-bound step at batch 128; the steps are alike).
+# the policy its cost and rate (~7 us of a host-bound step at batch 128 each; the steps are alike).
 PLAIN_COST_SAMPLE = 8
 _PLACEHOLDER = np.zeros(1, dtype=np.int64)  # a decode chunk's token, written on the device instead
 _ROW0 = (0,)  # its logits row
@@ -305,12 +305,14 @@ class Engine:
         """What a step of decodes and trees only (no prefill) tells the policy: its tokens against its
         time (``ms``, the draft call's ``draft_ms`` apart), and its cost by kind. ``cached``: the plan's
         cached positions summed, where the step counted them (None: counted here)."""
-        committed = sum(len(e.token_ids) for e in events) if trees else len(events)  # (plain: one each)
-        self.policy.observe_realized(len(plan), committed, ms, draft_ms, trees)
+        steps = 1
         if not tree_nodes and not self.speculation.speculating:
             self._unused_steps += 1
             if self._unused_steps % PLAIN_COST_SAMPLE:
                 return
+            steps = PLAIN_COST_SAMPLE  # (it stands for the steps skipped: the policy's clock counts them)
+        committed = sum(len(e.token_ids) for e in events) if trees else len(events)  # (plain: one each)
+        self.policy.observe_realized(len(plan), committed, ms, draft_ms, trees, steps)
         if tree_nodes or launched_ahead and not self.policy.last_held:
             # Plain steps are measured when they were launched ahead (as a plain stretch runs them: the
             # first one after trees waits for its tokens, and one after a chained draft whose trees the

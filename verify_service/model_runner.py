@@ -49,6 +49,11 @@ MAX_GRAPH_TOKENS = 2048
 # some 300 kernels from Python (9.4 ms for an 80-token prompt on the H200, 0.9 ms of kernels) ...
 PROMPT_GRAPH_TOKENS = 512
 PROMPT_GRAPH_CONTEXT = 4096  # ... when it ends within this many tokens (those graphs' table width)
+# Bigger prompt steps (a batch's prompts arriving together) replay a ragged graph of up to this many
+# tokens (``Bucket.ragged``: causal chunks of any lengths, the prompt graphs' context), with the
+# Triton or the reference kernels: at batch 64 on the H200, four eager 2048-token prompt steps of
+# SmolLM2 took 14-16 ms each for 2.6 ms of kernels.
+RAGGED_GRAPH_TOKENS = (1024, 2048)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,14 +70,17 @@ class StepOutput:
     graph: "_Graph | None" = None
 
 
-def graph_buckets(max_num_seqs: int, max_tree_tokens: int, prompt_tokens: int = 0) -> list[Bucket]:
+def graph_buckets(max_num_seqs: int, max_tree_tokens: int, prompt_tokens: int = 0,
+                  ragged_tokens: tuple[int, ...] = ()) -> list[Bucket]:
     """Decode buckets for 1, 2, 4, 8, then every multiple of 8 sequences up to ``max_num_seqs``,
     and prompt buckets (decode buckets used only by prompt steps) of 64, 128, 256 and 512 sequences
-    above ``max_num_seqs`` up to ``prompt_tokens``; tree buckets for 2, 4, 8, ... tokens per
-    sequence up to ``max_tree_tokens``, as far as ``MAX_GRAPH_TOKENS`` allows."""
+    above ``max_num_seqs`` up to ``prompt_tokens``; ragged buckets of ``max_num_seqs`` sequences and
+    each of ``ragged_tokens`` tokens; tree buckets for 2, 4, 8, ... tokens per sequence up to
+    ``max_tree_tokens``, as far as ``MAX_GRAPH_TOKENS`` allows."""
     seqs = sorted({n for n in (1, 2, 4, 8) if n < max_num_seqs} | set(range(8, max_num_seqs, 8)) | {max_num_seqs})
     prompts = [n for n in (64, 128, 256, 512) if max_num_seqs < n <= prompt_tokens]
     out = [Bucket(b, 1, False) for b in seqs + prompts if b <= MAX_GRAPH_TOKENS]
+    out += [Bucket(max_num_seqs, t, False, ragged=True) for t in ragged_tokens if t <= MAX_GRAPH_TOKENS]
     tokens, q = [], 2
     while q < 2 * max_tree_tokens:
         tokens.append(min(q, max_tree_tokens))
@@ -108,6 +116,7 @@ class ModelRunner:
         self._pool = None
         self._fits: dict[tuple, list[Bucket]] = {}  # _fitting's answers
         self.graph_steps = 0  # steps that replayed a graph (a metric; tests read it)
+        self.ragged_steps = 0  # prompt steps replayed on a ragged graph (``_ragged_step``)
         self.split_steps = 0  # mixed steps run as a prompt forward and a graph (``_split_step``)
         self.set_capture_layers(capture_layers)
 
@@ -134,7 +143,8 @@ class ModelRunner:
             write = None if ids is None else lambda layout: layout.input_ids[:len(ids)].copy_(ids)
             return self._replay(graph, chunks, write, capture)
         if self.cuda_graphs and bucket is None and ids is None and not eager:
-            graphed = self._prefill_as_decodes(chunks, capture) or self._split_step(chunks, capture)
+            graphed = self._prefill_as_decodes(chunks, capture) or self._ragged_step(chunks, capture) or \
+                self._split_step(chunks, capture)
             if graphed is not None:
                 return graphed
         lay = layout_step(chunks, self.kv_cache.block_size, self.device, self.kernels, self.staging)
@@ -237,14 +247,16 @@ class ModelRunner:
         the prompt buckets too (a decode step never takes one: it would never capture its own)."""
         key = (tree, seqs, tokens, prompt, self.max_num_seqs, self.max_model_len)
         if key not in self._fits:
-            fitting = [b for b in self._buckets() if b.tree == tree and b.seqs >= seqs and b.tokens >= tokens
-                       and (prompt or b.seqs <= self.max_num_seqs)]
+            fitting = [b for b in self._buckets() if b.tree == tree and not b.ragged and b.seqs >= seqs
+                       and b.tokens >= tokens and (prompt or b.seqs <= self.max_num_seqs)]
             self._fits[key] = sorted(fitting, key=lambda b: (b.num_tokens, b.tokens))
         return self._fits[key]
 
     def _buckets(self) -> list[Bucket]:
+        # (the exact kernels' attention keeps its own grid: their prompt steps run eagerly)
+        ragged = RAGGED_GRAPH_TOKENS if self.kernels.name != "exact" else ()
         return graph_buckets(self.max_num_seqs, min(MAX_GRAPH_TOKENS, self.max_model_len),
-                             min(PROMPT_GRAPH_TOKENS, self.max_model_len))
+                             min(PROMPT_GRAPH_TOKENS, self.max_model_len), ragged)
 
     def _graph(self, bucket: Bucket) -> _Graph | None:
         if bucket not in self._graphs:
@@ -259,14 +271,16 @@ class ModelRunner:
     def _capture(self, bucket: Bucket) -> _Graph:
         # A tree's nodes sit past the sequence's committed tokens: the table holds those too. A prompt
         # bucket's table is narrower (its every row is filled, sent and read each prompt step).
-        span = self.max_model_len if bucket.seqs <= self.max_num_seqs else min(self.max_model_len, PROMPT_GRAPH_CONTEXT)
+        prompts = bucket.ragged or bucket.seqs > self.max_num_seqs
+        span = min(self.max_model_len, PROMPT_GRAPH_CONTEXT) if prompts else self.max_model_len
         width = blocks_for(span + bucket.tokens, self.kv_cache.block_size)
         layout = StaticLayout(bucket, width, self.max_model_len, self.kv_cache.block_size, self.device)
 
         def forward():
             out = self.model(layout.input_ids, self._graph_meta(layout), self.kv_cache, self.kernels,
                              self.capture_layers)
-            return self.model.compute_logits(out.hidden, self.kernels.linear), out.hidden, out.captured
+            rows = out.hidden[layout.logit_rows] if bucket.ragged else out.hidden  # (ragged: each chunk's row)
+            return self.model.compute_logits(rows, self.kernels.linear), out.hidden, out.captured
 
         if self._pool is None and self.device.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
@@ -300,6 +314,24 @@ class ModelRunner:
         # Consecutive rows (a prompt's last token): a view; else a gather with no host sync.
         logits = take_rows(out.logits, rows) if rows else out.logits[:0]
         return StepOutput(logits, out.hidden, out.captured, qsl.tolist())
+
+    def _ragged_step(self, chunks: list[SeqChunk], capture: bool = True) -> StepOutput | None:
+        """A step of causal chunks (prompt chunks, decodes beside them) that no prompt graph holds,
+        replayed on the smallest ragged graph of as many tokens (captured now if it was not). None
+        when none holds it: a tree, a chunk past the prompt graphs' context, more tokens than the
+        largest, more than one logits row in a chunk."""
+        tokens = sum(len(c.token_ids) for c in chunks)
+        bucket = min((b for b in self._buckets() if b.ragged and b.tokens >= tokens), key=lambda b: b.tokens, default=None)
+        graph = self._graph(bucket) if bucket is not None else None
+        if graph is None or not graph.layout.fits(chunks):
+            return None
+        qsl = graph.layout.fill(chunks)
+        graph.graph.replay()
+        self.graph_steps += 1
+        self.ragged_steps += 1
+        rows = sum(len(c.logits_rows) for c in chunks)
+        captured = graph.captured[:tokens].clone() if capture and graph.captured is not None else None
+        return StepOutput(graph.logits[:rows], graph.hidden[:tokens], captured, qsl.tolist())
 
     def _split_step(self, chunks: list[SeqChunk], capture: bool = True) -> StepOutput | None:
         """A step of decodes or trees followed by prompt chunks (the scheduler's order: a request
