@@ -198,7 +198,7 @@ class Engine:
             if detacher is not None:
                 catch_up = detacher.reattach(self.target.cfg.max_batch_tokens // 4)
             plan = self.scheduler.schedule(lambda s: 1 + s.tree.num_nodes if s.tree else 1, catch_up)
-            if detacher is not None:
+            if detacher is not None and self.speculation.speculating:  # (none: no request to start with it)
                 detacher.starting(plan)
         if not plan:
             return []
