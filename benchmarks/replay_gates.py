@@ -149,10 +149,10 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
             engine = Engine(target, drafter, spec.settings, policy, replay)
             engine.speculation.chain = mode != "replay, unchained"
             target.runner.warm_up(target.cfg.max_batch_tokens, trees)  # a drafter's capture layers: new graphs
-            warm = set(target.runner._graphs)
+            warm = set(target.runner.graphs._graphs)
             r = timed_run(engine, prompts, args.steps, args.profile_slowest)
-            if set(target.runner._graphs) - warm:  # a capture while timed: the warm-up missed a shape
-                print(f"graphs captured while timed: {sorted(map(str, set(target.runner._graphs) - warm))}")
+            if set(target.runner.graphs._graphs) - warm:  # a capture while timed: the warm-up missed a shape
+                print(f"graphs captured while timed: {sorted(map(str, set(target.runner.graphs._graphs) - warm))}")
             row = {"context": context, "batch": batch, "config": f"{name} ({mode})", **r,
                    "speedup": round(r["tok_s"] / base["tok_s"], 3), "trace_tau": traces[name]["tau"]}
             if "tau" in r:

@@ -11,7 +11,7 @@ from runtime.static_layout import Bucket, StaticLayout
 from runtime.step_layout import SeqChunk, layout_step
 from tiny_models import TRITON_DEVICE, make_model_dir, target_for
 from verify_service.engine import Engine
-from verify_service.model_runner import MAX_GRAPH_TOKENS, graph_buckets
+from verify_service.target_graphs import MAX_GRAPH_TOKENS, graph_buckets
 
 triton = pytest.importorskip("triton")
 
@@ -80,23 +80,23 @@ def test_graph_buckets():
 
 
 def test_bucket_choice_is_the_smallest_fitting_one_captured_first(tmp_path):
-    """``ModelRunner._bucket`` (cached bucket lists) picks what a fresh scan of ``graph_buckets``
+    """``TargetGraphs.bucket_for`` (cached bucket lists) picks what a fresh scan of ``graph_buckets``
     picks: the smallest captured bucket that fits, else the smallest fitting one."""
     runner = target_for(make_model_dir(tmp_path / "m", "llama3", seed=2, std=0.3), max_num_seqs=20).runner
-    buckets = runner._buckets()
+    buckets = runner.graphs.buckets()
     gen = np.random.default_rng(0)
     for _ in range(200):
         sizes = [int(n) for n in gen.integers(1, 40, size=int(gen.integers(1, 22)))]
         tree = bool(gen.integers(0, 2))
         chunks = [SeqChunk(np.zeros(n if tree else 1, np.int64), 0, [0], logits_rows=np.arange(n if tree else 1),
                            custom_mask=np.ones((n, n), bool) if tree else None) for n in sizes]
-        runner._graphs = {b: (object() if gen.random() < 0.3 else None) for b in buckets if gen.random() < 0.5}
+        runner.graphs._graphs = {b: (object() if gen.random() < 0.3 else None) for b in buckets if gen.random() < 0.5}
         most = max(sizes) if tree else 1
         fitting = [b for b in buckets if b.tree == tree and not b.ragged and len(chunks) <= b.seqs <= 20 and b.tokens >= most]
-        captured = [b for b in fitting if runner._graphs.get(b) is not None]
+        captured = [b for b in fitting if runner.graphs.captured(b) is not None]
         want = min(captured or fitting, key=lambda b: (b.num_tokens, b.tokens)) if fitting else None
-        assert runner._bucket(chunks) == want
-    runner._graphs = {}
+        assert runner.graphs.bucket_for(chunks) == want
+    runner.graphs._graphs = {}
 
 
 @pytest.mark.parametrize("kernels", ["triton", "reference"])
@@ -157,7 +157,7 @@ def test_a_short_prompt_replays_a_decode_graph_with_the_eager_tokens(tmp_path):
     eager = Engine(target_for(model_dir, device="cuda", dtype="float32", kernels="triton", enforce_eager=True))
     for prompt_graphs in (True, False):  # decode graphs of 8 at most; prompt graphs of 64, 128 and 256
         target = target_for(model_dir, device="cuda", dtype="float32", kernels="triton", max_num_seqs=8)
-        target.runner.capture([b for b in target.runner._buckets() if not b.tree and not b.ragged
+        target.runner.capture([b for b in target.runner.graphs.buckets() if not b.tree and not b.ragged
                                and (prompt_graphs or b.seqs <= 8)])
         engine = Engine(target)
         for prompt in prompts:
@@ -191,7 +191,7 @@ def test_a_mixed_step_runs_its_trees_on_a_graph_and_gives_the_eager_outputs(tmp_
     target.blocks.ensure_capacity(3, prompt_len)
     prompt = SeqChunk([(5 * i) % 90 for i in range(prompt_len)], 0, target.blocks.block_table(3),
                       logits_rows=(prompt_len - 1,))
-    runner.capture([b for b in runner._buckets() if not b.tree])  # the prompt graphs
+    runner.capture([b for b in runner.graphs.buckets() if not b.tree])  # the prompt graphs
     saved = target.kv_cache.data.clone()
     eager = layout_step(chunks + [prompt], target.kv_cache.block_size, target.device, runner.kernels)
     with torch.inference_mode():
@@ -297,7 +297,7 @@ def test_warm_up_compiles_and_captures_without_changing_tokens(tmp_path):
     for warm in (False, True):
         target = target_for(model_dir, device="cuda", dtype="float32", kernels="triton")
         if warm:
-            assert target.runner.warm_up(48) > 0 and target.runner._graphs
+            assert target.runner.warm_up(48) > 0 and list(target.runner.graphs)
         runs[warm] = [r.token_ids for r in Engine(target).generate(prompts, params)]
     assert runs[True] == runs[False]
 
@@ -313,7 +313,7 @@ def test_graphs_captured_again_after_the_capture_layers_change(tmp_path):
     first = Engine(target).generate([[5, 6, 7]], params)[0].token_ids
     target.runner.set_capture_layers((0, 1))
     assert Engine(target).generate([[5, 6, 7]], params)[0].token_ids == first
-    assert target.runner._graphs
+    assert list(target.runner.graphs)
 
 
 @pytest.mark.parametrize("kernels", ["reference", "triton"])

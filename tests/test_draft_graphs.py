@@ -104,16 +104,16 @@ def test_warm_up_captures_what_generation_replays(dirs):
     proposals, draft_graphs, chains = len(eng.drafter._proposals), set(eng.drafter.graphs._graphs), \
         set(eng.drafter._chains)
     assert chains and all(c is not None and c.graph is not None for c in eng.drafter._chains.values())
-    target_graphs = set(eng.target.runner._graphs)
-    acceptance_graphs = sum(len(g.followers) for g in eng.target.runner._graphs.values() if g is not None)
+    target_graphs = set(eng.target.runner.graphs._graphs)
+    acceptance_graphs = sum(len(g.followers) for g in eng.target.runner.graphs if g is not None)
     prompts = PROMPTS + [list(range(40, 52))]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 16, 9, 30)]  # finishing one by one
     want = [r.token_ids for r in Engine(target_for(dirs[0], device="cuda", dtype="float32")).generate(prompts, params)]
     assert [r.token_ids for r in eng.generate(prompts, params)] == want
     assert len(eng.drafter._proposals) == proposals
     assert set(eng.drafter.graphs._graphs) <= draft_graphs and set(eng.drafter._chains) == chains
-    assert set(eng.target.runner._graphs) == target_graphs
-    assert sum(len(g.followers) for g in eng.target.runner._graphs.values() if g is not None) == acceptance_graphs
+    assert set(eng.target.runner.graphs._graphs) == target_graphs
+    assert sum(len(g.followers) for g in eng.target.runner.graphs if g is not None) == acceptance_graphs
     assert eng.verifier.graph_accepts > 0
 
 

@@ -80,7 +80,7 @@ def test_a_graphed_runner_answers_a_prompt_step_from_its_decode_graph(model_dir,
                 return True
 
     monkeypatch.setattr(runner, "_replay", replay)
-    runner._graphs = {Bucket(4, 1, False): None, Bucket(8, 1, False): Captured()}  # 4: not captured
+    runner.graphs._graphs = {Bucket(4, 1, False): None, Bucket(8, 1, False): Captured()}  # 4: not captured
     for t in (graphed, ref):
         t.blocks.ensure_capacity(0, 6)
         t.blocks.ensure_capacity(1, 9)
@@ -88,7 +88,7 @@ def test_a_graphed_runner_answers_a_prompt_step_from_its_decode_graph(model_dir,
               SeqChunk([7], 8, graphed.blocks.block_table(1), logits_rows=(0,))]
     out = runner._prefill_as_decodes(chunks)
     want = ref.runner.step(chunks)
-    assert replayed == [(runner._graphs[Bucket(8, 1, False)], 6)]
+    assert replayed == [(runner.graphs.captured(Bucket(8, 1, False)), 6)]
     assert out.query_start_loc == want.query_start_loc == [0, 5, 6]
     torch.testing.assert_close(out.logits, want.logits, **tolerance())
     torch.testing.assert_close(out.hidden, want.hidden, **tolerance())

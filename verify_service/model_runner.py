@@ -6,13 +6,14 @@ rows that need them.
 
 Decode steps (one token per sequence) and verification steps (a candidate tree per sequence,
 logits for every node) replay CUDA graphs, captured on first use per ``Bucket`` of sequence
-count and tokens per sequence; their inputs live in a ``StaticLayout`` filled with one
-host-to-device copy. Small prompt steps replay a decode graph of one-token sequences
-(``_prefill_as_decodes``); a mixed step (decodes or trees, then prompt chunks: a request
-arriving while others decode) runs as two forwards, the prompt chunks' and the rest's on its
-graph (``_split_step``). Larger prompt chunks and steps larger than every bucket run eagerly
-(``layout_step``), as does everything off CUDA, with the reference kernels (their shapes follow
-each step's lengths) or with ``enforce_eager``.
+count and tokens per sequence (``target_graphs.py``: which buckets exist, which one a step
+takes); their inputs live in a ``StaticLayout`` filled with one host-to-device copy. Small prompt
+steps replay a decode graph of one-token sequences (``_prefill_as_decodes``), bigger ones a ragged
+graph (``_ragged_step``); a mixed step (decodes or trees, then prompt chunks: a request arriving
+while others decode) runs as two forwards, the prompt chunks' and the rest's on its graph
+(``_split_step``). Prompt chunks past the prompt graphs' context and steps larger than every
+bucket run eagerly (``layout_step``), as does everything off CUDA, with the reference kernels
+(their shapes follow each step's lengths) or with ``enforce_eager``.
 """
 
 from __future__ import annotations
@@ -37,24 +38,11 @@ from runtime.kv_cache import PagedKVCache
 from runtime.static_layout import Bucket, StaticLayout
 from runtime.step_layout import SeqChunk, Staging, layout_step
 from verify_service.model import CausalLM
+from verify_service.target_graphs import PROMPT_GRAPH_CONTEXT, TargetGraphs, StepGraph, is_prompt
 
-__all__ = ["ModelRunner", "SeqChunk", "StepOutput", "graph_buckets"]
+__all__ = ["ModelRunner", "SeqChunk", "StepOutput"]
 
 log = logging.getLogger(__name__)
-
-# Most tokens a graphed step holds: its logits ([tokens, vocab] float32) live in the graph pool.
-MAX_GRAPH_TOKENS = 2048
-# Prompt steps of up to this many tokens (prompt chunks and decodes) replay a decode graph of as
-# many one-token sequences, beyond the decode graphs' max_num_seqs: an eager prompt step launches
-# some 300 kernels from Python (9.4 ms for an 80-token prompt on the H200, 0.9 ms of kernels) ...
-PROMPT_GRAPH_TOKENS = 512
-PROMPT_GRAPH_CONTEXT = 4096  # ... when it ends within this many tokens (those graphs' table width)
-# Bigger prompt steps (a batch's prompts arriving together) replay a ragged graph of up to this many
-# tokens (``Bucket.ragged``: causal chunks of any lengths, the prompt graphs' context), with the
-# Triton or the reference kernels: at batch 64 on the H200, four eager 2048-token prompt steps of
-# SmolLM2 took 14-16 ms each for 2.6 ms of kernels.
-RAGGED_GRAPH_TOKENS = (1024, 2048)
-
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
@@ -67,35 +55,7 @@ class StepOutput:
     query_start_loc: list[int]  # chunk i owns rows query_start_loc[i]:query_start_loc[i+1]
     # The captured forward whose static inputs and outputs these are, when the step replayed one alone
     # (what comes after it may be captured on them too: ``TreeVerifier``'s acceptance graphs).
-    graph: "_Graph | None" = None
-
-
-def graph_buckets(max_num_seqs: int, max_tree_tokens: int, prompt_tokens: int = 0,
-                  ragged_tokens: tuple[int, ...] = ()) -> list[Bucket]:
-    """Decode buckets for 1, 2, 4, 8, then every multiple of 8 sequences up to ``max_num_seqs``,
-    and prompt buckets (decode buckets used only by prompt steps) of 64, 128, 256 and 512 sequences
-    above ``max_num_seqs`` up to ``prompt_tokens``; ragged buckets of ``max_num_seqs`` sequences and
-    each of ``ragged_tokens`` tokens; tree buckets for 2, 4, 8, ... tokens per sequence up to
-    ``max_tree_tokens``, as far as ``MAX_GRAPH_TOKENS`` allows."""
-    seqs = sorted({n for n in (1, 2, 4, 8) if n < max_num_seqs} | set(range(8, max_num_seqs, 8)) | {max_num_seqs})
-    prompts = [n for n in (64, 128, 256, 512) if max_num_seqs < n <= prompt_tokens]
-    out = [Bucket(b, 1, False) for b in seqs + prompts if b <= MAX_GRAPH_TOKENS]
-    out += [Bucket(max_num_seqs, t, False, ragged=True) for t in ragged_tokens if t <= MAX_GRAPH_TOKENS]
-    tokens, q = [], 2
-    while q < 2 * max_tree_tokens:
-        tokens.append(min(q, max_tree_tokens))
-        q *= 2
-    return out + [Bucket(b, q, True) for q in sorted(set(tokens)) for b in seqs if b * q <= MAX_GRAPH_TOKENS]
-
-
-class _Graph:
-    """One captured forward: its static inputs, the graph, and its outputs."""
-
-    def __init__(self, layout: StaticLayout, graph: torch.cuda.CUDAGraph, logits: torch.Tensor,
-                 hidden: torch.Tensor, captured: torch.Tensor | None):
-        self.layout, self.graph = layout, graph
-        self.logits, self.hidden, self.captured = logits, hidden, captured
-        self.followers: dict = {}  # graphs captured on this one's inputs and outputs (they die with it)
+    graph: "StepGraph | None" = None
 
 
 class ModelRunner:
@@ -112,9 +72,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = model.cos.shape[0]
         self.cuda_graphs = cuda_graphs  # (on a CPU: each replay runs eagerly, ``runtime/graphs.py``)
-        self._graphs: dict[Bucket, _Graph | None] = {}  # None: capture failed, that bucket runs eagerly
-        self._pool = None
-        self._fits: dict[tuple, list[Bucket]] = {}  # _fitting's answers
+        self.graphs = TargetGraphs(self._capture, max_num_seqs, self.max_model_len, ragged=kernels.name != "exact")
         self.graph_steps = 0  # steps that replayed a graph (a metric; tests read it)
         self.ragged_steps = 0  # prompt steps replayed on a ragged graph (``_ragged_step``)
         self.split_steps = 0  # mixed steps run as a prompt forward and a graph (``_split_step``)
@@ -126,8 +84,7 @@ class ModelRunner:
         if bad:
             raise UnsupportedModelError(f"capture layers {bad} outside [0, {self.model.config.num_layers})")
         if tuple(layers) != getattr(self, "capture_layers", None):
-            self._graphs.clear()  # captured with other outputs
-            self._pool = None  # freed with its last graph: later captures take a new pool
+            self.graphs.clear()  # captured with other outputs (later captures take a new pool)
         self.capture_layers = tuple(layers)
 
     @torch.inference_mode()
@@ -137,8 +94,8 @@ class ModelRunner:
         in place of the chunks' own (placeholders). ``capture`` False: no row of the step goes to the
         draft (its sequences run without one): no captured features are kept (``captured`` None).
         ``eager``: no graph (a chunk with ``write_from``: the graphs' layouts write every row's KV)."""
-        bucket = self._bucket(chunks) if self.cuda_graphs and not eager else None
-        graph = self._graph(bucket) if bucket is not None else None
+        bucket = self.graphs.bucket_for(chunks) if self.cuda_graphs and not eager else None
+        graph = self.graphs.get(bucket) if bucket is not None else None
         if graph is not None and graph.layout.fits(chunks):
             write = None if ids is None else lambda layout: layout.input_ids[:len(ids)].copy_(ids)
             return self._replay(graph, chunks, write, capture)
@@ -157,12 +114,7 @@ class ModelRunner:
     def capture(self, buckets: list[Bucket]) -> None:
         """Capture ``buckets`` now (server start-up) rather than on their first step."""
         if self.cuda_graphs:
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                for b in buckets:
-                    self._graph(b)
-            log.info("captured %d CUDA graphs in %.1f s", sum(g is not None for g in self._graphs.values()),
-                     time.perf_counter() - t0)
+            self.graphs.capture(buckets)
 
     @torch.inference_mode()
     def warm_up(self, max_batch_tokens: int, tree_tokens: tuple[int, ...] = ()) -> float:
@@ -199,7 +151,7 @@ class ModelRunner:
             for width in sorted(set(tree_tokens)):
                 self._warm_tree_layout(width)
         torch.cuda.synchronize()
-        buckets = self._buckets()
+        buckets = self.graphs.buckets()
         tree_q = {min((b.tokens for b in buckets if b.tree and b.tokens >= n), default=0) for n in tree_tokens}
         self.capture([b for b in buckets if not b.tree or b.tokens in tree_q])
         return time.perf_counter() - t0
@@ -221,54 +173,7 @@ class ModelRunner:
             trees, _ = k.sanitize_trees(torch.zeros(4, 1, n, dtype=torch.int64, device=dev), 1, 1)
             k.packed_tree_mask(trees[1], torch.tensor([n], device=dev))
 
-    def _bucket(self, chunks: list[SeqChunk]) -> Bucket | None:
-        """The smallest captured bucket that holds this step (else the smallest), if it is a decode or
-        verification step."""
-        tree, most = False, 1
-        for c in chunks:
-            n = len(c.token_ids)
-            if c.custom_mask is None:
-                if _is_prompt(c):
-                    return None
-            else:
-                if c.custom_mask.shape != (n, n) or (c.mask_start is not None and c.mask_start != c.kv_start) \
-                        or not np.array_equal(c.logits_rows, np.arange(n)):
-                    return None
-                tree, most = True, max(most, n)
-        fitting = self._fitting(tree, len(chunks), most)
-        # A bucket already captured, if one fits: a slightly larger forward costs less than a capture
-        # in the middle of serving (trees shrink near a request's end; adaptive sizes vary).
-        return next((b for b in fitting if self._graphs.get(b) is not None), fitting[0] if fitting else None)
-
-    def _fitting(self, tree: bool, seqs: int, tokens: int, prompt: bool = False) -> list[Bucket]:
-        """The buckets that hold ``seqs`` sequences of up to ``tokens`` tokens, smallest first (by
-        tokens, then tokens per sequence; ties in ``_buckets`` order). Cached: a step asks for the
-        same few shapes again and again, and the bucket list is fixed by the runner's sizes. ``prompt``:
-        the prompt buckets too (a decode step never takes one: it would never capture its own)."""
-        key = (tree, seqs, tokens, prompt, self.max_num_seqs, self.max_model_len)
-        if key not in self._fits:
-            fitting = [b for b in self._buckets() if b.tree == tree and not b.ragged and b.seqs >= seqs
-                       and b.tokens >= tokens and (prompt or b.seqs <= self.max_num_seqs)]
-            self._fits[key] = sorted(fitting, key=lambda b: (b.num_tokens, b.tokens))
-        return self._fits[key]
-
-    def _buckets(self) -> list[Bucket]:
-        # (the exact kernels' attention keeps its own grid: their prompt steps run eagerly)
-        ragged = RAGGED_GRAPH_TOKENS if self.kernels.name != "exact" else ()
-        return graph_buckets(self.max_num_seqs, min(MAX_GRAPH_TOKENS, self.max_model_len),
-                             min(PROMPT_GRAPH_TOKENS, self.max_model_len), ragged)
-
-    def _graph(self, bucket: Bucket) -> _Graph | None:
-        if bucket not in self._graphs:
-            try:
-                self._graphs[bucket] = self._capture(bucket)
-            except torch.OutOfMemoryError:  # results stay exact: this bucket's steps run eagerly
-                log.warning("no GPU memory to capture a CUDA graph for %s: those steps run eagerly", bucket)
-                self._graphs[bucket] = None
-                torch.cuda.empty_cache()
-        return self._graphs[bucket]
-
-    def _capture(self, bucket: Bucket) -> _Graph:
+    def _capture(self, bucket: Bucket) -> StepGraph:
         # A tree's nodes sit past the sequence's committed tokens: the table holds those too. A prompt
         # bucket's table is narrower (its every row is filled, sent and read each prompt step).
         prompts = bucket.ragged or bucket.seqs > self.max_num_seqs
@@ -282,10 +187,10 @@ class ModelRunner:
             rows = out.hidden[layout.logit_rows] if bucket.ragged else out.hidden  # (ragged: each chunk's row)
             return self.model.compute_logits(rows, self.kernels.linear), out.hidden, out.captured
 
-        if self._pool is None and self.device.type == "cuda":
-            self._pool = torch.cuda.graph_pool_handle()
-        graph, (logits, hidden, captured) = capture_graph(forward, self.device, self._pool)
-        return _Graph(layout, graph, logits, hidden, captured)
+        if self.graphs.pool is None and self.device.type == "cuda":
+            self.graphs.pool = torch.cuda.graph_pool_handle()
+        graph, (logits, hidden, captured) = capture_graph(forward, self.device, self.graphs.pool)
+        return StepGraph(layout, graph, logits, hidden, captured)
 
     def _graph_meta(self, layout: StaticLayout) -> AttentionMetadata:
         """The layout's metadata as this kernel set takes it. The layout holds the mask packed as the
@@ -304,11 +209,11 @@ class ModelRunner:
         holds a tree, or more tokens than the largest captured decode graph has sequences: it runs
         eagerly, some ten kernel launches a layer from Python."""
         tokens = sum(len(c.token_ids) for c in chunks)  # first: a big prompt step builds no chunk per token
-        fitting = [b for b in self._fitting(False, tokens, 1, prompt=True) if self._graphs.get(b) is not None]
-        single = decode_tokens(chunks) if fitting else None
-        if single is None or not self._graphs[fitting[0]].layout.fits(single):
+        graph = next((g for g in map(self.graphs.captured, self.graphs.fitting(False, tokens, 1, prompt=True)) if g), None)
+        single = decode_tokens(chunks) if graph is not None else None
+        if single is None or not graph.layout.fits(single):
             return None
-        out = self._replay(self._graphs[fitting[0]], single, capture=capture)
+        out = self._replay(graph, single, capture=capture)
         qsl = np.concatenate(([0], np.cumsum([len(c.token_ids) for c in chunks])))
         rows = [int(qsl[i]) + int(r) for i, c in enumerate(chunks) for r in c.logits_rows]  # increasing
         # Consecutive rows (a prompt's last token): a view; else a gather with no host sync.
@@ -321,8 +226,8 @@ class ModelRunner:
         when none holds it: a tree, a chunk past the prompt graphs' context, more tokens than the
         largest, more than one logits row in a chunk."""
         tokens = sum(len(c.token_ids) for c in chunks)
-        bucket = min((b for b in self._buckets() if b.ragged and b.tokens >= tokens), key=lambda b: b.tokens, default=None)
-        graph = self._graph(bucket) if bucket is not None else None
+        bucket = self.graphs.ragged_for(tokens)
+        graph = self.graphs.get(bucket) if bucket is not None else None
         if graph is None or not graph.layout.fits(chunks):
             return None
         qsl = graph.layout.fill(chunks)
@@ -341,12 +246,12 @@ class ModelRunner:
         Python of a prompt step too (every sequence waits for them); each row's result is the same
         (no row attends to another sequence's). None when the step is not of that form, or no graph
         holds its first part."""
-        k = next((i for i, c in enumerate(chunks) if _is_prompt(c)), 0)
-        if k == 0 or not all(_is_prompt(c) for c in chunks[k:]):
+        k = next((i for i, c in enumerate(chunks) if is_prompt(c)), 0)
+        if k == 0 or not all(is_prompt(c) for c in chunks[k:]):
             return None
         head, tail = chunks[:k], chunks[k:]
-        bucket = self._bucket(head)
-        graph = self._graph(bucket) if bucket is not None else None
+        bucket = self.graphs.bucket_for(head)
+        graph = self.graphs.get(bucket) if bucket is not None else None
         if graph is None or not graph.layout.fits(head):
             return None
         self.split_steps += 1
@@ -384,20 +289,18 @@ class ModelRunner:
         graph.layout.write_trees(tokens, depths, mask)
         return self._run(graph, qsl)
 
-    def tree_graph(self, B: int, n: int) -> _Graph | None:
+    def tree_graph(self, B: int, n: int) -> StepGraph | None:
         """The captured verification graph a step of B trees of n nodes replays (None: none holds it)."""
-        if not self.cuda_graphs:
-            return None
-        return next((self._graphs[b] for b in self._fitting(True, B, n + 1) if self._graphs.get(b) is not None), None)
+        return self.graphs.tree_graph(B, n) if self.cuda_graphs else None
 
-    def _replay(self, graph: _Graph, chunks: list[SeqChunk], on_device=None, capture: bool = True) -> StepOutput:
+    def _replay(self, graph: StepGraph, chunks: list[SeqChunk], on_device=None, capture: bool = True) -> StepOutput:
         """``on_device(layout)``: device work that completes the inputs after the host's fill."""
         qsl = graph.layout.fill(chunks)
         if on_device is not None:
             on_device(graph.layout)
         return self._run(graph, qsl, capture)
 
-    def _run(self, graph: _Graph, qsl: np.ndarray, capture: bool = True) -> StepOutput:
+    def _run(self, graph: StepGraph, qsl: np.ndarray, capture: bool = True) -> StepOutput:
         """Replay ``graph`` on its filled inputs (``qsl``: the step's query_start_loc); ``capture``:
         keep a copy of the captured features (the next replay overwrites the graph's own)."""
         graph.graph.replay()
@@ -405,12 +308,6 @@ class ModelRunner:
         T = int(qsl[-1])
         captured = graph.captured[:T].clone() if capture and graph.captured is not None else None
         return StepOutput(graph.logits[:T], graph.hidden[:T], captured, qsl.tolist(), graph)
-
-
-def _is_prompt(c: SeqChunk) -> bool:
-    """A prompt chunk: no tree mask, and more than one token or other than one logits row (what
-    ``ModelRunner._bucket`` takes for a decode step it never is)."""
-    return c.custom_mask is None and (len(c.token_ids) != 1 or len(c.logits_rows) != 1)
 
 
 def decode_tokens(chunks: list[SeqChunk]) -> list[SeqChunk] | None:
