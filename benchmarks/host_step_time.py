@@ -7,6 +7,10 @@ median step::
     python benchmarks/host_step_time.py --batch 64 --rounds 4
     python benchmarks/host_step_time.py --batch 64 --rounds 6 --skip-forward
 
+``--spread N``: request i asks for ``max_tokens - i % N`` tokens, so that requests finish over N steps
+and the steps not launched ahead (where one finishes: their host work is the step's on a GPU too)
+are reported apart from those launched ahead.
+
 ``--skip-forward``: the replays do nothing (the tokens are the logits buffers' stale values, their
 host work the same): each step's wall time is its host work alone, without the noise of subtracting
 a forward many times longer. What the host adds to a step is what a GPU step bound by its host pays (large batches, SmolLM2).
@@ -55,6 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--skip-forward", action="store_true", help="replays do nothing: the host's work alone")
+    ap.add_argument("--spread", type=int, default=1, help="requests finish over this many steps")
     args = ap.parse_args(argv)
     replay_s = [0.0]
     replay = (lambda graph: None) if args.skip_forward else graphs.EagerGraph.replay
@@ -66,25 +71,34 @@ def main(argv: list[str] | None = None) -> dict:
 
     graphs.EagerGraph.replay = timed
     prompts = [[(7 * i + j) % 90 + 1 for j in range(5)] for i in range(args.batch)]
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    params = [SamplingParams(max_tokens=args.max_tokens - i % max(args.spread, 1), ignore_eos=True)
+              for i in range(args.batch)]
     with tempfile.TemporaryDirectory() as tmp:
         runs = engines(Path(tmp), args.batch)
         result = {name: [] for name in runs}
+        apart = {name: {"launched ahead": [], "not launched ahead": []} for name in runs}
         for r in range(args.rounds):
             for name, engine in runs.items():
-                for p in prompts:
-                    engine.add_request(p, params)
+                for p, sp in zip(prompts, params):
+                    engine.add_request(p, sp)
                 while engine.scheduler.waiting or any(s.prefilling for s in engine.scheduler.running):
                     engine.step()  # the prompts: not counted
-                host = []
+                host, kinds = [], {"launched ahead": [], "not launched ahead": []}
                 while engine.has_work:
+                    ahead = engine._ahead_decode is not None
                     replay_s[0] = 0.0
                     t0 = time.perf_counter()
                     engine.step()
                     host.append(time.perf_counter() - t0 - replay_s[0])
+                    kinds["launched ahead" if ahead else "not launched ahead"].append(host[-1])
                 if r:  # the first round warms up
                     result[name].append(round(statistics.median(host) * 1e6, 1))
-    out = {"batch": args.batch, "skip_forward": args.skip_forward, "host_us_per_step_by_round": result}
+                    for kind, times in kinds.items():
+                        apart[name][kind].append(round(statistics.median(times) * 1e6, 1) if times else None)
+    out = {"batch": args.batch, "skip_forward": args.skip_forward, "spread": args.spread,
+           "host_us_per_step_by_round": result}
+    if args.spread > 1:
+        out["host_us_per_step_by_kind"] = apart
     print(json.dumps(out))
     return out
 
