@@ -56,8 +56,8 @@ class DraftCoordinator:
     @property
     def speculating(self) -> int:
         """Live requests that use the draft now: those that asked for it, less those running without it
-        (``Detacher``). None: every step of the batch is plain, as target-only decoding's, and the
-        engine skips the draft's bookkeeping (at batch 128, tens of microseconds of a host-bound step)."""
+        (``Detacher``). At 0 every step is plain, as target-only decoding's, and the engine skips the
+        draft's bookkeeping (at batch 128, tens of microseconds of a host-bound step)."""
         return self._wanting - (self.detacher.detached if self.detacher is not None else 0)
 
     def admit(self, seq: Sequence) -> None:

@@ -264,8 +264,10 @@ class Engine:
         if pending:
             self._commit_trees(pending, host[len(due):], chained is not None, feeds, events)
         self._chained = chained
-        draft_s = self.speculation.draft(feeds, rows.build(out.captured, out.query_start_loc) if rows is not None else None) \
-            if self.speculation and chained is None else 0.0
+        draft_s = 0.0
+        if self.speculation and chained is None:
+            fed = rows.build(out.captured, out.query_start_loc) if rows is not None else None
+            draft_s = self.speculation.draft(feeds, fed)
         if self.policy is not None and decode_only:
             self._observe(plan, cached if len(plain) == len(plan) else None, events, bool(trees), tree_nodes,
                           (time.perf_counter() - t0 - draft_s) * 1e3, draft_s * 1e3, launched_ahead, from_chain)
