@@ -23,11 +23,12 @@ def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.T
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def take_rows(t: torch.Tensor, rows: list[int], increasing: bool = False) -> torch.Tensor:
+def take_rows(t: torch.Tensor, rows: list[int] | np.ndarray, increasing: bool = False) -> torch.Tensor:
     """``t[rows]`` along dim 0: a view when the rows are consecutive (a decode batch: no index copy, no
     launch), else a gather whose index reaches the device without a host sync. ``increasing``: the
-    caller knows the rows strictly increase (their span alone then says whether they are consecutive)."""
-    if rows and rows[-1] - rows[0] == len(rows) - 1 and \
+    caller knows the rows strictly increase (their span alone then says whether they are consecutive).
+    ``rows``: a list, or an int64 array (no conversion to a list: 40 us for a prompt step's 2,000 rows)."""
+    if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and \
             (increasing or all(b - a == 1 for a, b in zip(rows, rows[1:]))):
-        return t[rows[0]:rows[-1] + 1]
+        return t[int(rows[0]):int(rows[-1]) + 1]
     return t.index_select(0, to_device(rows, torch.int64, t.device))

@@ -26,6 +26,15 @@ def test_take_rows_is_a_view_when_consecutive_else_a_gather():
     assert torch.equal(take_rows(t, [1, 4], increasing=True), t[[1, 4]])
 
 
+def test_take_rows_takes_an_int64_array_as_a_list():
+    t = torch.arange(20).view(10, 2)
+    view = take_rows(t, np.arange(3, 7), increasing=True)
+    assert view.data_ptr() == t[3].data_ptr() and torch.equal(view, t[3:7])
+    assert torch.equal(take_rows(t, np.array([1, 4, 9]), increasing=True), t[[1, 4, 9]])
+    assert torch.equal(take_rows(t, np.array([5, 2])), t[[5, 2]])
+    assert take_rows(t, np.array([], dtype=np.int64)).shape == (0, 2)
+
+
 @pytest.mark.gpu
 def test_copies_queued_behind_device_work_land_intact():
     """Many copies in flight behind queued work, an array of 20,000 entries among them: each lands intact

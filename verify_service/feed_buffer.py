@@ -16,6 +16,7 @@ per sequence only when taken.
 from __future__ import annotations
 
 from collections import Counter
+from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,9 +91,8 @@ class StepRows:
         within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         rows = np.repeat(firsts, counts) + within  # increasing: the chunks' rows follow each other
         seq_ids = np.repeat(np.fromiter((s for _, s, _, _ in entries), dtype=np.int64, count=len(entries)), counts)
-        tokens = np.fromiter((t for *_, ts in entries for t in ts), dtype=np.int64, count=len(rows))
-        return FeedRows(seq_ids, np.repeat(starts, counts) + within,
-                        take_rows(captured, rows.tolist(), increasing=True), tokens)
+        tokens = np.fromiter(chain.from_iterable([ts for *_, ts in entries]), dtype=np.int64, count=len(rows))
+        return FeedRows(seq_ids, np.repeat(starts, counts) + within, take_rows(captured, rows, increasing=True), tokens)
 
 
 FEED_BUFFER_BYTES = 256 << 20  # features waiting for the draft, at most (GPU memory)
