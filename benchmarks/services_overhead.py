@@ -5,7 +5,8 @@ on a tiny random-weight Llama (the model costs little, so what the service adds 
     .venv/bin/python benchmarks/services_overhead.py --concurrency 1 --concurrency 16 --rounds 5 \\
         --max-tokens 128 --stream-interval-ms 0 --stream-interval-ms 10 --out overhead.json
 
-One service process per ``--stream-interval-ms`` (default: 0 and the service's default). Rounds
+One service process per ``--stream-interval-ms`` (default: 0 and the service's default) and
+``--stream-messages-per-s`` (default: the service's; rows keyed "interval/budget"). Rounds
 alternate in-process and service runs, so a noisy host slows both alike; rows report the medians
 of: tokens/s, engine steps/s (the service's from GetMetrics), tokens per response message, and
 CPU seconds per second of the service process and of this (client) process. Both sides run torch
@@ -38,7 +39,7 @@ from tools.evaluate import run  # noqa: E402
 from tools.inprocess import build_engine  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
 from verify_service.loader import random_tensors  # noqa: E402
-from verify_service.server_config import DEFAULT_STREAM_INTERVAL_MS  # noqa: E402
+from verify_service.server_config import DEFAULT_STREAM_INTERVAL_MS, DEFAULT_STREAM_MESSAGES_PER_S  # noqa: E402
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
@@ -120,17 +121,19 @@ def medians(rows: list[dict]) -> dict:
     return {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
 
 
-def start_services(model: Path, tmp: Path, intervals: list[float], batch: int) -> dict:
-    """interval -> (process, client), every service healthy and warmed up."""
+def start_services(model: Path, tmp: Path, settings: list[tuple[float, float]], batch: int) -> dict:
+    """'interval ms/messages a second' -> (process, client) for each (interval, message budget), every
+    service healthy and warmed up."""
     services = {}
-    for ms in intervals:
-        public = f"unix:{tmp}/public-{ms:g}.sock"
+    for ms, budget in settings:
+        key = f"{ms:g}/{budget:g}"
+        public = f"unix:{tmp}/public-{ms:g}-{budget:g}.sock"
         proc = spawn(["serve-verify", "--model", str(model), "--listen", public, "--no-speculation", "--device",
-                      "cpu", "--dtype", "float32", "--max-num-seqs", str(batch), "--stream-interval-ms", f"{ms:g}"],
-                     tmp / f"verify-{ms:g}.log")
-        services[ms] = proc, Eagle3Client(public, timeout_s=600)
-        wait_healthy(services[ms][1], "", proc, "verify service")
-        services[ms][1].complete(prompts(1)[0], max_tokens=8, ignore_eos=True)  # warm-up
+                      "cpu", "--dtype", "float32", "--max-num-seqs", str(batch), "--stream-interval-ms", f"{ms:g}",
+                      "--stream-messages-per-s", f"{budget:g}"], tmp / f"verify-{ms:g}-{budget:g}.log")
+        services[key] = proc, Eagle3Client(public, timeout_s=600)
+        wait_healthy(services[key][1], "", proc, "verify service")
+        services[key][1].complete(prompts(1)[0], max_tokens=8, ignore_eos=True)  # warm-up
     return services
 
 
@@ -139,6 +142,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, action="append", help="requests in flight (default: 1 and 16)")
     ap.add_argument("--stream-interval-ms", type=float, action="append",
                     help=f"a service per value (default: 0 and {DEFAULT_STREAM_INTERVAL_MS:g}, the service's default)")
+    ap.add_argument("--stream-messages-per-s", type=float, action="append",
+                    help=f"a service per value and interval (default: {DEFAULT_STREAM_MESSAGES_PER_S:g}, the "
+                         "service's default; 0: no bound)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--torch-threads", type=int, default=1)
@@ -146,24 +152,26 @@ def main() -> None:
     args = ap.parse_args()
     levels = sorted(set(args.concurrency or [1, 16]))
     intervals = sorted(set(args.stream_interval_ms or [0.0, DEFAULT_STREAM_INTERVAL_MS]))
+    budgets = sorted(set(args.stream_messages_per_s or [DEFAULT_STREAM_MESSAGES_PER_S]))
+    settings = [(ms, b) for ms in intervals for b in budgets]
     torch.set_num_threads(args.torch_threads)
     os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)  # the services inherit it
     tmp = Path(tempfile.mkdtemp(prefix="eagle3-overhead-"))
     model = write_tiny_model(tmp / "model")
     local = InProcess(model, max(levels))
-    services = start_services(model, tmp, intervals, max(levels))
+    services = start_services(model, tmp, settings, max(levels))
     report = {"max_tokens": args.max_tokens, "rounds": args.rounds, "torch_threads": args.torch_threads, "runs": []}
     try:
         for c in levels:
-            rows = {"in_process": []} | {ms: [] for ms in intervals}
+            rows = {"in_process": []} | {key: [] for key in services}
             for _ in range(args.rounds):
                 rows["in_process"].append(local.round(c, args.max_tokens))
-                for ms, (proc, client) in services.items():
-                    rows[ms].append(service_round(client, proc.pid, c, args.max_tokens))
+                for key, (proc, client) in services.items():
+                    rows[key].append(service_round(client, proc.pid, c, args.max_tokens))
             row = {"concurrency": c, "in_process": medians(rows["in_process"]),
-                   "service_by_interval_ms": {f"{ms:g}": medians(rows[ms]) for ms in intervals}}
-            row["service_vs_in_process"] = {ms: round(r["tokens_per_s"] / row["in_process"]["tokens_per_s"], 3)
-                                            for ms, r in row["service_by_interval_ms"].items()}
+                   "service_by_interval_ms_and_messages_per_s": {key: medians(rows[key]) for key in services}}
+            row["service_vs_in_process"] = {key: round(r["tokens_per_s"] / row["in_process"]["tokens_per_s"], 3)
+                                            for key, r in row["service_by_interval_ms_and_messages_per_s"].items()}
             report["runs"].append(row)
             print(json.dumps(row), flush=True)
         if args.out:

@@ -16,6 +16,7 @@ from verify_service.engine import Engine, TokenEvent
 from verify_service.event_box import EventBox
 from verify_service.server import create_server
 from verify_service.server_config import VerifyServerConfig
+from verify_service.servicers import MAX_STREAM_INTERVAL_S, stream_interval
 
 PROMPT = list(range(10, 30))
 
@@ -79,10 +80,55 @@ def want(model):
     return Engine(target_for(model)).generate([PROMPT], SamplingParams(max_tokens=64, ignore_eos=True))[0].token_ids
 
 
-def _server(model, tmp_path, interval_ms: float):
+def _server(model, tmp_path, interval_ms: float, messages_per_s: float = 0.0):
     engine = EngineConfig(str(model), device=TEST_DEVICE, dtype=TEST_DTYPE, num_kv_blocks=64)
-    cfg = VerifyServerConfig(engine, None, listen=f"unix:{tmp_path}/api.sock", stream_interval_ms=interval_ms)
+    cfg = VerifyServerConfig(engine, None, listen=f"unix:{tmp_path}/api.sock", stream_interval_ms=interval_ms,
+                             stream_messages_per_s=messages_per_s)
     return create_server(cfg), Eagle3Client(cfg.listen, timeout_s=60)
+
+
+def test_a_stream_interval_grows_with_the_open_streams_past_the_message_budget():
+    assert stream_interval(0.01, 1, 400.0) == 0.01
+    assert stream_interval(0.01, 4, 400.0) == 0.01  # 4 streams every 10 ms: 400 messages a second
+    assert stream_interval(0.01, 16, 400.0) == pytest.approx(0.04)
+    assert stream_interval(0.01, 10_000, 400.0) == MAX_STREAM_INTERVAL_S
+    assert stream_interval(0.5, 10_000, 400.0) == 0.5  # never shorter than asked
+    assert stream_interval(0.01, 10_000, 0.0) == 0.01  # 0: no bound
+    assert stream_interval(0.0, 1, 400.0) == pytest.approx(0.0025)
+
+
+@pytest.mark.parametrize("messages_per_s", [-1.0, 2e6])
+def test_a_message_budget_out_of_range_is_refused(model, messages_per_s):
+    engine = EngineConfig(str(model), device=TEST_DEVICE, dtype=TEST_DTYPE)
+    with pytest.raises(InvalidRequestError) as info:
+        VerifyServerConfig(engine, None, stream_messages_per_s=messages_per_s)
+    assert info.value.field == "stream_messages_per_s"
+
+
+def test_concurrent_streams_keep_to_the_message_budget_and_lose_no_token(model, want, tmp_path):
+    """4 messages a second in all: every stream waits the longest interval between messages (a
+    message per step without the budget: 64), and still gets every token in order."""
+    server, client = _server(model, tmp_path, 0.0, messages_per_s=4.0)
+    got: dict[int, list] = {}
+
+    def one(i):
+        got[i] = list(client.generate(PROMPT, max_tokens=64, ignore_eos=True))
+    try:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        elapsed = time.monotonic() - start
+        for events in got.values():
+            deltas = events[:-1]
+            assert [t for ev in deltas for t in ev.token_ids] == want and events[-1].done
+            assert len(deltas) <= 2 + elapsed / MAX_STREAM_INTERVAL_S
+        assert len(got) == 4
+    finally:
+        client.close()
+        server.stop(0)
 
 
 @pytest.mark.parametrize("interval_ms", [-1.0, 1001.0])

@@ -146,7 +146,8 @@ def create_server(cfg: VerifyServerConfig) -> VerifyServer:
     if metrics is not None:
         metrics.attach(lambda timeout_s: latest_stats(loop, remote))
     generation = GenerationServicer(loop, cfg.limits, remote, cfg.max_tokens_default, Path(cfg.engine.model_dir).name,
-                                    cfg.max_open_streams, cfg.max_queued_requests, cfg.stream_interval_ms / 1e3)
+                                    cfg.max_open_streams, cfg.max_queued_requests, cfg.stream_interval_ms / 1e3,
+                                    cfg.stream_messages_per_s)
     add_generation_servicer(generation, public)
     add_health_servicer(status, public)  # a malformed request: INVALID_ARGUMENT, not INTERNAL
     enable_reflection((GENERATION, health.SERVICE_NAME), public)

@@ -16,6 +16,7 @@ DEFAULT_PUBLIC = "127.0.0.1:50051"  # loopback unless configured otherwise
 DEFAULT_INTERNAL = default_internal_address()  # the draft channel never leaves the host, nor this user
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 DEFAULT_STREAM_INTERVAL_MS = 10.0
+DEFAULT_STREAM_MESSAGES_PER_S = 400.0
 RESERVED_WORKERS = 16
 
 
@@ -34,6 +35,8 @@ class VerifyServerConfig:
     max_open_streams: int = 256  # Generate streams at once; more get RESOURCE_EXHAUSTED at once
     max_queued_requests: int = 256  # requests waiting for a batch slot; more get RESOURCE_EXHAUSTED
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS  # a stream's tokens gather this long after a message
+    # the open streams together send about this many messages a second at most (each one's interval grows)
+    stream_messages_per_s: float = DEFAULT_STREAM_MESSAGES_PER_S
     shutdown_grace_s: float = 30.0  # on SIGTERM: how long streams in flight may take to finish
     metrics_port: int | None = None  # Prometheus /metrics on the --listen host (None: off; 0: any free port)
     tls_cert: str | None = None  # PEM files: TLS on the public API (None: plaintext)
@@ -57,6 +60,9 @@ class VerifyServerConfig:
                 raise InvalidRequestError(name, f"must be in [1, 65536], got {getattr(self, name)}")
         if not 0 <= self.stream_interval_ms <= 1000:
             raise InvalidRequestError("stream_interval_ms", f"must be in [0, 1000], got {self.stream_interval_ms}")
+        if not 0 <= self.stream_messages_per_s <= 1e6:
+            raise InvalidRequestError("stream_messages_per_s",
+                                      f"must be in [0, 1000000] (0: no bound), got {self.stream_messages_per_s}")
         if not 0 <= self.shutdown_grace_s <= 3600:
             raise InvalidRequestError("shutdown_grace_s", f"must be in [0, 3600], got {self.shutdown_grace_s}")
         if self.adaptive_speculation and self.limits is None:
@@ -136,6 +142,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="after a response message, a stream lets its tokens gather this long and sends them in the "
                         "next one (its first tokens and its end go at once); every message costs the engine thread "
                         "time, so fewer of them keep throughput up under load. 0: a message as soon as tokens are in")
+    p.add_argument("--stream-messages-per-s", type=float, default=DEFAULT_STREAM_MESSAGES_PER_S,
+                   help="the open streams together send about this many response messages a second at most: with "
+                        "more open streams than this times --stream-interval-ms, each stream's interval grows to "
+                        "open streams / this (250 ms at most). 0: no bound")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM: NOT_SERVING and no new requests at once; streams in flight get this long")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
@@ -176,6 +186,7 @@ def from_args(args: argparse.Namespace, model_dir: str) -> VerifyServerConfig:
                               max_tokens_default=args.max_tokens_default, metrics_port=args.metrics_port,
                               max_open_streams=args.max_open_streams, max_queued_requests=args.max_queued_requests,
                               stream_interval_ms=args.stream_interval_ms,
+                              stream_messages_per_s=args.stream_messages_per_s,
                               shutdown_grace_s=args.shutdown_grace_s,
                               tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                               api_token=read_token(args.api_token_file, "api_token_file") if args.api_token_file

@@ -29,16 +29,30 @@ from verify_service.stats import latest_stats
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 _CANCEL_POLL_S = 0.25
+MAX_STREAM_INTERVAL_S = 0.25  # the message budget never makes a stream wait longer between messages
+
+
+def stream_interval(base_s: float, open_streams: int, messages_per_s: float) -> float:
+    """How long a stream lets its tokens gather after a message: ``base_s`` (--stream-interval-ms), or
+    longer where the open streams would together send more than ``messages_per_s`` messages a second
+    (0: no bound), up to ``MAX_STREAM_INTERVAL_S``. Each message takes the GIL from the engine thread
+    (the handler's and gRPC's threads wake; on an H200 host about 150 us of GIL time a message): at 16
+    streams and 10 ms, a quarter of a speculative run's wall time (``benchmarks/results/speculation/
+    services_h200_c896be1/gil_profile_verify_c16.txt``)."""
+    if messages_per_s <= 0 or open_streams <= base_s * messages_per_s:
+        return base_s
+    return max(base_s, min(open_streams / messages_per_s, MAX_STREAM_INTERVAL_S))
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, loop: EngineThread, limits: TreeSettings | None, remote: RemoteDraft | None,
                  max_tokens_default: int, model_name: str, max_open_streams: int = 256,
-                 max_queued_requests: int = 256, stream_interval_s: float = 0.0):
+                 max_queued_requests: int = 256, stream_interval_s: float = 0.0, stream_messages_per_s: float = 0.0):
         """``stream_interval_s``: after a response message, a stream lets tokens gather this long
-        before the next (its last tokens and its end go at once)."""
+        before the next (its last tokens and its end go at once); longer with many open streams, so
+        that they send about ``stream_messages_per_s`` messages a second in all (``stream_interval``)."""
         self.loop, self.limits, self.remote = loop, limits, remote
-        self.stream_interval_s = stream_interval_s
+        self.stream_interval_s, self.stream_messages_per_s = stream_interval_s, stream_messages_per_s
         self.target = loop.engine.target
         self.max_tokens_default = max_tokens_default
         self.model_name = model_name
@@ -80,7 +94,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         while True:
             # Every event committed since the last message, as one message (the message, not the
             # token, is what costs: thread wake-ups that take the GIL from the engine thread).
-            batch = events.take(_CANCEL_POLL_S, sent_at + self.stream_interval_s - time.monotonic())
+            interval = stream_interval(self.stream_interval_s, self.open_streams, self.stream_messages_per_s)
+            batch = events.take(_CANCEL_POLL_S, sent_at + interval - time.monotonic())
             if not context.is_active():
                 self.loop.cancel(seq_id)
                 return
