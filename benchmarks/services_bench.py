@@ -71,6 +71,8 @@ def main() -> None:
                     help="batch-invariant numerics on the verify service and the in-process reference")
     ap.add_argument("--stream-interval-ms", type=float, default=None,
                     help="the verify service's --stream-interval-ms (default: its own default)")
+    ap.add_argument("--stream-messages-per-s", type=float, default=None,
+                    help="the verify service's --stream-messages-per-s (default: its own default; 0: no bound)")
     ap.add_argument("--chained-steps", default="on", choices=["on", "off"],
                     help="the draft service's --chained-steps (off: every step's rows and trees through the host)")
     ap.add_argument("--chain-min-seqs", type=int, default=None,
@@ -116,6 +118,8 @@ def main() -> None:
                     *(["--exact"] if args.exact else []),
                     *([] if args.stream_interval_ms is None else
                       ["--stream-interval-ms", str(args.stream_interval_ms)]),
+                    *([] if args.stream_messages_per_s is None else
+                      ["--stream-messages-per-s", str(args.stream_messages_per_s)]),
                     *([] if args.chain_min_seqs is None else ["--chain-min-seqs", str(args.chain_min_seqs)])],
                    tmp / "verify.log")
     draft = None
@@ -128,6 +132,7 @@ def main() -> None:
         client.complete(prompts[0], max_tokens=8)  # warm-up
         report = {"device": args.device, "dtype": args.dtype, "tree": tree.describe(), "exact": args.exact,
                   "adaptive_speculation": args.adaptive_speculation, "stream_interval_ms": args.stream_interval_ms,
+                  "stream_messages_per_s": args.stream_messages_per_s,
                   "chained_steps": args.chained_steps, "chain_min_seqs": args.chain_min_seqs,
                   "prompts": len(prompts),
                   "max_tokens": args.max_tokens, "runs": []}
