@@ -886,6 +886,25 @@ def test_requests_started_together_where_trees_do_not_pay_run_without_the_draft(
     assert alone.token_ids == want[1] and engine.speculation.detacher.detached_requests == 5  # attached (its trees break even)
 
 
+class DetachLongContexts(AdaptivePolicy):
+    """Trees do not pay beyond 50 tokens of context, whatever the batch."""
+
+    def detaches(self, batch, context):
+        return context > 50
+
+
+def test_a_wave_of_prompts_admitted_over_several_steps_starts_alike(dirs):
+    """Four short prompts and four long ones together, prefilled over several steps (32 tokens a
+    step): each step's new requests are priced at the batch's mean length (60 tokens), so all eight
+    start without the draft; priced at their own prompts, the short ones kept it."""
+    prompts = [list(range(1 + i, 21 + i)) for i in range(4)] + [[(7 * j + i) % 90 + 1 for j in range(100)] for i in range(4)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = [r.token_ids for r in Engine(target_for(dirs[0], max_batch_tokens=32)).generate(prompts, params)]
+    engine = eagle_engine(dirs, "dynamic", DetachLongContexts, table(1.0), max_batch_tokens=32)
+    assert [r.token_ids for r in engine.generate(prompts, params)] == want
+    assert engine.speculation.detacher.detached_requests == 8
+
+
 class DetachAboveTwo(AdaptivePolicy):
     """Trees pay at batch 1 and 2 only, and then the largest is always chosen."""
 

@@ -31,12 +31,16 @@ class Detacher:
 
     def starting(self, plan) -> None:
         """Requests whose first chunk runs now, where trees would not pay at the batch they join (the
-        running and waiting requests: ``AdaptivePolicy.detaches``), run without the draft."""
+        running and waiting requests, at their mean length: ``AdaptivePolicy.detaches``), run without
+        the draft. (Priced at the new requests' own prompts, a wave of prompts admitted over several
+        steps was split: the steps of short prompts kept the draft, those of long ones left it.)"""
         new = [s for s, _ in plan if s.num_cached == 0 and s.speculate]
         if not new:
             return
-        batch = len(self.scheduler.running) + len(self.scheduler.waiting)
-        if self.policy.detaches(batch, sum(len(s.prompt_ids) for s in new) / len(new)):
+        sched = self.scheduler
+        batch = len(sched.running) + len(sched.waiting)
+        context = (sum(s.num_tokens for s in sched.running) + sum(s.num_tokens for s in sched.waiting)) / batch
+        if self.policy.detaches(batch, context):
             for s in new:
                 s.speculate, s.detached = False, True
             self.detached_requests += len(new)
