@@ -80,6 +80,9 @@ def main() -> None:
     ap.add_argument("--py-spy", type=int, default=0, metavar="SECONDS",
                     help="sample both services and this client with py-spy (installed) for this long at the start of "
                          "each speculative run; raw stacks beside --out")
+    ap.add_argument("--py-spy-gil", action="store_true",
+                    help="with --py-spy: sample only the thread holding the GIL (py-spy --gil), not every thread: "
+                         "which threads take it, and where")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     levels = args.concurrency or [1]
@@ -138,7 +141,7 @@ def main() -> None:
                   "max_tokens": args.max_tokens, "runs": []}
         for c in levels:
             before = client.metrics()
-            spies = py_spy([verify, draft, None], args.py_spy, args.out, c)
+            spies = py_spy([verify, draft, None], args.py_spy, args.out, c, args.py_spy_gil)
             timings = []
             rows, secs = through_services(client, prompts, args.max_tokens, c, True, timings)
             for spy in spies:
@@ -207,13 +210,15 @@ def run_continuous(engine, prompts, params: SamplingParams, concurrency: int) ->
     return tokens, time.perf_counter() - start, steps
 
 
-def py_spy(procs, seconds: int, out: str | None, concurrency: int) -> list[subprocess.Popen]:
-    """py-spy recorders of ``procs`` (None: this process; every thread, idle samples too, 500 a second) for ``seconds``;
-    none when ``seconds`` is 0 or there is no ``out`` to put their files beside."""
+def py_spy(procs, seconds: int, out: str | None, concurrency: int, gil: bool = False) -> list[subprocess.Popen]:
+    """py-spy recorders of ``procs`` (None: this process; every thread, idle samples too, 500 a second; ``gil``:
+    only the thread holding the GIL) for ``seconds``; none when ``seconds`` is 0 or there is no ``out`` to put
+    their files beside."""
     if seconds <= 0 or not out:
         return []
+    which = "--gil" if gil else "--idle"
     return [subprocess.Popen(["py-spy", "record", "--pid", str(p.pid if p is not None else os.getpid()), "--duration",
-                              str(seconds), "--rate", "500", "--idle", "--threads", "--nonblocking", "--format", "raw",
+                              str(seconds), "--rate", "500", which, "--threads", "--nonblocking", "--format", "raw",
                               "-o", str(Path(out).with_suffix(f".{name}_c{concurrency}.pyspy.txt"))],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for name, p in zip(("verify", "draft", "client"), procs)]

@@ -34,6 +34,18 @@ def test_pyspy_summary_shares_one_threads_samples(tmp_path):
     assert " 75.0% step (verify_service/engine.py:9) :: wait" in text
 
 
+def test_pyspy_summary_counts_each_threads_samples(tmp_path):
+    from benchmarks.pyspy_summary import per_thread
+    raw = tmp_path / "raw.txt"
+    raw.write_text("thread (1): engine-thread;step (verify_service/engine.py:9) 3\n"
+                   "thread (1): engine-thread 2;idle (x.py:5) 1\n"  # (py-spy numbers a repeated name)
+                   "thread (2): ThreadPoolExecutor-0_1;send (grpc/_server.py:1) 4\n")
+    lines = per_thread(str(raw)).splitlines()
+    assert lines[0].endswith("8 samples")
+    assert lines[1].split() == ["4", "50.0%", "thread", "(1):", "engine-thread"]
+    assert lines[2].split() == ["4", "50.0%", "thread", "(2):", "ThreadPoolExecutor-0_1"]
+
+
 def test_profile_diff_puts_the_largest_difference_first(tmp_path):
     import cProfile
     import time
