@@ -123,6 +123,20 @@ def test_concurrent_streams_keep_to_the_message_budget_and_lose_no_token(model, 
         server.stop(0)
 
 
+def test_the_budget_counts_the_streams_sending_tokens_not_those_waiting_for_a_slot():
+    from types import SimpleNamespace
+
+    from verify_service.servicers import GenerationServicer
+    loop = SimpleNamespace(engine=SimpleNamespace(target=None), published=None)
+    servicer = GenerationServicer(loop, None, None, 16, "m", stream_interval_s=0.01, stream_messages_per_s=400.0)
+    servicer.open_streams = 200
+    assert servicer.streaming() == 200  # (nothing published yet)
+    loop.published = SimpleNamespace(running_requests=16)  # 16 decode, 184 wait for a batch slot
+    assert servicer.streaming() == 16
+    loop.published.running_requests, servicer.open_streams = 16, 3  # (requests from elsewhere count not)
+    assert servicer.streaming() == 3
+
+
 @pytest.mark.parametrize("field, value", [("stream_interval_ms", -1.0), ("stream_interval_ms", 1001.0),
                                           ("stream_messages_per_s", -1.0), ("stream_messages_per_s", 2e6)])
 def test_a_stream_setting_out_of_range_is_refused(model, field, value):

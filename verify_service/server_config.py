@@ -35,7 +35,7 @@ class VerifyServerConfig:
     max_open_streams: int = 256  # Generate streams at once; more get RESOURCE_EXHAUSTED at once
     max_queued_requests: int = 256  # requests waiting for a batch slot; more get RESOURCE_EXHAUSTED
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS  # a stream's tokens gather this long after a message
-    # the open streams together send about this many messages a second at most (each one's interval grows)
+    # the streams sending tokens together send about this many messages a second at most (each one's interval grows)
     stream_messages_per_s: float = DEFAULT_STREAM_MESSAGES_PER_S
     shutdown_grace_s: float = 30.0  # on SIGTERM: how long streams in flight may take to finish
     metrics_port: int | None = None  # Prometheus /metrics on the --listen host (None: off; 0: any free port)
@@ -143,9 +143,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "next one (its first tokens and its end go at once); every message costs the engine thread "
                         "time, so fewer of them keep throughput up under load. 0: a message as soon as tokens are in")
     p.add_argument("--stream-messages-per-s", type=float, default=DEFAULT_STREAM_MESSAGES_PER_S,
-                   help="the open streams together send about this many response messages a second at most: with "
-                        "more open streams than this times --stream-interval-ms, each stream's interval grows to "
-                        "open streams / this (250 ms at most). 0: no bound")
+                   help="the streams together send about this many response messages a second at most: with more "
+                        "streams sending tokens (open ones, at most the running requests) than this times "
+                        "--stream-interval-ms, each stream's interval grows to those streams / this (250 ms at "
+                        "most). 0: no bound")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM: NOT_SERVING and no new requests at once; streams in flight get this long")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",

@@ -32,16 +32,16 @@ _CANCEL_POLL_S = 0.25
 MAX_STREAM_INTERVAL_S = 0.25  # the message budget never makes a stream wait longer between messages
 
 
-def stream_interval(base_s: float, open_streams: int, messages_per_s: float) -> float:
+def stream_interval(base_s: float, streams: int, messages_per_s: float) -> float:
     """How long a stream lets its tokens gather after a message: ``base_s`` (--stream-interval-ms), or
-    longer where the open streams would together send more than ``messages_per_s`` messages a second
-    (0: no bound), up to ``MAX_STREAM_INTERVAL_S``. Each message takes the GIL from the engine thread
+    longer where the ``streams`` sending tokens would together send more than ``messages_per_s``
+    messages a second (0: no bound), up to ``MAX_STREAM_INTERVAL_S``. Each message takes the GIL from the engine thread
     (the handler's and gRPC's threads wake; on an H200 host about 150 us of GIL time a message): at 16
     streams and 10 ms, a quarter of a speculative run's wall time (``benchmarks/results/speculation/
     services_h200_c896be1/gil_profile_verify_c16.txt``)."""
-    if messages_per_s <= 0 or open_streams <= base_s * messages_per_s:
+    if messages_per_s <= 0 or streams <= base_s * messages_per_s:
         return base_s
-    return max(base_s, min(open_streams / messages_per_s, MAX_STREAM_INTERVAL_S))
+    return max(base_s, min(streams / messages_per_s, MAX_STREAM_INTERVAL_S))
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -94,7 +94,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         while True:
             # Every event committed since the last message, as one message (the message, not the
             # token, is what costs: thread wake-ups that take the GIL from the engine thread).
-            interval = stream_interval(self.stream_interval_s, self.open_streams, self.stream_messages_per_s)
+            interval = stream_interval(self.stream_interval_s, self.streaming(), self.stream_messages_per_s)
             batch = events.take(_CANCEL_POLL_S, sent_at + interval - time.monotonic())
             if not context.is_active():
                 self.loop.cancel(seq_id)
@@ -111,6 +111,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if batch[-1].finish_reason is not None:
                 yield api_convert.done(batch[-1], len(ids), produced)
                 return
+
+    def streaming(self) -> int:
+        """Streams that send tokens now: the open ones, at most the engine's running requests (as the
+        engine thread last published them: those waiting for a batch slot send nothing)."""
+        stats = self.loop.published
+        return self.open_streams if stats is None else min(self.open_streams, stats.running_requests)
 
     def GetServerInfo(self, request, context):
         eng, lim = self.target, self.limits
