@@ -16,8 +16,8 @@ per sequence only when taken.
 from __future__ import annotations
 
 from collections import Counter
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch

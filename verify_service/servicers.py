@@ -35,10 +35,10 @@ MAX_STREAM_INTERVAL_S = 0.25  # the message budget never makes a stream wait lon
 def stream_interval(base_s: float, streams: int, messages_per_s: float) -> float:
     """How long a stream lets its tokens gather after a message: ``base_s`` (--stream-interval-ms), or
     longer where the ``streams`` sending tokens would together send more than ``messages_per_s``
-    messages a second (0: no bound), up to ``MAX_STREAM_INTERVAL_S``. Each message takes the GIL from the engine thread
-    (the handler's and gRPC's threads wake; on an H200 host about 150 us of GIL time a message): at 16
-    streams and 10 ms, a quarter of a speculative run's wall time (``benchmarks/results/speculation/
-    services_h200_c896be1/gil_profile_verify_c16.txt``)."""
+    messages a second (0: no bound), up to ``MAX_STREAM_INTERVAL_S``. Each message takes the GIL from
+    the engine thread (the handler's and gRPC's threads wake; on an H200 host about 150 us of GIL
+    time a message): at 16 streams and 10 ms, a fifth of a speculative run's wall time
+    (``benchmarks/results/speculation/services_h200_c896be1/gil_profile_verify_c16.txt``)."""
     if messages_per_s <= 0 or streams <= base_s * messages_per_s:
         return base_s
     return max(base_s, min(streams / messages_per_s, MAX_STREAM_INTERVAL_S))
