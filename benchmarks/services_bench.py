@@ -45,7 +45,7 @@ from common.tree_settings import TreeSettings, default_tree  # noqa: E402
 from draft_service.spec_config import SpecConfig  # noqa: E402
 from draft_service.eagle_init import write_random_head  # noqa: E402
 from hub.default_model import ensure_default_model  # noqa: E402
-from tools.evaluate import run  # noqa: E402
+from tools.evaluate import run, run_continuous  # noqa: E402
 from tools.inprocess import build_engine  # noqa: E402
 from tools.train.data import load_prompts  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
@@ -187,27 +187,6 @@ def main() -> None:
                 log = tmp / f"{name}.log"
                 if log.exists():
                     Path(args.out).with_suffix(f".{name}.log").write_text(log.read_text()[-200_000:])
-
-
-def run_continuous(engine, prompts, params: SamplingParams, concurrency: int) -> tuple[int, float, int]:
-    """Every prompt through ``engine`` with ``concurrency`` requests in flight, the next one added as
-    one finishes (the services' client's arrivals, at the engine's step boundaries): tokens, seconds,
-    engine steps."""
-    pending, live, tokens, steps = list(reversed(prompts)), 0, 0, 0
-    if engine.target.device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    while pending or live:
-        while pending and live < concurrency:
-            engine.add_request(pending.pop(), params)
-            live += 1
-        steps += 1
-        for ev in engine.step():
-            tokens += len(ev.token_ids)
-            live -= ev.finish_reason is not None
-    if engine.target.device.type == "cuda":
-        torch.cuda.synchronize()
-    return tokens, time.perf_counter() - start, steps
 
 
 def py_spy(procs, seconds: int, out: str | None, concurrency: int, gil: bool = False) -> list[subprocess.Popen]:

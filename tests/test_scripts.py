@@ -84,3 +84,18 @@ def test_services_bench_request_timings():
     t = request_timings(rows)
     assert t == pytest.approx({"ttft_ms": 15.0, "after_first_ms": 285.0, "client_gap_ms": 500.0}, abs=0.002)
     assert request_timings([]) == {}
+
+
+def test_run_continuous_keeps_the_requests_in_flight_and_counts_every_token(tmp_path):
+    from common.sampling_params import SamplingParams
+    from tiny_models import make_model_dir, target_for
+    from tools.evaluate import run_continuous
+    from verify_service.engine import Engine
+    engine = Engine(target_for(make_model_dir(tmp_path / "t", "llama3", seed=5, std=0.3), max_num_seqs=4))
+    prompts = [list(range(10 + i, 20 + i)) for i in range(5)]
+    in_flight = []
+    add = engine.add_request
+    engine.add_request = lambda p, sp: in_flight.append(len(engine.sequences) + 1) or add(p, sp)
+    tokens, seconds, steps = run_continuous(engine, prompts, SamplingParams(max_tokens=6, ignore_eos=True), 2)
+    assert tokens == 30 and seconds > 0 and steps >= 15  # two at a time, one token a step each
+    assert max(in_flight) == 2 and len(in_flight) == 5 and not engine.has_work

@@ -72,6 +72,25 @@ def run(engine, prompts: list[list[int]], params: SamplingParams, batch: int) ->
     return outputs, total, metrics
 
 
+def run_continuous(engine, prompts: list[list[int]], params: SamplingParams,
+                   concurrency: int) -> tuple[int, float, int]:
+    """Every prompt with ``concurrency`` requests in flight, the next one added as one finishes (a
+    server's client's arrivals, at the engine's step boundaries); returns tokens, seconds, engine steps."""
+    pending, live, tokens, steps = list(reversed(prompts)), 0, 0, 0
+    _sync()
+    start = time.perf_counter()
+    while pending or live:
+        while pending and live < concurrency:
+            engine.add_request(pending.pop(), params)
+            live += 1
+        steps += 1
+        for ev in engine.step():
+            tokens += len(ev.token_ids)
+            live -= ev.finish_reason is not None
+    _sync()
+    return tokens, time.perf_counter() - start, steps
+
+
 def summarize(name: str, outputs, secs, metrics, reference, ref_secs) -> dict:
     tokens = sum(len(o) for o in outputs)
     same = sum(o == r for o, r in zip(outputs, reference))
