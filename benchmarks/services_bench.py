@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
@@ -38,6 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import phased_serve  # noqa: E402
+from benchmarks.step_timeline import patched  # noqa: E402
 from cli.up import spawn, wait_healthy  # noqa: E402
 from client.eagle3_client import Eagle3Client  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
@@ -83,6 +86,10 @@ def main() -> None:
     ap.add_argument("--py-spy-gil", action="store_true",
                     help="with --py-spy: sample only the thread holding the GIL (py-spy --gil), not every thread: "
                          "which threads take it, and where")
+    ap.add_argument("--phases", action="store_true",
+                    help="time the verify engine's host phases, wall and CPU, per step (benchmarks/phased_serve.py), "
+                         "and the in-process engine's in one more continuous run per level: where the services' steps "
+                         "lose their time (the instrumentation costs both sides alike)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     levels = args.concurrency or [1]
@@ -108,6 +115,7 @@ def main() -> None:
     run(engine, prompts[:2], SamplingParams(max_tokens=8), 1)  # warm-up
     inprocess = {c: run(engine, prompts, params, c) for c in levels}
     continuous = {c: run_continuous(engine, prompts, params, c) for c in levels}
+    inprocess_phases = {c: phased_continuous(engine, prompts, params, c) for c in levels} if args.phases else {}
     del engine
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -124,7 +132,10 @@ def main() -> None:
                     *([] if args.stream_messages_per_s is None else
                       ["--stream-messages-per-s", str(args.stream_messages_per_s)]),
                     *([] if args.chain_min_seqs is None else ["--chain-min-seqs", str(args.chain_min_seqs)])],
-                   tmp / "verify.log")
+                   tmp / "verify.log", **({"module": "benchmarks.phased_serve",
+                                           "env": {phased_serve.ENV_OUT: str(tmp / "phases.json"),
+                                                   phased_serve.ENV_SWITCH: os.environ.get(phased_serve.ENV_SWITCH, "")}}
+                                          if args.phases else {}))
     draft = None
     try:
         client = Eagle3Client(public, timeout_s=600)
@@ -140,6 +151,7 @@ def main() -> None:
                   "prompts": len(prompts),
                   "max_tokens": args.max_tokens, "runs": []}
         for c in levels:
+            phases_before = idle_phases(tmp / "phases.json") if args.phases else None
             before = client.metrics()
             spies = py_spy([verify, draft, None], args.py_spy, args.out, c, args.py_spy_gil)
             timings = []
@@ -147,6 +159,10 @@ def main() -> None:
             for spy in spies:
                 spy.wait(60)
             steps = {k: client.metrics()[k] - before[k] for k in ("speculative_steps", "plain_steps", "chained_steps")}
+            phases = None if phases_before is None else {
+                "services": phased_serve.per_step(phases_before, idle_phases(tmp / "phases.json"),
+                                                  max(1, steps["speculative_steps"] + steps["plain_steps"])),
+                "inprocess": inprocess_phases[c]}
             plain, plain_secs = through_services(client, prompts, args.max_tokens, c, False)
             outputs, in_secs, _ = inprocess[c]
             tokens = sum(len(t) for t, _ in rows)
@@ -160,7 +176,7 @@ def main() -> None:
                    "steps": steps,
                    "step_ms": round(secs * 1e3 / max(1, steps["speculative_steps"] + steps["plain_steps"]), 3),
                    "inprocess_continuous_step_ms": round(continuous[c][1] * 1e3 / max(1, continuous[c][2]), 3),
-                   **request_timings(timings)}
+                   **request_timings(timings), **({"phases_ms_per_step": phases} if phases else {})}
             row["speedup_vs_plain"] = round(row["tokens_per_s"] / row["plain_tokens_per_s"], 3)
             spec = [s for _, s in rows if s and s.get("speculated")]
             verified = sum(s["steps"] for s in spec)  # tau: tokens per verification step, the bonus included
@@ -201,6 +217,23 @@ def py_spy(procs, seconds: int, out: str | None, concurrency: int, gil: bool = F
                               "-o", str(Path(out).with_suffix(f".{name}_c{concurrency}.pyspy.txt"))],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for name, p in zip(("verify", "draft", "client"), procs)]
+
+
+def phased_continuous(engine, prompts, params: SamplingParams, concurrency: int) -> dict:
+    """``run_continuous`` once more with the engine's host phases timed, wall and CPU
+    (``phased_serve.per_step``'s form, milliseconds a step)."""
+    wall: dict[str, float] = defaultdict(float)
+    cpu: dict[str, float] = defaultdict(float)
+    with patched(engine, wall, cpu):
+        _, _, steps = run_continuous(engine, prompts, params, concurrency)
+    return phased_serve.per_step({"wall_s": {}, "cpu_s": {}}, {"wall_s": wall, "cpu_s": cpu}, max(1, steps))
+
+
+def idle_phases(path: Path) -> dict:
+    """The verify service's cumulative phase times, read once the engine has been idle for longer than
+    the file's refresh (so it holds every step run before)."""
+    time.sleep(2.5 * phased_serve.EVERY_S)
+    return phased_serve.read(path)
 
 
 def tree_settings(text: str, device: str) -> TreeSettings:

@@ -16,27 +16,38 @@ the clock alone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import time
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import verify_service.draft_coordinator as coordinator
+from link.step_socket import StepSocket
+from runtime.static_layout import StaticLayout
 from runtime.step_layout import Readback
 from verify_service.feed_buffer import StepRows
 
 STEP = "step"
 
 
-def _wrap(obj, name: str, label: str, stack: ExitStack, clock: dict | None = None) -> None:
+def _wrap(obj, name: str, label: str, stack: ExitStack, clock: dict | None = None, cpu: dict | None = None) -> None:
     fn = getattr(obj, name)
 
     def wrapped(*a, **k):
+        if cpu is not None:  # and the calling thread's CPU time: wall - CPU is time blocked (GIL, device, socket)
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                clock[label] += time.perf_counter() - t
+                cpu[label] += time.thread_time() - c
         if clock is not None:  # host time only, no profiler: the phases' true cost on the host
             t = time.perf_counter()
             try:
@@ -52,9 +63,10 @@ def _wrap(obj, name: str, label: str, stack: ExitStack, clock: dict | None = Non
 
 
 @contextmanager
-def patched(engine, clock: dict | None = None):
+def patched(engine, clock: dict | None = None, cpu: dict | None = None):
     """The engine's step and phases wrapped in profiler ranges (or timed into ``clock``: label ->
-    seconds), for the ``with`` block."""
+    seconds; with ``cpu`` too, the calling thread's CPU seconds), for the ``with`` block. Methods of
+    classes (``torch.Tensor.cpu``, ``StepRows.build``, ``Readback.wait``) are timed in every thread."""
     with ExitStack() as stack:
         phases = [(engine.scheduler, "schedule", "schedule"), (engine, "_chunks", "layout_trees"),
                   (engine.target.runner, "step", "target_forward"), (engine.sampler, "sample", "sample"),
@@ -75,6 +87,21 @@ def patched(engine, clock: dict | None = None):
         phases += [(engine.target.runner, "_replay", "target_graph"), (coordinator, "invalid_trees", "tree_checks"),
                    (torch.Tensor, "cpu", "wait_cpu"), (torch.Tensor, "tolist", "wait_tolist"),
                    (Readback, "wait", "wait_readback")]
+        # The draft link's chained steps (a remote drafter) and what every graphed step shares.
+        phases += [(engine.drafter, name, label) for name, label in
+                   (("_chain_answer", "chain_answer"), ("_chain_trees", "chain_trees"))
+                   if engine.drafter is not None and hasattr(engine.drafter, name)]
+        phases += [(torch.cuda.CUDAGraph, "replay", "graph_replay"), (torch.cuda.Stream, "wait_event", "wait_event"),
+                   (Readback, "start", "readback_start"), (StepSocket, "recv", "socket_recv"),
+                   (StepSocket, "send", "socket_send"), (StaticLayout, "fill_roots", "fill_roots"),
+                   (StaticLayout, "write_trees", "write_trees")]
+        kernels = getattr(engine.drafter, "kernels", None)
+        if kernels is not None:  # the chained trees' check, in the drafter's (frozen) kernel set
+            holder = SimpleNamespace(sanitize_trees=kernels.sanitize_trees)
+            _wrap(holder, "sanitize_trees", "sanitize_trees", stack, clock, cpu)
+            engine.drafter.kernels = dataclasses.replace(kernels, sanitize_trees=holder.sanitize_trees)
+            stack.callback(setattr, engine.drafter, "kernels", kernels)
+        phases.append((torch, "cat", "torch_cat"))
         graphs = getattr(engine.drafter, "graphs", None)
         if graphs is not None:
             phases.append((graphs, "run_extend", "extend_graph"))
@@ -84,8 +111,8 @@ def patched(engine, clock: dict | None = None):
             if chain is not None:
                 phases.append((chain, "launch", "chained_graph"))
         for obj, name, label in phases:
-            _wrap(obj, name, label, stack, clock)
-        _wrap(engine, "step", STEP, stack, clock)
+            _wrap(obj, name, label, stack, clock, cpu)
+        _wrap(engine, "step", STEP, stack, clock, cpu)
         yield
 
 

@@ -9,6 +9,7 @@ service starts. Children print warnings and errors only; their status lines stay
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -22,12 +23,16 @@ from common.tree_settings import default_tree
 from hub.default_model import ensure_default_model
 
 
-def spawn(args: list[str], log: Path | None = None, quiet: bool = False) -> subprocess.Popen:
+def spawn(args: list[str], log: Path | None = None, quiet: bool = False, module: str = "cli.main",
+          env: dict | None = None) -> subprocess.Popen:
     """``eagle3 ARGS`` as a child process: output to ``log`` when given; ``quiet`` drops its
-    stdout (status lines) and keeps its stderr (warnings and errors)."""
+    stdout (status lines) and keeps its stderr (warnings and errors). ``module``: another entry
+    point taking the same arguments (a benchmark's instrumented one); ``env``: added to this
+    process's environment."""
     out = open(log, "w") if log is not None else (subprocess.DEVNULL if quiet else None)
-    return subprocess.Popen([sys.executable, "-m", "cli.main", *args], stdout=out,
-                            stderr=subprocess.STDOUT if log is not None else None)
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=out,
+                            stderr=subprocess.STDOUT if log is not None else None,
+                            env=None if env is None else {**os.environ, **env})
 
 
 def wait_healthy(client: Eagle3Client, service: str, proc: subprocess.Popen, what: str,

@@ -1,6 +1,8 @@
 """The step timeline (benchmarks/step_timeline.py): its trace analysis on a hand-made trace, and
 its phase timing on a tiny speculative engine (CPU)."""
 
+import time
+
 import pytest
 
 from benchmarks.step_timeline import analyse, host_phases, patched
@@ -67,3 +69,59 @@ def test_host_phases_time_a_speculative_step_and_leave_the_engine_as_it_was(dirs
     with patched(engine):
         assert "step" in engine.__dict__
     assert "step" not in engine.__dict__
+
+
+def test_patched_with_a_cpu_clock_times_both_and_restores_the_shared_methods(dirs):
+    """Clock mode with the thread's CPU time too (``services_bench.py --phases``): every phase gets
+    both; the class-level methods it wraps for the run (``torch.cat``, ``Tensor.cpu``, graph replays)
+    are the originals again after it."""
+    import torch
+    from collections import defaultdict
+
+    engine = Engine(target_for(dirs[0]))
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
+    originals = torch.cat, torch.Tensor.cpu, torch.cuda.CUDAGraph.replay
+    wall, cpu = defaultdict(float), defaultdict(float)
+    with patched(engine, wall, cpu):
+        assert torch.cat is not originals[0]
+        for _ in range(4):
+            engine.step()
+    assert (torch.cat, torch.Tensor.cpu, torch.cuda.CUDAGraph.replay) == originals
+    assert wall["step"] > 0 and cpu["step"] > 0 and set(cpu) == set(wall)
+    assert wall["step"] >= wall["target_forward"] > 0
+
+
+def test_phased_serve_times_the_engine_thread_and_undoes_it(dirs, tmp_path, monkeypatch):
+    """``benchmarks/phased_serve.py``: an engine thread started after ``instrument`` writes its steps'
+    and loop's cumulative phase times to the file; ``per_step`` subtracts two reads; closing the
+    thread's ``phases_stack`` restores the engine and stops the writer."""
+    from benchmarks import phased_serve
+    from verify_service.engine_thread import EngineThread
+
+    monkeypatch.setattr(EngineThread, "start", EngineThread.start)  # (restored after the test)
+    out = tmp_path / "phases.json"
+    phased_serve.instrument(out)
+    loop = EngineThread(Engine(target_for(dirs[0])))
+    loop.start()
+    try:
+        before = phased_serve.read(out)
+        _, events = loop.submit([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True), False, None)
+        got = 0
+        while got < 5:
+            got += sum(len(e.token_ids) for e in events.take(30.0))
+        time.sleep(3 * phased_serve.EVERY_S)
+        after = phased_serve.read(out)
+    finally:
+        loop.stop()
+        loop.phases_stack.close()
+    steps = phased_serve.per_step(before, after, 5)
+    assert steps["step"]["wall"] > 0 and steps["loop_dispatch"]["wall"] > 0
+    assert list(steps) == sorted(steps, key=lambda k: -steps[k]["wall"])  # the largest first
+    assert "step" not in loop.engine.__dict__ and "_dispatch" not in loop.__dict__
+    written = out.stat().st_mtime
+    time.sleep(3 * phased_serve.EVERY_S)
+    assert out.stat().st_mtime == written  # the writer stopped
+    assert phased_serve.per_step({"wall_s": {"a": 1.0}, "cpu_s": {"a": 0.5}},
+                                 {"wall_s": {"a": 3.0, "b": 0.0}, "cpu_s": {"a": 1.5}}, 2) == \
+        {"a": {"wall": 1000.0, "cpu": 500.0, "blocked": 500.0}}
+    assert phased_serve.read(tmp_path / "absent.json") == {"wall_s": {}, "cpu_s": {}}
