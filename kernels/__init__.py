@@ -42,7 +42,7 @@ class KernelSet:
     compaction_slots: Callable
     compact_kv: Callable
     packed_tree_mask: Callable  # (parents, num_nodes) -> the trees' ancestor masks, bit-packed
-    sanitize_trees: Callable  # trees another process wrote -> (checked trees or stand-ins, valid)
+    sanitize_trees: Callable  # trees another process wrote -> checked trees or stand-ins, then valid flags (one tensor)
     tree_positions: Callable
     draft_topk: Callable
     expand_frontier: Callable  # a dynamic tree's level: candidates scored into the pool, the best kept

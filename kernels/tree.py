@@ -38,10 +38,11 @@ def tree_mask_ref(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tenso
     return mask
 
 
-def sanitize_trees_ref(packed: torch.Tensor, vocab_size: int, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sanitize_trees_ref(packed: torch.Tensor, vocab_size: int, max_depth: int) -> torch.Tensor:
     """Trees another process wrote, made safe to lay out and verify, on their device with no sync:
     ``packed`` int64 [4, B, n] (tokens | parents | depths | score bits, every tree of n nodes) ->
-    (trees of the same layout, valid bool [B]). A tree that breaks an invariant
+    one int64 tensor [4 * B * n + B]: the trees in the same layout, then each tree's valid flag (1 or
+    0), so the host learns both with one copy (``split_sanitized`` views the two). A tree that breaks an invariant
     ``runtime.tree.invalid_trees`` checks (tokens in the vocabulary, parents before children, depths
     one below the parent's, none deeper than ``max_depth``, distinct siblings) is replaced by n
     children of the root with the distinct tokens 0, 1, ... (depth 1): whatever was written, the
@@ -63,7 +64,13 @@ def sanitize_trees_ref(packed: torch.Tensor, vocab_size: int, max_depth: int) ->
     ok &= ~(keys[:, 1:] == keys[:, :-1]).any(dim=1)
     fallback = torch.stack([(idx % vocab_size).expand(B, n), torch.full_like(tokens, -1), torch.ones_like(tokens),
                             torch.zeros_like(tokens)])
-    return torch.where(ok[None, :, None], packed, fallback), ok
+    return torch.cat([torch.where(ok[None, :, None], packed, fallback).flatten(), ok.to(torch.int64)])
+
+
+def split_sanitized(flat: torch.Tensor, num_trees: int, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sanitize_trees``' result as (trees int64 [4, B, n], valid bool [B]); the trees are a view."""
+    cut = 4 * num_trees * num_nodes
+    return flat[:cut].view(4, num_trees, num_nodes), flat[cut:cut + num_trees] != 0
 
 
 def packed_tree_mask_ref(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:

@@ -28,22 +28,21 @@ MIN_BLOCK = 16  # one compiled variant for every tree of up to 16 nodes (slots),
 MAX_EXPAND = 128  # candidates a level's kernel ranks at most ([n, n] comparisons in one program's registers)
 
 
-def sanitize_trees_triton(packed: torch.Tensor, vocab_size: int, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sanitize_trees_ref``'s signature and results, in one launch: (trees int64 [4, B, n],
-    valid bool [B]). ``packed`` [4, B, n] int64, nodes contiguous (a slice of a larger buffer is fine)."""
+def sanitize_trees_triton(packed: torch.Tensor, vocab_size: int, max_depth: int) -> torch.Tensor:
+    """``sanitize_trees_ref``'s signature and result, in one launch and one allocation: int64
+    [4 * B * n + B], the trees then their valid flags. ``packed`` [4, B, n] int64, nodes contiguous
+    (a slice of a larger buffer is fine)."""
     _, B, n = packed.shape
     assert packed.dtype == torch.int64 and packed.stride(2) == 1, "int64 trees, nodes contiguous"
-    out = torch.empty(4, B, n, dtype=torch.int64, device=packed.device)
-    valid = torch.empty(B, dtype=torch.int8, device=packed.device)
+    out = torch.empty(4 * B * n + B, dtype=torch.int64, device=packed.device)
     if B and n:
-        _sanitize_kernel[(B,)](packed, packed.stride(0), packed.stride(1), out, valid, B, n, vocab_size, max_depth,
+        _sanitize_kernel[(B,)](packed, packed.stride(0), packed.stride(1), out, B, n, vocab_size, max_depth,
                                BLOCK=max(MIN_BLOCK, triton.next_power_of_2(n)))
-    return out, valid.bool()
+    return out
 
 
-@jit_unspecialized("in_ptr", "stride_plane", "stride_tree", "out_ptr", "valid_ptr", "B", "n", "vocab", "max_depth")
-def _sanitize_kernel(in_ptr, stride_plane, stride_tree, out_ptr, valid_ptr, B, n, vocab, max_depth,
-                     BLOCK: tl.constexpr):
+@jit_unspecialized("in_ptr", "stride_plane", "stride_tree", "out_ptr", "B", "n", "vocab", "max_depth")
+def _sanitize_kernel(in_ptr, stride_plane, stride_tree, out_ptr, B, n, vocab, max_depth, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     real = i < n
@@ -68,7 +67,7 @@ def _sanitize_kernel(in_ptr, stride_plane, stride_tree, out_ptr, valid_ptr, B, n
     tl.store(dst + plane, tl.where(ok, parents, -1), mask=real)
     tl.store(dst + 2 * plane, tl.where(ok, depths, 1), mask=real)
     tl.store(dst + 3 * plane, tl.where(ok, scores, 0), mask=real)
-    tl.store(valid_ptr + b, ok.to(tl.int8))
+    tl.store(out_ptr + 4 * plane + b, ok.to(tl.int64))  # the valid flags follow the four planes
 
 
 def packed_tree_mask_triton(parents: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:

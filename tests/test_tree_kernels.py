@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.tree import packed_tree_mask_ref, sanitize_trees_ref, tree_mask_ref
+from kernels.tree import packed_tree_mask_ref, sanitize_trees_ref, split_sanitized, tree_mask_ref
 from runtime.tree import CandidateTree, invalid_trees
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,15 +67,16 @@ def test_sanitized_trees_are_the_valid_ones_and_well_formed_stand_ins(sanitize, 
     trees = [CandidateTree(t, p, d, np.zeros(n, np.float32)) for t, p, d, _ in rows]
     bad = set(invalid_trees(trees, vocab, [n] * len(trees), [max_depth] * len(trees)))
     assert 50 < len(bad) < 250
-    clean, valid = sanitize(wide[:, 1:len(rows) + 1, 2:n + 2].to(DEVICE), vocab, max_depth)
-    clean, valid = clean.cpu(), valid.cpu()
+    flat = sanitize(wide[:, 1:len(rows) + 1, 2:n + 2].to(DEVICE), vocab, max_depth).cpu()
+    assert flat.shape == (4 * len(rows) * n + len(rows),) and set(flat[-len(rows):].tolist()) == {0, 1}
+    clean, valid = split_sanitized(flat, len(rows), n)
     assert valid.dtype == torch.bool and clean.shape == packed.shape
     assert [i for i in range(len(rows)) if not valid[i]] == sorted(bad)
     assert torch.equal(clean[:, valid], packed[:, valid])
     stand_ins = [CandidateTree(*(clean[k, i].numpy() for k in range(3)), np.zeros(n, np.float32)) for i in sorted(bad)]
     assert invalid_trees(stand_ins, vocab, [n] * len(bad), [1] * len(bad)) == []
     assert torch.equal(clean[3, ~valid], torch.zeros_like(clean[3, ~valid]))
-    again = sanitize(clean.to(DEVICE), vocab, max_depth)[1].cpu()
+    again = split_sanitized(sanitize(clean.to(DEVICE), vocab, max_depth).cpu(), len(rows), n)[1]
     assert torch.equal(again, torch.ones(len(rows), dtype=torch.bool))
 
 
@@ -89,7 +90,7 @@ def test_sanitize_equals_the_reference_at_served_sizes(sanitize, _, n):
     packed = torch.tensor(np.array(rows).transpose(1, 0, 2))
     want = sanitize_trees_ref(packed, 49152, 7)
     got = sanitize(packed.to(DEVICE), 49152, 7)
-    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    assert torch.equal(got.cpu(), want)
 
 
 def valid_parents(rng, B: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +128,7 @@ def test_packed_tree_masks_equal_the_reference(_, packed_mask, N):
 @pytest.mark.parametrize("sanitize,packed_mask", implementations())
 def test_no_trees(sanitize, packed_mask):
     """A step of no trees gives empty results (and launches nothing)."""
-    trees, valid = sanitize(torch.zeros(4, 0, 5, dtype=torch.int64, device=DEVICE), 10, 3)
+    trees, valid = split_sanitized(sanitize(torch.zeros(4, 0, 5, dtype=torch.int64, device=DEVICE), 10, 3), 0, 5)
     assert trees.shape == (4, 0, 5) and valid.shape == (0,)
     assert packed_mask(torch.zeros(0, 5, dtype=torch.int64, device=DEVICE),
                        torch.zeros(0, dtype=torch.int64, device=DEVICE)).shape == (0, 1)

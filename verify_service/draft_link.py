@@ -220,9 +220,9 @@ class RemoteDraft(DraftSessions):
         if self._events is not None:
             torch.cuda.current_stream(self.buffers["features"].device).wait_event(self._events[1])
         # Read once, checked, copied: every later read sees the same bytes, whatever the peer writes.
-        trees, valid = self.kernels.sanitize_trees(self.buffers["chain_trees"][:, :B, :n],
-                                                   self.buffers["embedding"].shape[0], settings.depth)
-        return trees, self._chain_readback.start(torch.cat([trees.flatten(), valid.to(torch.int64)]))
+        checked = self.kernels.sanitize_trees(self.buffers["chain_trees"][:, :B, :n],
+                                              self.buffers["embedding"].shape[0], settings.depth)
+        return checked[:4 * B * n].view(4, B, n), self._chain_readback.start(checked)  # (trees, then valid flags)
 
     def _chain_trees(self, call: ChainCall, trees: torch.Tensor, ticket: int) -> dict[int, CandidateTree]:
         """The checked trees of ``_chain_answer`` on the host, by sequence; a stand-in for a broken tree

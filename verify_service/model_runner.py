@@ -170,7 +170,7 @@ class ModelRunner:
         service's trees, their packed ancestor masks) for trees of ``width`` columns, root included."""
         dev, k, n = self.device, self.kernels, width - 1
         if n >= 1:
-            trees, _ = k.sanitize_trees(torch.zeros(4, 1, n, dtype=torch.int64, device=dev), 1, 1)
+            trees = k.sanitize_trees(torch.zeros(4, 1, n, dtype=torch.int64, device=dev), 1, 1)[:4 * n].view(4, 1, n)
             k.packed_tree_mask(trees[1], torch.tensor([n], device=dev))
 
     def _capture(self, bucket: Bucket) -> StepGraph:
