@@ -1,5 +1,6 @@
 """The command line (``cli.main``) with the verify engine's host phases timed, for
-``services_bench.py --phases``: each engine step and its phases (``step_timeline.patched`` in clock
+``services_bench.py --phases`` (``serve-draft``: the draft service's side of each step, see
+``instrument_draft``): each engine step and its phases (``step_timeline.patched`` in clock
 mode, with the calling thread's CPU time beside the wall time) and the engine thread's loop around
 the steps (commands, dispatch, publish). The sums are cumulative and written to
 ``EAGLE3_PHASES_OUT`` (JSON, replaced whole) every 0.2 s; a reader takes the file before and after
@@ -33,10 +34,11 @@ EVERY_S = 0.2
 LOOP_PHASES = (("_drain", "loop_commands"), ("_dispatch", "loop_dispatch"), ("_publish", "loop_publish"))
 
 
-def _write_every(out: Path, wall: dict, cpu: dict, stop: threading.Event) -> None:
+def _write_every(out: Path, wall: dict, cpu: dict, stop: threading.Event, calls: dict | None = None) -> None:
     tmp = out.with_suffix(".tmp")
     while True:
-        tmp.write_text(json.dumps({"wall_s": dict(wall), "cpu_s": dict(cpu), "written": time.time()}))
+        tmp.write_text(json.dumps({"wall_s": dict(wall), "cpu_s": dict(cpu), "calls": dict(calls or {}),
+                                   "written": time.time()}))
         os.replace(tmp, out)
         if stop.wait(EVERY_S):
             return
@@ -68,6 +70,35 @@ def instrument(out: Path) -> None:
     engine_thread.EngineThread.start = timed_start
 
 
+def instrument_draft(out: Path) -> ExitStack:
+    """The draft service's side, from now on: each step's answer (chained or not), the drafter's work in
+    it, the event wait, and the step socket's waits for frames and its sends, with their calls counted
+    (``calls``; one answer a step). The returned stack undoes it."""
+    from benchmarks.step_timeline import _wrap
+    from draft_service.drafter import EagleDrafter
+    from draft_service.step_answer import StepAnswerer
+    from link.step_socket import StepSocket
+
+    import torch
+
+    wall: dict[str, float] = defaultdict(float)
+    cpu: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    stack = ExitStack()
+    for obj, name, label in ((StepAnswerer, "chain", "answer_chained"), (StepAnswerer, "answer", "answer_step"),
+                             (StepAnswerer, "_apply", "apply_frame"), (EagleDrafter, "step_on_device", "step_on_device"),
+                             (EagleDrafter, "step", "drafter_step"), (torch.cuda.Stream, "wait_event", "wait_event"),
+                             (StepSocket, "recv", "socket_recv"), (StepSocket, "send", "socket_send")):
+        _wrap(obj, name, label, stack, wall, cpu, calls)
+    stop = threading.Event()
+    writer = threading.Thread(target=_write_every, args=(out, wall, cpu, stop, calls), name="phases-writer",
+                              daemon=True)
+    writer.start()
+    stack.callback(writer.join)
+    stack.callback(stop.set)
+    return stack
+
+
 def read(path: Path) -> dict:
     """The cumulative sums now: {"wall_s": {label: s}, "cpu_s": {label: s}} (empty before the first write)."""
     try:
@@ -92,7 +123,9 @@ def main() -> int:
     if os.environ.get(ENV_SWITCH):
         sys.setswitchinterval(float(os.environ[ENV_SWITCH]))
     out = os.environ.get(ENV_OUT)
-    if out:
+    if out and sys.argv[1:2] == ["serve-draft"]:
+        instrument_draft(Path(out))
+    elif out:
         instrument(Path(out))
     from cli.main import main as cli_main
     return cli_main(sys.argv[1:])

@@ -141,7 +141,9 @@ def main() -> None:
         client = Eagle3Client(public, timeout_s=600)
         wait_healthy(client, "", verify, "verify service")
         draft = spawn(["serve-draft", "--draft", head, "--verify", internal, "--listen", f"unix:{tmp}/dh.sock",
-                       "--chained-steps", args.chained_steps, *flags], tmp / "draft.log")
+                       "--chained-steps", args.chained_steps, *flags], tmp / "draft.log",
+                      **({"module": "benchmarks.phased_serve",
+                          "env": {phased_serve.ENV_OUT: str(tmp / "draft_phases.json")}} if args.phases else {}))
         wait_healthy(client, "eagle3.speculation", draft, "draft service")
         client.complete(prompts[0], max_tokens=8)  # warm-up
         report = {"device": args.device, "dtype": args.dtype, "tree": tree.describe(), "exact": args.exact,
@@ -152,6 +154,7 @@ def main() -> None:
                   "max_tokens": args.max_tokens, "runs": []}
         for c in levels:
             phases_before = idle_phases(tmp / "phases.json") if args.phases else None
+            draft_before = phased_serve.read(tmp / "draft_phases.json") if args.phases else None
             before = client.metrics()
             spies = py_spy([verify, draft, None], args.py_spy, args.out, c, args.py_spy_gil)
             timings = []
@@ -162,7 +165,7 @@ def main() -> None:
             phases = None if phases_before is None else {
                 "services": phased_serve.per_step(phases_before, idle_phases(tmp / "phases.json"),
                                                   max(1, steps["speculative_steps"] + steps["plain_steps"])),
-                "inprocess": inprocess_phases[c]}
+                "inprocess": inprocess_phases[c], "draft": draft_per_answer(draft_before, tmp / "draft_phases.json")}
             plain, plain_secs = through_services(client, prompts, args.max_tokens, c, False)
             outputs, in_secs, _ = inprocess[c]
             tokens = sum(len(t) for t, _ in rows)
@@ -227,6 +230,15 @@ def phased_continuous(engine, prompts, params: SamplingParams, concurrency: int)
     with patched(engine, wall, cpu):
         _, _, steps = run_continuous(engine, prompts, params, concurrency)
     return phased_serve.per_step({"wall_s": {}, "cpu_s": {}}, {"wall_s": wall, "cpu_s": cpu}, max(1, steps))
+
+
+def draft_per_answer(before: dict, path: Path) -> dict:
+    """The draft service's phases (``phased_serve.instrument_draft``) over the run, milliseconds per
+    answered step; ``socket_recv``'s wall time is the draft's wait for the next frame."""
+    after = phased_serve.read(path)  # (read after the verify side's: idle by then)
+    calls = after.get("calls", {})
+    answers = sum(calls.get(k, 0) - before.get("calls", {}).get(k, 0) for k in ("answer_chained", "answer_step"))
+    return phased_serve.per_step(before, after, max(1, answers))
 
 
 def idle_phases(path: Path) -> dict:

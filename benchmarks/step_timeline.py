@@ -37,7 +37,8 @@ from verify_service.feed_buffer import StepRows
 STEP = "step"
 
 
-def _wrap(obj, name: str, label: str, stack: ExitStack, clock: dict | None = None, cpu: dict | None = None) -> None:
+def _wrap(obj, name: str, label: str, stack: ExitStack, clock: dict | None = None, cpu: dict | None = None,
+          calls: dict | None = None) -> None:
     fn = getattr(obj, name)
 
     def wrapped(*a, **k):
@@ -48,6 +49,8 @@ def _wrap(obj, name: str, label: str, stack: ExitStack, clock: dict | None = Non
             finally:
                 clock[label] += time.perf_counter() - t
                 cpu[label] += time.thread_time() - c
+                if calls is not None:
+                    calls[label] += 1
         if clock is not None:  # host time only, no profiler: the phases' true cost on the host
             t = time.perf_counter()
             try:
