@@ -125,3 +125,22 @@ def test_phased_serve_times_the_engine_thread_and_undoes_it(dirs, tmp_path, monk
                                  {"wall_s": {"a": 3.0, "b": 0.0}, "cpu_s": {"a": 1.5}}, 2) == \
         {"a": {"wall": 1000.0, "cpu": 500.0, "blocked": 500.0}}
     assert phased_serve.read(tmp_path / "absent.json") == {"wall_s": {}, "cpu_s": {}}
+
+
+def test_phased_serve_draft_side_wraps_the_answers_and_undoes_it(tmp_path):
+    """The draft service's side (``instrument_draft``): the answer and socket methods wrapped, their
+    calls counted into the file, all restored when the returned stack closes."""
+    from benchmarks import phased_serve
+    from draft_service.step_answer import StepAnswerer
+    from link.step_socket import StepSocket
+
+    originals = StepAnswerer.chain, StepAnswerer.answer, StepSocket.recv
+    out = tmp_path / "draft_phases.json"
+    stack = phased_serve.instrument_draft(out)
+    try:
+        assert StepAnswerer.chain is not originals[0] and StepSocket.recv is not originals[2]
+        time.sleep(2 * phased_serve.EVERY_S)
+        assert phased_serve.read(out)["calls"] == {}
+    finally:
+        stack.close()
+    assert (StepAnswerer.chain, StepAnswerer.answer, StepSocket.recv) == originals
