@@ -44,6 +44,16 @@ def _write_every(out: Path, wall: dict, cpu: dict, stop: threading.Event, calls:
             return
 
 
+def _start_writer(stack: ExitStack, out: Path, wall: dict, cpu: dict, calls: dict | None = None) -> None:
+    """The thread that writes the sums to ``out`` until ``stack`` closes."""
+    stop = threading.Event()
+    writer = threading.Thread(target=_write_every, args=(out, wall, cpu, stop, calls), name="phases-writer",
+                              daemon=True)
+    writer.start()
+    stack.callback(writer.join)
+    stack.callback(stop.set)
+
+
 def instrument(out: Path) -> None:
     """From the engine thread's start on, time its engine's phases and its loop into ``out``. The
     thread's ``phases_stack`` (an ExitStack) undoes it all: the methods, and the writer."""
@@ -60,11 +70,7 @@ def instrument(out: Path) -> None:
         stack.enter_context(patched(self.engine, wall, cpu))
         for name, label in LOOP_PHASES:
             _wrap(self, name, label, stack, wall, cpu)
-        stop = threading.Event()
-        writer = threading.Thread(target=_write_every, args=(out, wall, cpu, stop), name="phases-writer", daemon=True)
-        writer.start()
-        stack.callback(writer.join)
-        stack.callback(stop.set)
+        _start_writer(stack, out, wall, cpu)
         start(self)
 
     engine_thread.EngineThread.start = timed_start
@@ -74,12 +80,12 @@ def instrument_draft(out: Path) -> ExitStack:
     """The draft service's side, from now on: each step's answer (chained or not), the drafter's work in
     it, the event wait, and the step socket's waits for frames and its sends, with their calls counted
     (``calls``; one answer a step). The returned stack undoes it."""
+    import torch
+
     from benchmarks.step_timeline import _wrap
     from draft_service.drafter import EagleDrafter
     from draft_service.step_answer import StepAnswerer
     from link.step_socket import StepSocket
-
-    import torch
 
     wall: dict[str, float] = defaultdict(float)
     cpu: dict[str, float] = defaultdict(float)
@@ -90,12 +96,7 @@ def instrument_draft(out: Path) -> ExitStack:
                              (EagleDrafter, "step", "drafter_step"), (torch.cuda.Stream, "wait_event", "wait_event"),
                              (StepSocket, "recv", "socket_recv"), (StepSocket, "send", "socket_send")):
         _wrap(obj, name, label, stack, wall, cpu, calls)
-    stop = threading.Event()
-    writer = threading.Thread(target=_write_every, args=(out, wall, cpu, stop, calls), name="phases-writer",
-                              daemon=True)
-    writer.start()
-    stack.callback(writer.join)
-    stack.callback(stop.set)
+    _start_writer(stack, out, wall, cpu, calls)
     return stack
 
 
