@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 ENV_OUT = "EAGLE3_PHASES_OUT"
 ENV_SWITCH = "EAGLE3_SWITCH_INTERVAL_S"
 EVERY_S = 0.2
+# (loop_commands holds the engine's idle waits for a command too: the wait before a run's first request
+# falls in that run's sums. Read it as the loop's cost only where the engine never idled.)
 LOOP_PHASES = (("_drain", "loop_commands"), ("_dispatch", "loop_dispatch"), ("_publish", "loop_publish"))
 
 
