@@ -53,6 +53,9 @@ def build(cases, kvh, d, dtype, seed):
 
 
 TREE = [-1, -1, 0, 0, 1, 4, 2]  # 7 nodes below the root
+# 69 nodes below the root, each under an earlier one: the masked keys span several 32-key tiles
+# and each row's mask three int32 words
+WIDE_TREE = [-1] + [int(p) for p in torch.randint(0, 1 << 20, (68,), generator=torch.Generator().manual_seed(5)) % torch.arange(1, 69)]
 
 
 @pytest.mark.parametrize("kvh, g, d, dtype", [(2, 2, 16, torch.float32), (1, 3, 32, torch.float32),
@@ -120,7 +123,8 @@ def test_every_tile_config_matches_reference(block_m, block_n, dtype):
     open prefix and a masked tail, and the row tiling, never change the result."""
     from kernels.attention_triton import AttentionConfig
     kvh, g, d = 2, 4, 64
-    cases = [(0, 40, None, None), (90, 9, None, None), (20, 8, tree_mask(TREE), 20), (700, 1, None, None)]
+    cases = [(0, 40, None, None), (90, 9, None, None), (20, 8, tree_mask(TREE), 20), (700, 1, None, None),
+             (45, 70, tree_mask(WIDE_TREE), 45)]  # (the tree after an unaligned prefix of 45 keys)
     k_cache, v_cache, chunks = build(cases, kvh, d, dtype, seed=7)
     q = torch.randn(sum(len(c.token_ids) for c in chunks), kvh * g, d, generator=torch.Generator().manual_seed(2))
     q = q.to(dtype).to(DEVICE)

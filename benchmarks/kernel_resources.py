@@ -1,0 +1,96 @@
+"""The paged attention kernel compiled for a Hopper GPU on a machine without one: registers,
+spills, shared memory and how far ahead its key/value copies run, per tile config.
+
+Triton compiles to PTX and runs its bundled ``ptxas`` without a device, so what the compiler
+makes of a kernel change can be read before any GPU time is spent::
+
+    python benchmarks/kernel_resources.py --config 64,64,4,3 --config 16,64,4,3 --out resources.json
+
+Per config it prints the registers a thread and the stack bytes (spills) from ``cuobjdump
+-res-usage``, the shared memory a program, and ``in_flight``: the ``num`` of the first
+``ttg.async_wait`` of the TTGIR, the open-keys loop's wait at the start of a tile, which returns
+once at most ``num`` copy groups are pending. A tile's key and value copies are two groups: 0
+means a tile waits for every copy issued so far (the next tile's copies are issued only after
+this one's scores and softmax), 2 that the next tile's copies stay in flight while this tile is
+computed. The launch's integer arguments are specialised as a real
+launch specialises them (strides divisible by 16). Default geometry: Llama-3-8B (4 query heads a
+KV head, head_dim 128), bf16, a tree step (packed mask) with key splits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels.attention_triton import _attention_kernel  # noqa: E402
+
+_POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*fp32", "lse_ptr": "*fp32",
+             "qsl_ptr": "*i64", "seq_lens_ptr": "*i64", "tables_ptr": "*i32", "mask_ptr": "*i32",
+             "mask_start_ptr": "*i64"}
+
+
+def compile_config(block_m: int, block_n: int, warps: int, stages: int, group: int, head_dim: int, masked: bool,
+                   split: bool, capability: int = 90):
+    """The attention kernel compiled for ``sm_<capability>`` with these tiles and launch constants."""
+    names = _attention_kernel.arg_names
+    const = dict(G=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
+                 BLOCK_D=head_dim, BLOCK_SIZE=16, HAS_MASK=masked, SPLIT=split, EVEN_D=True, PRECISION="tf32",
+                 DOT_DTYPE=tl.bfloat16, RAGGED=False, BLOCK_B=1)
+    unspecialised = set(_attention_kernel.do_not_specialize) | {"scale_log2"}
+    sig = {n: "constexpr" if n in const else _POINTERS.get(n, "fp32" if n == "scale_log2" else "i32") for n in names}
+    aligned = [n for n in names if n not in const and n not in unspecialised and (n in _POINTERS or n.startswith("stride"))]
+    src = ASTSource(fn=_attention_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=warps,
+                                                                                         num_stages=stages))
+
+
+def resources(kernel) -> dict:
+    """Registers, stack, shared memory and the copy groups left in flight at a tile's start."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    regs, stack = (int(x) for x in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    waits = [int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", kernel.asm["ttgir"])]
+    return {"registers": regs, "stack_bytes": stack, "shared_bytes": kernel.metadata.shared,
+            "in_flight": waits[0] if waits else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", action="append", required=True, help="block_m,block_n,warps,stages (repeatable)")
+    ap.add_argument("--group", type=int, default=4, help="query heads a KV head")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", action="store_true", help="no packed mask (decode and prefill steps)")
+    ap.add_argument("--one-split", action="store_true", help="no key splits")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    for text in args.config:
+        m, n, w, s = (int(x) for x in text.split(","))
+        r = resources(compile_config(m, n, w, s, args.group, args.head_dim, not args.causal, not args.one_split))
+        rows.append({"config": [m, n, w, s], **r})
+        print(f"m{m:>3} n{n:>3} w{w} s{s}: {r['registers']:>3} registers, {r['stack_bytes']:>4} stack bytes, "
+              f"{r['shared_bytes']:>6} shared bytes, in flight {r['in_flight']}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"triton": triton.__version__, "group": args.group,
+                                              "head_dim": args.head_dim, "masked": not args.causal,
+                                              "split": not args.one_split, "configs": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
