@@ -26,7 +26,8 @@ def test_equals_the_reference(vocab, k):
     """Distinct random logits (no ties): the reference's ids and log-probs, from logits and from
     log-probs, rows strided inside a wider buffer."""
     gen = torch.Generator().manual_seed(vocab * 10 + k)
-    wide = torch.randn(7, vocab + 5, generator=gen) * 4
+    rows = 7 if vocab <= 4096 else 2  # (the interpreter runs a program per row and chunk: real vocabularies, fewer rows)
+    wide = torch.randn(rows, vocab + 5, generator=gen) * 4
     logits = wide[:, 3:3 + vocab]  # strided rows
     d2t = torch.randint(0, 50, (vocab,), generator=gen)
     for x in (logits, torch.log_softmax(logits, dim=-1)):
