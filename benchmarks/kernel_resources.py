@@ -34,24 +34,31 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kernels import attention_exact  # noqa: E402
 from kernels.attention_triton import _attention_kernel  # noqa: E402
 
 _POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*fp32", "lse_ptr": "*fp32",
              "qsl_ptr": "*i64", "seq_lens_ptr": "*i64", "tables_ptr": "*i32", "mask_ptr": "*i32",
-             "mask_start_ptr": "*i64"}
+             "mask_start_ptr": "*i64", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
+             "pos_ptr": "*i64", "table_ptr": "*i32"}
 
 
 def compile_config(block_m: int, block_n: int, warps: int, stages: int, group: int, head_dim: int, masked: bool,
-                   split: bool, capability: int = 90):
-    """The attention kernel compiled for ``sm_<capability>`` with these tiles and launch constants."""
-    names = _attention_kernel.arg_names
+                   split: bool, exact: bool = False, capability: int = 90):
+    """The attention kernel (``exact``: the batch-invariant one, whose tiles are fixed: ``block_m`` and
+    ``block_n`` are its module's) compiled for ``sm_<capability>`` with these tiles and launch constants."""
+    kernel = attention_exact._exact_attention_kernel if exact else _attention_kernel
+    names = kernel.arg_names
     const = dict(G=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
-                 BLOCK_D=head_dim, BLOCK_SIZE=16, HAS_MASK=masked, SPLIT=split, EVEN_D=True, PRECISION="tf32",
-                 DOT_DTYPE=tl.bfloat16, RAGGED=False, BLOCK_B=1)
-    unspecialised = set(_attention_kernel.do_not_specialize) | {"scale_log2"}
-    sig = {n: "constexpr" if n in const else _POINTERS.get(n, "fp32" if n == "scale_log2" else "i32") for n in names}
+                 BLOCK_D=head_dim, BLOCK_SIZE=16, HAS_MASK=masked, SPLIT=split, PRECISION="tf32",
+                 DOT_DTYPE=tl.bfloat16)
+    const.update(CHUNK=attention_exact.CHUNK) if exact else const.update(EVEN_D=True, RAGGED=False, BLOCK_B=1)
+    out_type = "*bf16" if exact else "*fp32"  # (the exact kernel writes bf16 outputs, its partials float32)
+    unspecialised = set(kernel.do_not_specialize) | {"scale_log2"}
+    sig = {n: "constexpr" if n in const else out_type if n == "out_ptr" else
+           _POINTERS.get(n, "fp32" if n == "scale_log2" else "i32") for n in names}
     aligned = [n for n in names if n not in const and n not in unspecialised and (n in _POINTERS or n.startswith("stride"))]
-    src = ASTSource(fn=_attention_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=warps,
                                                                                          num_stages=stages))
@@ -77,19 +84,22 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true", help="no packed mask (decode and prefill steps)")
     ap.add_argument("--one-split", action="store_true", help="no key splits")
+    ap.add_argument("--exact", action="store_true",
+                    help="the batch-invariant kernel (--exact); --config M,N its fixed tiles, W,S its launch's")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
     for text in args.config:
         m, n, w, s = (int(x) for x in text.split(","))
-        r = resources(compile_config(m, n, w, s, args.group, args.head_dim, not args.causal, not args.one_split))
+        r = resources(compile_config(m, n, w, s, args.group, args.head_dim, not args.causal, not args.one_split,
+                                     args.exact))
         rows.append({"config": [m, n, w, s], **r})
         print(f"m{m:>3} n{n:>3} w{w} s{s}: {r['registers']:>3} registers, {r['stack_bytes']:>4} stack bytes, "
               f"{r['shared_bytes']:>6} shared bytes, in flight {r['in_flight']}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"triton": triton.__version__, "group": args.group,
                                               "head_dim": args.head_dim, "masked": not args.causal,
-                                              "split": not args.one_split, "configs": rows}, indent=2) + "\n")
+                                              "split": not args.one_split, "exact": args.exact, "configs": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

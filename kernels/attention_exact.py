@@ -130,7 +130,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32),
-        num_warps=4, num_stages=2)
+        num_warps=4, num_stages=3)  # (3: the next tile's copies in flight, benchmarks/kernel_resources.py --exact)
     if split:
         _fold_chunks_kernel[(T, H)](part_m, part_l, part_acc, out, meta.positions,
                                     part_m.stride(0), part_m.stride(1), part_acc.stride(0), part_acc.stride(1),
@@ -171,8 +171,16 @@ def _tile(acc, m_i, l_i, q, k, v, visible, active, scale_log2, PRECISION: tl.con
 def _load_kv(k_cache_ptr, v_cache_ptr, tables_ptr, b, kv_idx, ok, kvh, d, d_ok, stride_bt, stride_kb, stride_ks,
              stride_kh, BLOCK_SIZE: tl.constexpr):
     """Keys and values (N, D) at per-sequence KV indices ``kv_idx`` (N,); zeros where not ``ok``."""
-    block = tl.load(tables_ptr + b * stride_bt + kv_idx // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-    addr = block * stride_kb + (kv_idx % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+    block = tl.load(tables_ptr + b * stride_bt + kv_idx // BLOCK_SIZE, mask=ok, other=0)
+    return _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, kv_idx, ok, kvh, d, d_ok, stride_kb, stride_ks, stride_kh,
+                         BLOCK_SIZE)
+
+
+@triton.jit
+def _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, kv_idx, ok, kvh, d, d_ok, stride_kb, stride_ks, stride_kh,
+                  BLOCK_SIZE: tl.constexpr):
+    """``_load_kv`` with each index's cache block given (``block``, from the block table)."""
+    addr = block.to(tl.int64) * stride_kb + (kv_idx % BLOCK_SIZE) * stride_ks + kvh * stride_kh
     ptrs = addr[:, None] + d[None, :]
     kv_ok = ok[:, None] & d_ok[None, :]
     return tl.load(k_cache_ptr + ptrs, mask=kv_ok, other=0.0), tl.load(v_cache_ptr + ptrs, mask=kv_ok, other=0.0)
@@ -189,10 +197,18 @@ def _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, hi, b, t0, m_start, tail_sta
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     shared_end = tl.minimum(hi, tail_start)  # tiles whose every key sits at its own position
+    # Each tile's block ids come from the iteration before, in registers, so that the pipeliner keeps
+    # the next tile's key and value copies in flight (``attention_triton._attend_keys`` says why). The
+    # order of the arithmetic is the same: the bits are.
+    ahead = lo + tl.arange(0, BLOCK_N)
+    ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < hi, other=0)
     for start in range(lo, shared_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        k, v = _load_kv(k_cache_ptr, v_cache_ptr, tables_ptr, b, keys, keys < hi, kvh, d, d_ok, stride_bt,
-                        stride_kb, stride_ks, stride_kh, BLOCK_SIZE)
+        block = ids
+        ahead = keys + BLOCK_N
+        ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < hi, other=0)
+        k, v = _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, keys, keys < hi, kvh, d, d_ok, stride_kb, stride_ks,
+                             stride_kh, BLOCK_SIZE)
         visible = (keys[None, :] <= pos[:, None]) & row_ok[:, None]
         acc, m_i, l_i = _tile(acc, m_i, l_i, q, k, v, visible, row_ok & (pos >= start), scale_log2,
                               PRECISION, DOT_DTYPE)
