@@ -358,8 +358,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, qsl_ptr
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Whole tiles of keys every row sees, then the rest (a partial tile, the tree or causal region)
     # in tiles of TAIL_N keys: the masked loop's registers then stay under the open loop's (64 x 64
-    # tree tiles over 128-wide heads: 250 registers a thread and no spill, against 255 and 216 bytes
-    # of stack with 64-key masked tiles; Triton 3.6, sm_90).
+    # tree tiles over 128-wide heads: 218 registers a thread and no spill, against 255 and 88 bytes
+    # of stack with 64-key masked tiles; Triton 3.6, sm_90: benchmarks/kernel_resources.py).
     mid = lo + (tl.maximum(tl.minimum(hi, open_end) - lo, 0) // BLOCK_N) * BLOCK_N
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, lo, mid, b, t, qi, row_ok, m_start, first_kv, k_cache_ptr,
                                  v_cache_ptr, tables_ptr, mask_ptr, scale_log2, stride_kb, stride_ks, stride_kh,
