@@ -48,6 +48,8 @@ SPLIT_BYTES = 256 * 2**20  # the most the split mode's float32 partials may take
 # Chunks the gathered tiles of a masked step may span: they run from the tile holding mask_start to
 # the deepest position, at most BLOCK_N - 1 + max_query_len positions, so 2 while max_query_len <= CHUNK.
 TAIL_CHUNKS = 2
+NUM_WARPS = 4
+NUM_STAGES = 3  # the next key tile's copies in flight while a tile is computed (kernel_resources.py --exact)
 MODES = ("auto", "fold", "split")
 
 
@@ -130,7 +132,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32),
-        num_warps=4, num_stages=3)  # (3: the next tile's copies in flight, benchmarks/kernel_resources.py --exact)
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if split:
         _fold_chunks_kernel[(T, H)](part_m, part_l, part_acc, out, meta.positions,
                                     part_m.stride(0), part_m.stride(1), part_acc.stride(0), part_acc.stride(1),

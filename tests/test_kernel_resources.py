@@ -22,16 +22,22 @@ ROOT = Path(__file__).resolve().parent.parent
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
+def compiled(tmp_path, *args: str) -> dict:
+    """``benchmarks/kernel_resources.py ARGS`` for one config: its row."""
+    out = tmp_path / "resources.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--out", str(out), *args],
+                   env=env, check=True, capture_output=True, timeout=300)
+    (row,) = json.loads(out.read_text())["configs"]
+    return row
+
+
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton carries no ptxas for NVIDIA targets")
 @pytest.mark.parametrize("tokens", [64, 1])  # a 64-token tree step, a decode step
 def test_llama8b_attention_tiles_keep_copies_in_flight_without_spilling(tokens, tmp_path):
     cfg = attention_config(tokens, 4, 128, 2, tree=tokens > 1)
-    out = tmp_path / "resources.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
-    args = [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--out", str(out),
-            "--config", f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}"]
-    subprocess.run(args + ([] if tokens > 1 else ["--causal"]), env=env, check=True, capture_output=True, timeout=300)
-    (row,) = json.loads(out.read_text())["configs"]
+    row = compiled(tmp_path, "--config", f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}",
+                   *([] if tokens > 1 else ["--causal"]))
     assert cfg.num_stages >= 3 and row["in_flight"] >= 2, row  # the next tile's two copy groups pending
     assert row["stack_bytes"] == 0, row
 
@@ -40,11 +46,7 @@ def test_llama8b_attention_tiles_keep_copies_in_flight_without_spilling(tokens, 
 def test_the_exact_decode_attention_keeps_copies_in_flight(tmp_path):
     """The batch-invariant kernel's open keys (all of a decode step's) as its launch compiles them. (Its
     registers sit at the limit: Triton 3.6 compiles it without spills, 3.9 with 160 bytes; not checked.)"""
-    from kernels import attention_exact
-    out = tmp_path / "resources.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    config = f"{attention_exact.BLOCK_M},{attention_exact.BLOCK_N},4,3"  # (paged_attention_exact's launch)
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--out", str(out), "--exact",
-                    "--causal", "--config", config], env=env, check=True, capture_output=True, timeout=300)
-    (row,) = json.loads(out.read_text())["configs"]
+    from kernels import attention_exact as ex
+    row = compiled(tmp_path, "--exact", "--causal", "--config",
+                   f"{ex.BLOCK_M},{ex.BLOCK_N},{ex.NUM_WARPS},{ex.NUM_STAGES}")
     assert row["in_flight"] >= 2, row
