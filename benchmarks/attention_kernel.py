@@ -5,12 +5,17 @@ For each (context, tokens) every config in the sweep is timed (CUDA graph replay
 the time to read the sequence's KV once at the measured copy bandwidth::
 
     python benchmarks/attention_kernel.py --context 4096 --context 32768 --tokens 1 --tokens 64 --sweep
+
+``--baseline FILE`` (an earlier ``kernels/attention_triton.py``) times that file's kernel at its own
+default tiles beside this tree's, alternated per case (this, baseline, this, baseline), in one
+process on the same inputs; ``--exact-baseline FILE`` does the same for ``kernels/attention_exact.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import statistics
 import sys
@@ -94,6 +99,24 @@ def compiled_resources() -> list[dict]:
     return rows
 
 
+def load_file(path: str, name: str):
+    """A kernel module from an earlier version's file (its imports resolve in this tree)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (its dataclasses look their module up while it loads)
+    spec.loader.exec_module(module)
+    return module
+
+
+def alternated(fns: dict, rounds: int = 2) -> dict[str, list[float]]:
+    """Each of ``fns`` timed ``rounds`` times, in turn (a, b, a, b): us per call, by name."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(round(time_us(fn), 1))
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--context", type=int, action="append", required=True)
@@ -105,8 +128,13 @@ def main() -> None:
     ap.add_argument("--splits", type=int, action="append", default=[],
                     help="also time the default tiles with this many key splits (repeatable)")
     ap.add_argument("--exact", action="store_true", help="also time the batch-invariant kernel (--exact)")
+    ap.add_argument("--baseline", default=None, help="an earlier kernels/attention_triton.py, timed beside this one")
+    ap.add_argument("--exact-baseline", default=None,
+                    help="with --exact: an earlier kernels/attention_exact.py, timed beside this one")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    baseline = load_file(args.baseline, "attention_baseline") if args.baseline else None
+    exact_baseline = load_file(args.exact_baseline, "attention_exact_baseline") if args.exact_baseline else None
     bw = copy_bandwidth_gbs(torch.device("cuda"))
     g = args.heads // args.kv_heads
     results = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": round(bw, 1), "cases": []}
@@ -133,13 +161,31 @@ def main() -> None:
                       f"s{cfg.num_stages} x{splits:<2}{' *' if r['default'] else '  '}: {us:8.1f} us  "
                       f"(KV read {read_us:.1f} us)",
                       flush=True)
+            scale = args.head_dim ** -0.5
+            if baseline is not None:
+                times = alternated({"this": lambda: paged_attention_triton(q, k, v, meta, scale),
+                                    "baseline": lambda: baseline.paged_attention_triton(q, k, v, meta, scale)})
+                results["cases"].append({"context": context, "tokens": tokens, "config": "default, against --baseline",
+                                         "us_this": times["this"], "us_baseline": times["baseline"],
+                                         "kv_read_us": round(read_us, 1)})
+                print(f"ctx {context:>6} tokens {tokens:>3} default: this {times['this']} us, "
+                      f"baseline {times['baseline']} us", flush=True)
             if args.exact:
                 tree = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=q.device))
                 exact_meta = dataclasses.replace(meta, custom_mask=ancestor_table(tree) if tokens > 1 else None)
-                us = time_us(lambda: paged_attention_exact(q, k, v, exact_meta, args.head_dim ** -0.5))
+                us = time_us(lambda: paged_attention_exact(q, k, v, exact_meta, scale))
                 results["cases"].append({"context": context, "tokens": tokens, "config": "exact", "us": round(us, 1),
                                          "kv_read_us": round(read_us, 1)})
                 print(f"ctx {context:>6} tokens {tokens:>3} exact (batch-invariant): {us:8.1f} us", flush=True)
+                if exact_baseline is not None:
+                    times = alternated({"this": lambda: paged_attention_exact(q, k, v, exact_meta, scale),
+                                        "baseline": lambda: exact_baseline.paged_attention_exact(q, k, v, exact_meta,
+                                                                                                  scale)})
+                    results["cases"].append({"context": context, "tokens": tokens,
+                                             "config": "exact, against --exact-baseline", "us_this": times["this"],
+                                             "us_baseline": times["baseline"], "kv_read_us": round(read_us, 1)})
+                    print(f"ctx {context:>6} tokens {tokens:>3} exact: this {times['this']} us, "
+                          f"baseline {times['baseline']} us", flush=True)
     results["compiled"] = compiled_resources()
     for row in results["compiled"]:
         print("compiled:", row)
