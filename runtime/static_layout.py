@@ -51,6 +51,7 @@ class StaticLayout:
 
     def __init__(self, bucket: Bucket, table_width: int, max_seq_len: int, block_size: int, device: torch.device):
         self.bucket, self.block_size, self.table_width = bucket, block_size, table_width
+        self.max_seq_len = max_seq_len
         B, T, W = bucket.seqs, bucket.num_tokens, table_width
         mask_int64 = -(-T * bucket.mask_words // 2)  # int32 words, two to an int64
         shapes = {"qsl": (B + 1,), "seq_lens": (B,), "tables": (B, W), "slots": (T,), "positions": (T,),
@@ -114,7 +115,8 @@ class StaticLayout:
         h["slots"][:] = -1
         token_seq = np.repeat(np.arange(B), q_lens)
         q_idx = np.arange(len(token_seq)) - qsl[token_seq]
-        h["positions"][:] = q_idx
+        # Within the RoPE table: a ragged bucket's tokens over few sequences may outnumber what one holds.
+        h["positions"][:] = np.minimum(q_idx, self.max_seq_len - 1)
         h["token_seq"][:] = token_seq
         h["q_idx"][:] = q_idx
         h["ids"][:] = 0

@@ -355,3 +355,19 @@ def test_every_graphed_path_gives_the_eager_tokens_with_graphs_run_eagerly_on_a_
     assert engine.target.runner.split_steps > 0 and engine.steps_ahead > 0 and engine.verifier.graph_accepts > 0
     assert engine.released_speculation.accepted_tokens > 0
     assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
+
+
+def test_a_ragged_graph_of_more_tokens_than_a_sequence_holds_captures(tmp_path):
+    """A ragged bucket's placeholder rows (its capture's inputs) spread its tokens over its sequences:
+    with few sequences and a short ``max_model_len`` (2048 tokens over 4 sequences of at most 200),
+    a row's position would lie past the RoPE table. The capture must run, and the step's tokens be
+    the eager engine's (on a GPU, the placeholder positions read the table out of bounds: an illegal
+    memory access)."""
+    model_dir = make_model_dir(tmp_path / "m", "llama3", seed=5, std=0.3)
+    prompts = [[(7 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((150, 140, 130, 120))]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    small = dict(max_num_seqs=4, max_model_len=200)
+    want = [r.token_ids for r in Engine(target_for(model_dir, enforce_eager=True, **small)).generate(prompts, params)]
+    graphed = Engine(target_for(model_dir, graphs_on_cpu=True, **small))
+    assert [r.token_ids for r in graphed.generate(prompts, params)] == want
+    assert graphed.target.runner.ragged_steps == 1
