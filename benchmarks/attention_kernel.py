@@ -1,6 +1,6 @@
 """Paged attention kernel alone: time per call against tree size and context, for tile configs.
 
-Llama-3-8B geometry by default (32 query heads, 8 KV heads, head_dim 128), one sequence, bf16.
+Llama-3-8B geometry by default (32 query heads, 8 KV heads, head_dim 128), one sequence (``--batch``: more), bf16.
 For each (context, tokens) every config in the sweep is timed (CUDA graph replays, median), next to
 the time to read the sequence's KV once at the measured copy bandwidth::
 
@@ -35,21 +35,25 @@ SWEEP = [AttentionConfig(m, n, w, s) for m in (16, 64, 128) for n in (32, 64) fo
     [AttentionConfig(m, n, 8, s) for m, n in ((128, 128), (256, 32), (256, 64)) for s in (2, 3)]
 
 
-def setup(context: int, tokens: int, heads: int, kv_heads: int, head_dim: int, block: int = 16):
+def setup(context: int, tokens: int, heads: int, kv_heads: int, head_dim: int, block: int = 16, batch: int = 1):
+    """``batch`` sequences of ``context`` cached keys and ``tokens`` new ones each (a causal tree),
+    their blocks scattered over the cache."""
     dev = torch.device("cuda")
     total = context + tokens
-    nblocks = -(-total // block)
+    per_seq = -(-total // block)
+    nblocks = batch * per_seq
     k_cache = torch.randn(nblocks, block, kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
-    q = torch.randn(tokens, heads, head_dim, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(batch * tokens, heads, head_dim, device=dev, dtype=torch.bfloat16)
     tree = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=dev))
+    rows = torch.arange(batch * tokens, device=dev)
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, tokens], device=dev), seq_lens=torch.tensor([total], device=dev),
-        block_tables=torch.randperm(nblocks, device=dev)[None], slot_mapping=torch.arange(tokens, device=dev),
-        positions=context + torch.arange(tokens, device=dev), token_seq=torch.zeros(tokens, dtype=torch.long, device=dev),
-        token_q_idx=torch.arange(tokens, device=dev), max_query_len=tokens, max_seq_len=total,
-        custom_mask=pack_mask(tree) if tokens > 1 else None,
-        mask_start=torch.tensor([context], device=dev) if tokens > 1 else None)
+        query_start_loc=torch.arange(batch + 1, device=dev) * tokens, seq_lens=torch.full((batch,), total, device=dev),
+        block_tables=torch.randperm(nblocks, device=dev).view(batch, per_seq), slot_mapping=rows,
+        positions=context + rows % tokens, token_seq=rows // tokens, token_q_idx=rows % tokens,
+        max_query_len=tokens, max_seq_len=total,
+        custom_mask=pack_mask(tree).repeat(batch, 1) if tokens > 1 else None,
+        mask_start=torch.full((batch,), context, device=dev) if tokens > 1 else None)
     return q, k_cache, v_cache, meta
 
 
@@ -124,6 +128,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1, help="sequences, each of --context keys and --tokens queries")
     ap.add_argument("--sweep", action="store_true", help="time every config of the sweep, not just the default")
     ap.add_argument("--splits", type=int, action="append", default=[],
                     help="also time the default tiles with this many key splits (repeatable)")
@@ -137,10 +142,11 @@ def main() -> None:
     exact_baseline = load_file(args.exact_baseline, "attention_exact_baseline") if args.exact_baseline else None
     bw = copy_bandwidth_gbs(torch.device("cuda"))
     g = args.heads // args.kv_heads
-    results = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": round(bw, 1), "cases": []}
+    results = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": round(bw, 1), "batch": args.batch,
+               "cases": []}
     for context in args.context:
         for tokens in args.tokens:
-            q, k, v, meta = setup(context, tokens, args.heads, args.kv_heads, args.head_dim)
+            q, k, v, meta = setup(context, tokens, args.heads, args.kv_heads, args.head_dim, batch=args.batch)
             read_us = 2 * k[:, :, :, :].numel() * k.element_size() / (bw * 1e9) * 1e6
             default = attention_config(tokens, g, args.head_dim, tree=tokens > 1)
             auto = splits_of(default, meta, g, args.kv_heads)
@@ -172,7 +178,8 @@ def main() -> None:
                       f"baseline {times['baseline']} us", flush=True)
             if args.exact:
                 tree = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=q.device))
-                exact_meta = dataclasses.replace(meta, custom_mask=ancestor_table(tree) if tokens > 1 else None)
+                exact_meta = dataclasses.replace(
+                    meta, custom_mask=ancestor_table(tree).repeat(args.batch, 1) if tokens > 1 else None)
                 us = time_us(lambda: paged_attention_exact(q, k, v, exact_meta, scale))
                 results["cases"].append({"context": context, "tokens": tokens, "config": "exact", "us": round(us, 1),
                                          "kv_read_us": round(read_us, 1)})
