@@ -32,11 +32,14 @@ def test_replayed_path_follows_first_children_then_tree_order():
     assert AcceptanceReplay._path(parents, 5, 9) == [0, 1, 3, 4, 2]  # never more than the nodes
 
 
-def test_an_engine_with_a_replay_accepts_what_the_trace_says(tmp_path):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_an_engine_with_a_replay_accepts_what_the_trace_says(graphs, tmp_path):
+    """Eagerly, and on the graphed paths (``graphs_on_cpu``: trees chained behind acceptance and
+    verified from the device, whose host copies the replay's acceptance reads)."""
     target_dir = make_model_dir(tmp_path / "t", "llama3", seed=5, std=0.3)
     head = make_eagle_dir(tmp_path / "d", tiny_config("llama3"), draft_vocab=64, seed=1)
     spec = SpecConfig(str(head), tree="chain", depth=3)
-    target = target_for(target_dir)
+    target = target_for(target_dir, graphs_on_cpu=graphs)
     drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                            target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels)
     replay = AcceptanceReplay([[3, 0, 2, 1], [1]])

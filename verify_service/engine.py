@@ -235,7 +235,9 @@ class Engine:
         # batch 128 ~40 us of host time, the host being that step's critical path)
         sampled = self.sampler.sample(take_rows(out.logits, [first_rows[d[0]] for d in due]),
                                       [d[1] for d in due]) if due else None
-        if len(trees) < len(plan):  # (a sequence of the plan finished since: the host layout)
+        # A sequence of the plan finished since, or a replayed acceptance (it reads the trees' host
+        # copies): the host layout.
+        if len(trees) < len(plan) or self.verifier.replay is not None:
             on_device = deferred = self._attach(deferred)
         pending = self.verifier.accept([seq for _, seq, _ in trees], [first_rows[i] for i, _, _ in trees],
                                        [out.query_start_loc[i] for i, _, _ in trees], out, padded,
