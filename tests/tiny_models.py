@@ -65,6 +65,10 @@ TEST_DEVICE = os.environ.get("EAGLE3_TEST_DEVICE", "cpu")
 TEST_DTYPE = os.environ.get("EAGLE3_TEST_DTYPE", "float32")
 # Where the Triton kernels run: natively on a GPU, else on the CPU through Triton's interpreter.
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# EAGLE3_TEST_GRAPHS_ON_CPU=1: every ``target_for`` engine on a CPU takes the graphed paths (each replay
+# an eager forward, ``EngineConfig.graphs_on_cpu``) unless its test says otherwise: a sweep of the GPU's
+# step paths on the CPU. Tests that pin the eager paths' own counts then fail by design; a crash is a bug.
+GRAPHS_ON_CPU = os.environ.get("EAGLE3_TEST_GRAPHS_ON_CPU", "") == "1"
 _TOLERANCES = {"float32": (2e-5, 1e-4), "float16": (2e-2, 2e-2), "bfloat16": (8e-2, 5e-2)}
 
 
@@ -76,5 +80,6 @@ def tolerance(dtype: str = TEST_DTYPE) -> dict:
 
 def target_for(model_dir: Path, capture: tuple[int, ...] = (), **overrides) -> Target:
     """A small engine on the test device; ``overrides`` are EngineConfig fields."""
-    kw = {"kv_cache_gib": 0.01, "max_num_seqs": 4, "device": TEST_DEVICE, "dtype": TEST_DTYPE, **overrides}
+    kw = {"kv_cache_gib": 0.01, "max_num_seqs": 4, "device": TEST_DEVICE, "dtype": TEST_DTYPE,
+          "graphs_on_cpu": GRAPHS_ON_CPU, **overrides}
     return Target.from_config(EngineConfig(str(model_dir), **kw), capture_layers=capture)
