@@ -14,6 +14,7 @@ process on the same inputs; ``--exact-baseline FILE`` does the same for ``kernel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -26,11 +27,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.decode_baseline import copy_bandwidth_gbs  # noqa: E402
+from kernels import attention_exact  # noqa: E402
 from kernels.attention_exact import ancestor_table, paged_attention_exact  # noqa: E402
 from kernels.attention_triton import (AttentionConfig, _attention_kernel, _num_splits, _slots, attention_config,  # noqa: E402
                                       pack_mask, paged_attention_triton)
 from kernels.metadata import AttentionMetadata  # noqa: E402
 
+# The batch-invariant kernel's tiles and launch (every launch of it must take the same: a choice of
+# the mode, not of the step): keys per tile, warps, stages. Its rows stay 64.
+EXACT_SWEEP = [(n, w, s) for n in (32, 64) for w in (4, 8) for s in (2, 3)]
 SWEEP = [AttentionConfig(m, n, w, s) for m in (16, 64, 128) for n in (32, 64) for w in (4, 8) for s in (2, 3)] + \
     [AttentionConfig(m, n, 8, s) for m, n in ((128, 128), (256, 32), (256, 64)) for s in (2, 3)]
 
@@ -112,6 +117,20 @@ def load_file(path: str, name: str):
     return module
 
 
+@contextlib.contextmanager
+def exact_launch(block_n: int, num_warps: int, num_stages: int):
+    """The batch-invariant kernel launched with these keys a tile, warps and stages, for the block."""
+    names = ("BLOCK_N", "NUM_WARPS", "NUM_STAGES")
+    saved = [getattr(attention_exact, n) for n in names]
+    for name, value in zip(names, (block_n, num_warps, num_stages)):
+        setattr(attention_exact, name, value)
+    try:
+        yield
+    finally:
+        for name, value in zip(names, saved):
+            setattr(attention_exact, name, value)
+
+
 def alternated(fns: dict, rounds: int = 2) -> dict[str, list[float]]:
     """Each of ``fns`` timed ``rounds`` times, in turn (a, b, a, b): us per call, by name."""
     times = {name: [] for name in fns}
@@ -133,6 +152,8 @@ def main() -> None:
     ap.add_argument("--splits", type=int, action="append", default=[],
                     help="also time the default tiles with this many key splits (repeatable)")
     ap.add_argument("--exact", action="store_true", help="also time the batch-invariant kernel (--exact)")
+    ap.add_argument("--exact-sweep", action="store_true",
+                    help="with --exact: also time its other tiles and launches (EXACT_SWEEP)")
     ap.add_argument("--baseline", default=None, help="an earlier kernels/attention_triton.py, timed beside this one")
     ap.add_argument("--exact-baseline", default=None,
                     help="with --exact: an earlier kernels/attention_exact.py, timed beside this one")
@@ -184,6 +205,13 @@ def main() -> None:
                 results["cases"].append({"context": context, "tokens": tokens, "config": "exact", "us": round(us, 1),
                                          "kv_read_us": round(read_us, 1)})
                 print(f"ctx {context:>6} tokens {tokens:>3} exact (batch-invariant): {us:8.1f} us", flush=True)
+                if args.exact_sweep:
+                    for n, w, st in EXACT_SWEEP:
+                        with exact_launch(n, w, st):
+                            us = time_us(lambda: paged_attention_exact(q, k, v, exact_meta, scale))
+                        results["cases"].append({"context": context, "tokens": tokens, "config": f"exact n{n} w{w} s{st}",
+                                                 "us": round(us, 1), "kv_read_us": round(read_us, 1)})
+                        print(f"ctx {context:>6} tokens {tokens:>3} exact n{n:>3} w{w} s{st}: {us:8.1f} us", flush=True)
                 if exact_baseline is not None:
                     times = alternated({"this": lambda: paged_attention_exact(q, k, v, exact_meta, scale),
                                         "baseline": lambda: exact_baseline.paged_attention_exact(q, k, v, exact_meta,
