@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from kernels import acceptance, attention, draft_rows, kv_compaction, norm, rope, sampling, tree
+from kernels import acceptance, attention, draft_rows, fused_linear, kv_compaction, norm, rope, sampling, tree
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,11 @@ class KernelSet:
     rope_write_kv: Callable  # RoPE on q/k + the KV write, fused
     rms_norm: Callable  # with the residual add
     silu_mul: Callable
+    # A decode layer's projections with its norms and activation in their epilogues
+    # (kernels/fused_linear.py), used for steps of at most ``fused_rows`` rows (0: never).
+    scaled_linear: Callable
+    scaled_gate_up_silu: Callable
+    linear_add_norm: Callable
     logits_to_probs: Callable
     exponential_noise: Callable
     uniform_noise: Callable
@@ -50,6 +55,7 @@ class KernelSet:
     extend_layout: Callable  # a draft extend's metadata from its row counts, on the device
     pack_rows: Callable  # a chained extend's fed rows packed front to back
     name: str
+    fused_rows: int = 0
 
 
 REFERENCE = KernelSet(
@@ -61,6 +67,9 @@ REFERENCE = KernelSet(
     rope_write_kv=rope.rope_write_kv_ref,
     rms_norm=norm.rms_norm_ref,
     silu_mul=norm.silu_mul_ref,
+    scaled_linear=fused_linear.scaled_linear_ref,
+    scaled_gate_up_silu=fused_linear.scaled_gate_up_silu_ref,
+    linear_add_norm=fused_linear.linear_add_norm_ref,
     logits_to_probs=sampling.logits_to_probs_ref,
     exponential_noise=sampling.exponential_noise_ref,
     uniform_noise=sampling.uniform_noise_ref,

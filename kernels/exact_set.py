@@ -21,5 +21,8 @@ EXACT = dataclasses.replace(
     prepare_attention=prepare_attention_exact,
     paged_attention=paged_attention_exact,
     linear=linear_exact,
+    # Never the few-row fused projections: they scale a row after its matmul, so a decoded row
+    # would differ from the same row inside a tree.
+    fused_rows=0,
     name="exact",
 )

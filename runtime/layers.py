@@ -70,20 +70,25 @@ class Attention(nn.Module):
         self.qkv_weight, self.qkv_bias = _fuse(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """RoPE on q/k, K/V into the paged cache, attention over it, o_proj: [T, in] -> [T, out]."""
-        T, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        """q/k/v projections, ``attend``, o_proj: [T, in] -> [T, out]."""
         if self.qkv_weight is not None:
-            q, k, v = ctx.kernels.linear(x, self.qkv_weight, self.qkv_bias).split([h * d, kvh * d, kvh * d], dim=-1)
+            qkv = ctx.kernels.linear(x, self.qkv_weight, self.qkv_bias)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        return ctx.kernels.linear(self.attend(qkv, ctx), self.o_proj.weight)
+
+    def attend(self, qkv: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """RoPE on q/k, K/V into the paged cache, attention over it: qkv [T, (h + 2 kvh) d] (the fused
+        projection's output) -> [T, h d], o_proj's input."""
+        T, h, kvh, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
         q, k, v = q.view(T, h, d), k.view(T, kvh, d), v.view(T, kvh, d)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx)
         q = ctx.kernels.rope_write_kv(q, k, v, ctx.meta.positions, ctx.cos, ctx.sin, k_cache, v_cache,
                                       ctx.meta.slot_mapping)
-        out = ctx.kernels.paged_attention(q, k_cache, v_cache, ctx.meta, self.scale)
-        return ctx.kernels.linear(out.reshape(T, -1), self.o_proj.weight)
+        return ctx.kernels.paged_attention(q, k_cache, v_cache, ctx.meta, self.scale).reshape(T, -1)
 
 
 class MLP(nn.Module):

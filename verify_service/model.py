@@ -33,14 +33,32 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, normed: torch.Tensor, residual: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """``normed``: input_layernorm(residual), computed by the caller (which also reads the
-        residual stream entering the layer). Returns (MLP output, residual stream): their sum,
-        the stream leaving the layer, is formed by the next norm (the add fused into it)."""
-        x = self.self_attn(normed, ctx)
-        norm = self.post_attention_layernorm
-        normed, residual = ctx.kernels.rms_norm(x, norm.weight, norm.eps, residual)
-        return self.mlp(normed, ctx.kernels), residual
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x + residual``: the stream entering the layer (``x`` alone without a residual). Returns
+        (MLP output, residual stream after attention, the stream entering the layer): the stream
+        leaving the layer, the sum of the first two, is formed by the next norm (the add fused
+        into it)."""
+        k, norm1, norm2 = ctx.kernels, self.input_layernorm, self.post_attention_layernorm
+        normed, entering = k.rms_norm(x, norm1.weight, norm1.eps, residual)
+        normed, residual = k.rms_norm(self.self_attn(normed, ctx), norm2.weight, norm2.eps, entering)
+        return self.mlp(normed, k), residual, entering
+
+    def forward_rows(self, hn: torch.Tensor, ss: torch.Tensor | None, h: torch.Tensor, ctx: StepContext,
+                     next_norm: torch.Tensor | None) -> tuple:
+        """The layer as four few-row projections with the norms and the activation in their
+        epilogues (``kernels/fused_linear.py``). ``h``: the stream entering the layer; ``hn``:
+        h * input_layernorm.weight, with ``ss`` the partial sums of h^2 (``ss`` None: ``hn`` is
+        already normed). Returns the stream leaving the layer as (h, hn, ss) for ``next_norm``;
+        without one (the last layer), as (MLP output, residual stream), as ``forward`` does."""
+        k, attn, mlp = ctx.kernels, self.self_attn, self.mlp
+        qkv = k.scaled_linear(hn, ss, self.input_layernorm.eps, attn.qkv_weight, attn.qkv_bias)
+        norm2 = self.post_attention_layernorm
+        h, hn, ss = k.linear_add_norm(attn.attend(qkv, ctx), attn.o_proj.weight, h, norm2.weight)
+        act = k.scaled_gate_up_silu(hn, ss, norm2.eps, mlp.gate_up_weight)
+        if next_norm is None:
+            return k.scaled_linear(act, None, 0.0, mlp.down_proj.weight), h
+        return k.linear_add_norm(act, mlp.down_proj.weight, h, next_norm)
 
 
 class Decoder(nn.Module):
@@ -79,17 +97,40 @@ class CausalLM(nn.Module):
                 kernels: KernelSet, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
         assert self.cos is not None, "call init_rope() before forward()"
         ctx = StepContext(meta, kv_cache, self.cos, self.sin, kernels)
-        x, residual = self.model.embed_tokens(input_ids), None  # (T, hidden)
-        captured = {}
-        for i, layer in enumerate(self.model.layers):
-            norm = layer.input_layernorm
-            normed, residual = kernels.rms_norm(x, norm.weight, norm.eps, residual)  # residual: the stream entering layer i
-            if i in capture_layers:
-                captured[i] = residual
-            x, residual = layer(normed, residual, ctx)
-        hidden, _ = kernels.rms_norm(x, self.model.norm.weight, self.model.norm.eps, residual)
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        if x.shape[0] <= kernels.fused_rows and self.model.layers[0].mlp.gate_up_weight is not None:
+            hidden, captured = self._forward_rows(x, ctx, capture_layers)
+        else:
+            hidden, captured = self._forward_layers(x, ctx, capture_layers)
         feats = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return ForwardOutput(hidden, feats)
+
+    def _forward_layers(self, x: torch.Tensor, ctx: StepContext,
+                        capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        residual, captured = None, {}
+        for i, layer in enumerate(self.model.layers):
+            x, residual, entering = layer(x, residual, ctx)
+            if i in capture_layers:
+                captured[i] = entering  # the stream entering layer i
+        hidden, _ = ctx.kernels.rms_norm(x, self.model.norm.weight, self.model.norm.eps, residual)
+        return hidden, captured
+
+    def _forward_rows(self, x: torch.Tensor, ctx: StepContext,
+                      capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """A few rows (decode): every norm but the first and the last runs in the epilogue of the
+        projection before it (``DecoderLayer.forward_rows``)."""
+        layers, k, captured = self.model.layers, ctx.kernels, {}
+        hn, h = k.rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        ss = None  # hn is normed already
+        for i, layer in enumerate(layers[:-1]):
+            if i in capture_layers:
+                captured[i] = h  # the stream entering layer i
+            h, hn, ss = layer.forward_rows(hn, ss, h, ctx, layers[i + 1].input_layernorm.weight)
+        if len(layers) - 1 in capture_layers:
+            captured[len(layers) - 1] = h
+        x, residual = layers[-1].forward_rows(hn, ss, h, ctx, None)
+        hidden, _ = k.rms_norm(x, self.model.norm.weight, self.model.norm.eps, residual)
+        return hidden, captured
 
     def fuse_projections(self) -> None:
         """Serving layout: one matmul for q/k/v and one for gate/up in every layer."""

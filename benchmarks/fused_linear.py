@@ -1,0 +1,110 @@
+"""The few-row projections of a decode layer, each as the separate kernels a step used to run and as
+the one kernel with the elementwise work in its epilogue (``kernels/fused_linear_triton.py``):
+
+    qkv:      rms_norm (with the residual add) + F.linear      against  scaled_linear_triton
+    o:        F.linear                                          against  linear_add_norm_triton
+    gate_up:  rms_norm + F.linear + silu_mul                    against  scaled_gate_up_silu_triton
+    down:     F.linear                                          against  linear_add_norm_triton
+    lm_head:  F.linear                                          against  linear_rows_triton
+
+so a layer's sum covers the same work both ways. Timed as ``gemm_shapes.py`` times (calls captured
+back to back in a CUDA graph, every call on a weight copy the previous calls did not touch, as
+layers' weights arrive cold). ``--sweep`` also times every tile of ``SWEEP`` for the fused kernel.
+
+    python benchmarks/fused_linear.py --rows 1 --rows 16 --sweep --out fused.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.attention_kernel import time_us  # noqa: E402
+from benchmarks.decode_baseline import copy_bandwidth_gbs  # noqa: E402
+from benchmarks.gemm_shapes import SHAPES, _cycling  # noqa: E402
+from kernels.fused_linear_triton import (RowLinearConfig, linear_add_norm_triton, linear_rows_triton,  # noqa: E402
+                                         row_linear_config, scaled_gate_up_silu_triton, scaled_linear_triton)
+from kernels.fused_triton import rms_norm_triton, silu_mul_triton  # noqa: E402
+
+SWEEP = [RowLinearConfig(n, k, w, s) for n in (16, 32, 64) for k in (128, 256, 512) for w in (4, 8) for s in (3, 4)
+         if n * k <= 16384]
+LM_HEADS = {"8b.lm_head": (128256, 4096), "smol.lm_head": (49152, 576)}
+EPS = 1e-5
+
+
+def _pair(kind: str, m: int, n: int, k: int):
+    """(separate kernels, fused kernel) as functions of the weight, on fixed inputs of ``m`` rows."""
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x, r, nw = torch.randn(m, k, **bf16), torch.randn(m, k, **bf16), torch.ones(k, **bf16)
+    ss = torch.rand(k // 16, m, device="cuda")  # a producer's partial sums of h^2 (16-column programs)
+    if kind in ("qkv", "gate_up"):
+        act = silu_mul_triton if kind == "gate_up" else (lambda t: t)
+        fused = scaled_gate_up_silu_triton if kind == "gate_up" else scaled_linear_triton
+        return (lambda w: act(F.linear(rms_norm_triton(x, nw, EPS, r)[0], w)),
+                lambda w, cfg=None: fused(x, ss, EPS, w, config=cfg))
+    if kind in ("o", "down"):
+        res, nw_out = torch.randn(m, n, **bf16), torch.ones(n, **bf16)
+        return lambda w: F.linear(x, w), lambda w, cfg=None: linear_add_norm_triton(x, w, res, nw_out, config=cfg)
+    return lambda w: F.linear(x, w), lambda w, cfg=None: linear_rows_triton(x, w, config=cfg)
+
+
+def _sweep(fused, ws) -> list:
+    """(us, tile) for every tile of SWEEP whose copies fit in shared memory."""
+    timed = []
+    for cfg in SWEEP:
+        try:
+            timed.append((time_us(_cycling(lambda w, c=cfg: fused(w, c), ws)), list(dataclasses.astuple(cfg))))
+        except OutOfResources:
+            continue
+    return timed
+
+
+def _kind(name: str) -> str:
+    return name.split(".")[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, action="append", required=True)
+    ap.add_argument("--sweep", action="store_true", help="also time every tile of SWEEP for the fused kernel")
+    ap.add_argument("--out", default=None, help="JSON file for the results")
+    args = ap.parse_args()
+    bw = copy_bandwidth_gbs(torch.device("cuda"))
+    results = []
+    for name, (n, k) in {**SHAPES, **LM_HEADS}.items():
+        copies = max(2, -(-256 * 2**20 // (n * k * 2)))  # > 2x the L2 of an H100/H200
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        floor = n * k * 2 / (bw * 1e9) * 1e6
+        for m in args.rows:
+            separate, fused = _pair(_kind(name), m, n, k)
+            gate_up = _kind(name) == "gate_up"
+            row = {"shape": name, "kind": _kind(name), "rows": m, "floor_us": round(floor, 2),
+                   "separate_us": time_us(_cycling(separate, ws)), "fused_us": time_us(_cycling(fused, ws)),
+                   "config": list(dataclasses.astuple(row_linear_config(n // 2 if gate_up else n, k, 1 + gate_up)))}
+            if args.sweep:
+                row["sweep_best"] = sorted(_sweep(fused, ws))[:4]
+            results.append(row)
+            print(f"{name:>14} rows {m:>3}: separate {row['separate_us']:7.1f} us  fused {row['fused_us']:7.1f} us"
+                  f"  floor {floor:6.1f} us" + (f"  best {row['sweep_best'][:2]}" if args.sweep else ""), flush=True)
+        del ws
+    for m in args.rows:
+        for prefix in ("8b.", "smol."):
+            rows = [r for r in results if r["rows"] == m and r["shape"].startswith(prefix) and "lm_head" not in r["shape"]]
+            print(f"{prefix} layer at {m} rows: separate {sum(r['separate_us'] for r in rows):.1f} us, "
+                  f"fused {sum(r['fused_us'] for r in rows):.1f} us, floor {sum(r['floor_us'] for r in rows):.1f} us")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bw,
+                                              "cases": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Few-row projections with a decode layer's elementwise work folded into them: the references.
+
+A decode layer per row is ``norm -> qkv -> attention -> o_proj -> add, norm -> gate_up -> silu *
+up -> down -> add``. With a few rows each projection is a stream of its weight, and every
+elementwise kernel between them a launch and a ramp of its own. RMSNorm's row scale factors out
+of the matmul that follows it:
+
+    rms_norm(h) @ w.T = rsqrt(mean(h^2) + eps) * ((h * norm_w) @ w.T)
+
+so a projection's epilogue, which owns only some columns of h, can do everything the next one
+needs but the scale: form h = out + residual, write it and ``hn = h * norm_w``, and add up its
+columns' h^2. The next projection streams ``hn`` like any input and scales its accumulator by
+the row's rsqrt at the end. The entries (``ss`` holds partial sums of h^2, [P, rows]: summed over
+P in order, they are the row's sum; the references give P = 1):
+
+    linear_add_norm(x, w, residual, norm_w)   -> (h, hn, ss)       h = x @ w.T + residual
+    scaled_linear(hn, ss, eps, w, bias)        = rsqrt(sum(ss) / K + eps) * (hn @ w.T) + bias
+    scaled_gate_up_silu(hn, ss, eps, w)        = silu(gate) * up of scaled_linear(hn, ss, eps, w)
+
+``ss=None`` leaves the input unscaled (an input already normed). ``kernels/fused_linear_triton.py``
+runs each as one kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.norm import silu_mul_ref
+
+
+def linear_add_norm_ref(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                        norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, hn, ss): h = x @ weight.T + residual (the product and the sum each rounded to x.dtype,
+    as ``linear`` then ``rms_norm`` round them), hn = h * norm_weight rounded once, ss [1, rows] =
+    sum(h^2) in float32."""
+    h = F.linear(x, weight) + residual
+    hf = h.float()
+    return h, (hf * norm_weight.float()).to(x.dtype), hf.pow(2).sum(-1)[None, :]
+
+
+def scaled_linear_ref(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rsqrt(sum(ss) / K + eps) * (x @ weight.T) + bias, in float32, rounded once to x.dtype; with
+    ``ss`` None, ``F.linear(x, weight, bias)``."""
+    if ss is None:
+        return F.linear(x, weight, bias)
+    out = F.linear(x.float(), weight.float()) * torch.rsqrt(ss.sum(0) / x.shape[-1] + eps)[:, None]
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def scaled_gate_up_silu_ref(x: torch.Tensor, ss: torch.Tensor | None, eps: float,
+                            weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for ``scaled_linear(x, ss, eps, weight)`` = [gate | up]: [rows, N / 2]."""
+    return silu_mul_ref(scaled_linear_ref(x, ss, eps, weight))

@@ -1,0 +1,196 @@
+"""Few-row projections in one Triton kernel each, with the elementwise work around them in their
+epilogues: the same signatures and semantics as ``kernels/fused_linear.py``.
+
+A decode step has one row a sequence, so a projection is a stream of its weight: one program owns
+BLOCK_N output columns of every row and walks K in BLOCK_K steps, in order, accumulating in
+float32 (no split-K, so no second reduction kernel)::
+
+    grid = (cdiv(N, BLOCK_N),)         program -> its BLOCK_N columns of all M <= BLOCK_M rows
+
+The main loop only loads and multiplies (elementwise work on a dot operand would run once per
+warp on the whole padded row tile). Around it:
+
+    SCALED:    the row's partial sums of h^2 [P, M] are summed in order and the accumulator is
+               scaled by rsqrt(sum / K + eps): the RMSNorm of the input, folded out of the matmul.
+    SILU_MUL:  the program streams the gate rows and the up rows of its columns (two
+               accumulators) and writes silu(gate) * up, each rounded as the references round.
+    ADD_NORM:  h = out + residual is written, and hn = h * norm_w, and the program's partial sum
+               of h^2 over its columns to ss[program, row]: the next projection's SCALED input.
+
+More than ``MAX_ROWS`` rows run the references (the engine sends them to the separate kernels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.fused_linear import linear_add_norm_ref, scaled_gate_up_silu_ref, scaled_linear_ref
+
+MAX_ROWS = 16  # one row tile: tl.dot's smallest M
+SHARED_BUDGET = 200 * 1024  # bytes of a program's pipelined copies (an H100/H200 SM has 227 KB)
+
+EPILOGUE_NONE, EPILOGUE_SILU_MUL, EPILOGUE_ADD_NORM = 0, 1, 2
+
+# Launch dependent on the kernel before (programmatic dependent launch, Hopper and later): the
+# launch and the programs' start overlap that kernel's end, and each program waits for its
+# outputs before reading any input. (Reading the first weight tile before the wait measured
+# slower: the tile held in registers spilled. ``EAGLE3_PDL=0`` launches plainly.)
+PDL = os.environ.get("EAGLE3_PDL", "1") != "0"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RowLinearConfig:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def row_linear_config(n: int, k: int, weight_tiles: int = 1) -> RowLinearConfig:
+    """Tiles from the sweep of ``benchmarks/fused_linear.py`` on an H200 (one row, cold weights):
+    the narrowest column tile (16, 32, 64) whose programs fit one wave of 132 SMs (qkv of
+    Llama-3-8B: 64 columns, 96 programs; o_proj and down: 32, 128), 32 with gate and up (two weight
+    tiles a step); K steps of 512 weight-tile bytes a row over the column tile, 128 for a short K;
+    as many stages of copies as fit ``SHARED_BUDGET``."""
+    block_n = 32 if weight_tiles == 2 else next((b for b in (16, 32) if triton.cdiv(n, b) <= 132), 64)
+    block_k = 128 if k < 1024 else min(512, 16384 // (block_n * weight_tiles))
+    stage_bytes = (MAX_ROWS + weight_tiles * block_n) * block_k * 2
+    return RowLinearConfig(block_n, block_k, num_stages=max(2, min(4, SHARED_BUDGET // stage_bytes)))
+
+
+def linear_rows_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       config: RowLinearConfig | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; one Triton kernel for at most ``MAX_ROWS`` rows, cuBLAS above."""
+    if _rows(x) > MAX_ROWS:
+        return F.linear(x, weight, bias)
+    return _launch(EPILOGUE_NONE, x, weight, bias=bias, config=config)[0]
+
+
+def scaled_linear_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None, config: RowLinearConfig | None = None) -> torch.Tensor:
+    if _rows(x) > MAX_ROWS:
+        return scaled_linear_ref(x, ss, eps, weight, bias)
+    return _launch(EPILOGUE_NONE, x, weight, bias=bias, ss=ss, eps=eps, config=config)[0]
+
+
+def scaled_gate_up_silu_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
+                               config: RowLinearConfig | None = None) -> torch.Tensor:
+    if _rows(x) > MAX_ROWS:
+        return scaled_gate_up_silu_ref(x, ss, eps, weight)
+    return _launch(EPILOGUE_SILU_MUL, x, weight, ss=ss, eps=eps, config=config)[0]
+
+
+def linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                           norm_weight: torch.Tensor, config: RowLinearConfig | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _rows(x) > MAX_ROWS:
+        return linear_add_norm_ref(x, weight, residual, norm_weight)
+    return _launch(EPILOGUE_ADD_NORM, x, weight, residual=residual, norm_weight=norm_weight, config=config)
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def _contiguous_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    t2 = t.reshape(-1, width)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, ss=None, eps: float = 0.0,
+            residual=None, norm_weight=None, config: RowLinearConfig | None = None):
+    """(out, h, ss_out); h and ss_out only for ADD_NORM (out is then hn)."""
+    K = weight.shape[1]
+    N = weight.shape[0] // 2 if epilogue == EPILOGUE_SILU_MUL else weight.shape[0]
+    assert x.shape[-1] == K, f"input of width {x.shape[-1]} for a weight {tuple(weight.shape)}"
+    x2 = _contiguous_rows(x, K)
+    M = x2.shape[0]
+    cfg = config or row_linear_config(N, K, 2 if epilogue == EPILOGUE_SILU_MUL else 1)
+    grid = triton.cdiv(N, cfg.block_n)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    add_norm = epilogue == EPILOGUE_ADD_NORM
+    if add_norm:
+        r2 = _contiguous_rows(residual, N)
+        h = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        ss_out = torch.empty(grid, M, dtype=torch.float32, device=x.device)
+    else:
+        r2 = h = ss_out = out  # never read / written by the kernel
+    if M == 0 or N == 0:
+        return out.reshape(*x.shape[:-1], N), h, ss_out
+    scaled = ss is not None
+    fp32 = x.dtype == torch.float32
+    pdl = PDL and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    _row_linear_kernel[(grid,)](
+        x2, weight, out, bias if bias is not None else weight, ss if scaled else out, r2,
+        norm_weight if add_norm else weight, h, ss_out, M, N, K, x2.stride(0), weight.stride(0), r2.stride(0), eps,
+        ss.shape[0] if scaled else 1,
+        SCALED=scaled, EPILOGUE=epilogue, HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, BLOCK_P=triton.next_power_of_2(ss.shape[0]) if scaled else 1,
+        PRECISION="ieee" if fp32 else "tf32",
+        DOT_DTYPE=tl.float32 if fp32 or not x.is_cuda else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype],
+        USE_GDC=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+    lead = x.shape[:-1]
+    if add_norm:
+        return h.reshape(*lead, N), out.reshape(*lead, N), ss_out
+    return out.reshape(*lead, N), h, ss_out
+
+
+@triton.jit(do_not_specialize=["M", "P_IN"])  # 1 row compiles no other kernel than 7
+def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_ptr, h_ptr, ss_out_ptr,
+                       M, N, K, stride_x, stride_w, stride_r, eps, P_IN, SCALED: tl.constexpr, EPILOGUE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_P: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                       USE_GDC: tl.constexpr):
+    pn = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_w  # SILU_MUL: [gate; up] weight rows
+    if USE_GDC:  # launched dependent (PDL): wait for the kernel before to end and its writes to land
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        k_ok = kk < K
+        a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w.to(DOT_DTYPE)), acc, input_precision=PRECISION)
+        if EPILOGUE == 1:
+            wu = tl.load(up_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_up = tl.dot(a, tl.trans(wu.to(DOT_DTYPE)), acc_up, input_precision=PRECISION)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()  # the next projection's launch may begin
+    if SCALED:  # rms_norm's row scale: rsqrt(mean(h^2) + eps), the partial sums added in order
+        ps = tl.arange(0, BLOCK_P)
+        part = tl.load(ss_in_ptr + ps[:, None] * M + rows[None, :], mask=(ps < P_IN)[:, None] & row_ok[None, :],
+                       other=0.0)
+        inv = 1.0 / tl.sqrt(tl.sum(part, 0) / K + eps)
+        acc *= inv[:, None]
+        acc_up *= inv[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    at = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if EPILOGUE == 1:  # silu(gate) * up from the rounded projections, in float32, rounded once
+        g = acc.to(dtype).to(tl.float32)
+        acc = g / (1.0 + tl.exp(-g)) * acc_up.to(dtype).to(tl.float32)
+    if EPILOGUE == 2:  # h = out + residual; out <- hn = h * norm_w; the columns' sum of h^2
+        r = tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_r + cols[None, :], mask=ok, other=0.0)
+        h = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(h_ptr + at, h, mask=ok)
+        hf = tl.where(ok, h.to(tl.float32), 0.0)
+        tl.store(ss_out_ptr + pn * M + rows, tl.sum(hf * hf, 1), mask=row_ok)
+        acc = hf * tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + at, acc.to(dtype), mask=ok)

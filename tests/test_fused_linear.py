@@ -1,0 +1,212 @@
+"""The few-row projections with their prologues folded in (``kernels/fused_linear_triton.py``) against
+the compositions of references they replace (``kernels/fused_linear.py``).
+
+Inputs are strided views, sizes ragged (K not a multiple of the K tile, N not of the column tile),
+row counts on both sides of ``MAX_ROWS`` (above it the wrappers compose the separate kernels),
+and every output the kernels allocate starts as NaN, so an element left unwritten fails. On a
+CPU the kernels run through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
+whose float32 -> bfloat16 rounding is toward zero: bfloat16 is compared within a tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from kernels import REFERENCE, select_kernels  # noqa: E402
+from kernels.fused_linear import linear_add_norm_ref, scaled_gate_up_silu_ref, scaled_linear_ref  # noqa: E402
+from kernels.fused_linear_triton import (MAX_ROWS, RowLinearConfig, linear_add_norm_triton,  # noqa: E402
+                                         linear_rows_triton, row_linear_config, scaled_gate_up_silu_triton,
+                                         scaled_linear_triton)
+from kernels.norm import rms_norm_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+ROWS = [1, 3, MAX_ROWS, MAX_ROWS + 1]
+SHAPES = [(96, 64), (80, 200)]  # (N, K)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """``torch.empty`` returns NaN-filled floating tensors while a test runs."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def randn(*shape, seed, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(DEVICE)
+
+
+def row_view(rows, width, dtype, seed):
+    """[rows, width] as columns 5 .. 5 + width of a wider buffer: strided rows."""
+    return randn(rows, width + 9, seed=seed, dtype=dtype)[:, 5:5 + width]
+
+
+def as_f32(*ts):
+    return [None if t is None else t.float() for t in ts]
+
+
+def partial_sums(h, parts):
+    """sum(h^2) of each row as ``parts`` partial sums [parts, rows], as a producer's programs leave them."""
+    return torch.stack([c.float().pow(2).sum(-1) for c in h.chunk(parts, dim=-1)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("scaled, with_bias", [(True, False), (False, False), (True, True)])
+def test_scaled_linear_is_rms_norm_then_linear(poisoned, dtype, rows, n, k, scaled, with_bias):
+    """Fed h * norm_w and the partial sums of h^2, it equals F.linear(rms_norm(h), w) + b."""
+    h = row_view(rows, k, dtype, seed=rows + k)
+    norm_w = (1.0 + 0.1 * randn(k, seed=2)).to(dtype)
+    w = randn(n, k, seed=3, dtype=dtype, scale=0.1)
+    bias = randn(n, seed=4, dtype=dtype) if with_bias else None
+    hn, ss = (h * norm_w, partial_sums(h, 3)) if scaled else (h, None)
+    got = scaled_linear_triton(hn, ss, 1e-6, w, bias)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    normed = rms_norm_ref(h.float(), norm_w.float(), 1e-6)[0] if scaled else h.float()
+    want = F.linear(normed, w.float(), None if bias is None else bias.float())
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    torch.testing.assert_close(got.float(), scaled_linear_ref(*as_f32(hn), None if ss is None else ss, 1e-6,
+                                                              *as_f32(w, bias)), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_scaled_gate_up_silu_matches_the_reference(poisoned, dtype, rows, n, k):
+    h = row_view(rows, k, dtype, seed=rows * 3 + k)
+    w = randn(2 * n, k, seed=5, dtype=dtype, scale=0.1)  # [gate; up]
+    ss = partial_sums(h, 2)
+    got = scaled_gate_up_silu_triton(h, ss, 1e-5, w)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), scaled_gate_up_silu_ref(h.float(), ss, 1e-5, w.float()), **TOL[dtype])
+    plain = scaled_gate_up_silu_triton(h, None, 1e-5, w)
+    torch.testing.assert_close(plain.float(), scaled_gate_up_silu_ref(h.float(), None, 1e-5, w.float()), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_linear_add_norm_leaves_what_the_next_projection_needs(poisoned, dtype, rows, n, k):
+    x = row_view(rows, k, dtype, seed=rows + 11 * k)
+    w = randn(n, k, seed=6, dtype=dtype, scale=0.1)
+    residual = row_view(rows, n, dtype, seed=7)
+    norm_w = (1.0 + 0.1 * randn(n, seed=8)).to(dtype)
+    h, hn, ss = linear_add_norm_triton(x, w, residual, norm_w)
+    want_h, want_hn, want_ss = linear_add_norm_ref(*as_f32(x, w, residual, norm_w))
+    assert h.shape == hn.shape == (rows, n) and h.dtype == hn.dtype == dtype and ss.dtype == torch.float32
+    torch.testing.assert_close(h.float(), want_h, **TOL[dtype])
+    torch.testing.assert_close(hn.float(), want_hn, **TOL[dtype])
+    torch.testing.assert_close(ss.sum(0), want_ss.sum(0), **TOL[dtype])
+    # the partials add up to the rows' sum of the h it wrote, whatever the split
+    torch.testing.assert_close(ss.sum(0), h.float().pow(2).sum(-1), atol=1e-3, rtol=1e-5)
+    if rows <= MAX_ROWS:  # one partial sum a program
+        assert ss.shape == (-(-n // row_linear_config(n, k).block_n), rows)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_rows_matches_f_linear(poisoned, rows, with_bias):
+    x = randn(rows, 2, 72, seed=rows)  # leading dims fold into rows: 2 * rows of them
+    w = randn(40, 72, seed=1, scale=0.1)
+    bias = randn(40, seed=2) if with_bias else None
+    got = linear_rows_triton(x, w, bias)
+    assert got.shape == (rows, 2, 40)
+    torch.testing.assert_close(got, F.linear(x, w, bias), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("cfg", [RowLinearConfig(16, 32), RowLinearConfig(32, 128, 4, 3), RowLinearConfig(64, 256, 8, 2)])
+def test_every_tile_matches(cfg):
+    x, residual, norm_w = randn(5, 300, seed=1), randn(5, 70, seed=2), randn(70, seed=3)
+    w, w_next = randn(70, 300, seed=4, scale=0.1), randn(2 * 40, 70, seed=5, scale=0.1)
+    h, hn, ss = linear_add_norm_triton(x, w, residual, norm_w, config=cfg)
+    want_h, want_hn, want_ss = linear_add_norm_ref(x, w, residual, norm_w)
+    torch.testing.assert_close(h, want_h, **TOL[torch.float32])
+    torch.testing.assert_close(hn, want_hn, **TOL[torch.float32])
+    assert ss.shape[0] == -(-70 // cfg.block_n)
+    torch.testing.assert_close(scaled_gate_up_silu_triton(hn, ss, 1e-5, w_next, config=cfg),
+                               scaled_gate_up_silu_ref(want_hn, want_ss, 1e-5, w_next), **TOL[torch.float32])
+    torch.testing.assert_close(scaled_linear_triton(hn, ss, 1e-5, w_next, config=cfg),
+                               scaled_linear_ref(want_hn, want_ss, 1e-5, w_next), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("n, k, tiles", [(6144, 4096, 1), (4096, 4096, 1), (14336, 4096, 2), (4096, 14336, 1),
+                                         (960, 576, 1), (576, 576, 1), (1536, 576, 2), (576, 1536, 1)])
+def test_tiles_fit_shared_memory_and_cover_the_sms(n, k, tiles):
+    """Llama-3-8B's and SmolLM2's projections: the copies in flight fit the budget, and a one-tile
+    projection of the 8B runs one wave on the 132 SMs of an H100/H200, on most of them."""
+    from kernels.fused_linear_triton import SHARED_BUDGET
+
+    cfg = row_linear_config(n, k, tiles)
+    assert cfg.num_stages * (MAX_ROWS + tiles * cfg.block_n) * cfg.block_k * 2 <= SHARED_BUDGET
+    if k >= 4096 and tiles == 1:
+        assert 88 <= -(-n // cfg.block_n) <= 132
+
+
+def test_no_rows():
+    w = torch.randn(8, 16, device=DEVICE)
+    assert scaled_linear_triton(torch.empty(0, 16, device=DEVICE), None, 1e-6, w).shape == (0, 8)
+    assert scaled_gate_up_silu_triton(torch.empty(0, 16, device=DEVICE), None, 1e-6, w).shape == (0, 4)
+    h, hn, ss = linear_add_norm_triton(torch.empty(0, 16, device=DEVICE), w, torch.empty(0, 8, device=DEVICE),
+                                       torch.ones(8, device=DEVICE))
+    assert h.shape == hn.shape == (0, 8)
+
+
+def test_the_sets_pick_their_fused_entries(monkeypatch):
+    triton_set = select_kernels(DEVICE, "triton")
+    assert triton_set.scaled_linear is scaled_linear_triton and triton_set.linear_add_norm is linear_add_norm_triton
+    assert triton_set.fused_rows == MAX_ROWS
+    assert REFERENCE.fused_rows == 0 and REFERENCE.scaled_linear is scaled_linear_ref
+    # The batch-invariant set never takes the fused path: it scales a row after its matmul, so a
+    # decoded row would differ from the same row inside a tree.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_kernels(DEVICE, "triton", exact=True).fused_rows == 0
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_a_decode_step_through_the_fused_layers_matches_the_references(tmp_path, family):
+    """The target's few-row path (every norm but the first and last in a projection's epilogue) gives
+    the logits and the captured layer inputs of the separate reference kernels."""
+    import dataclasses
+
+    from runtime.step_layout import SeqChunk, layout_step
+    from tiny_models import TRITON_DEVICE, make_model_dir, target_for
+
+    target = target_for(make_model_dir(tmp_path / "m", family, seed=3, std=0.3), kernels="triton",
+                        max_model_len=64, device=TRITON_DEVICE, enforce_eager=True)
+    prompts = [list(range(3, 20)), list(range(40, 45)), list(range(7, 16))]
+    for sid, p in enumerate(prompts):  # prefilled through the separate kernels (more than MAX_ROWS rows or not)
+        target.blocks.ensure_capacity(sid, len(p) + 4)
+        target.runner.step([SeqChunk(p, 0, target.blocks.block_table(sid), logits_rows=(len(p) - 1,))])
+    chunks = [SeqChunk([5 + sid], len(p), target.blocks.block_table(sid), logits_rows=(0,))
+              for sid, p in enumerate(prompts)]
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return target.runner.kernels.linear_add_norm(*args, **kwargs)
+
+    fused = dataclasses.replace(target.runner.kernels, linear_add_norm=counted)
+    layers = target.model_config.num_layers
+    capture = (0, layers // 2, layers - 1)
+    saved = target.kv_cache.data.clone()
+    outs = {}
+    with torch.inference_mode():
+        for name, kernels in (("fused", fused), ("reference", REFERENCE)):
+            target.kv_cache.data.copy_(saved)
+            step = layout_step(chunks, target.kv_cache.block_size, target.device, kernels)
+            out = target.model(step.input_ids, step.meta, target.kv_cache, kernels, capture)
+            outs[name] = (target.model.compute_logits(out.hidden), out.captured)
+    assert len(calls) == 2 * layers - 1  # o_proj in every layer, down in all but the last
+    torch.testing.assert_close(outs["fused"][0], outs["reference"][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs["fused"][1], outs["reference"][1], atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(outs["fused"][0]).all()
