@@ -33,7 +33,7 @@ class KernelSet:
     rms_norm: Callable  # with the residual add
     silu_mul: Callable
     # A decode layer's projections with its norms and activation in their epilogues
-    # (kernels/fused_linear.py), used for steps of at most ``fused_rows`` rows (0: never).
+    # (kernels/fused_linear.py), for steps of at most ``fused_rows(hidden_size)`` rows.
     scaled_linear: Callable
     scaled_gate_up_silu: Callable
     linear_add_norm: Callable
@@ -55,7 +55,7 @@ class KernelSet:
     extend_layout: Callable  # a draft extend's metadata from its row counts, on the device
     pack_rows: Callable  # a chained extend's fed rows packed front to back
     name: str
-    fused_rows: int = 0
+    fused_rows: Callable = fused_linear.no_fused_rows
 
 
 REFERENCE = KernelSet(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from kernels.attention_exact import paged_attention_exact, prepare_attention_exact
+from kernels.fused_linear import no_fused_rows
 from kernels.linear_triton import linear_exact
 from kernels.triton_set import TRITON
 
@@ -23,6 +24,6 @@ EXACT = dataclasses.replace(
     linear=linear_exact,
     # Never the few-row fused projections: they scale a row after its matmul, so a decoded row
     # would differ from the same row inside a tree.
-    fused_rows=0,
+    fused_rows=no_fused_rows,
     name="exact",
 )

@@ -14,6 +14,7 @@ the row's rsqrt at the end. The entries (``ss`` holds partial sums of h^2, [P, r
 P in order, they are the row's sum; the references give P = 1):
 
     linear_add_norm(x, w, residual, norm_w)   -> (h, hn, ss)       h = x @ w.T + residual
+                                                                   (norm_w None: h alone)
     scaled_linear(hn, ss, eps, w, bias)        = rsqrt(sum(ss) / K + eps) * (hn @ w.T) + bias
     scaled_gate_up_silu(hn, ss, eps, w)        = silu(gate) * up of scaled_linear(hn, ss, eps, w)
 
@@ -29,12 +30,19 @@ import torch.nn.functional as F
 from kernels.norm import silu_mul_ref
 
 
+def no_fused_rows(hidden: int) -> int:
+    """The reference and batch-invariant sets' ``fused_rows``: every step runs the separate kernels."""
+    return 0
+
+
 def linear_add_norm_ref(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                        norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        norm_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(h, hn, ss): h = x @ weight.T + residual (the product and the sum each rounded to x.dtype,
     as ``linear`` then ``rms_norm`` round them), hn = h * norm_weight rounded once, ss [1, rows] =
-    sum(h^2) in float32."""
+    sum(h^2) in float32; without a ``norm_weight``, (h, None, None)."""
     h = F.linear(x, weight) + residual
+    if norm_weight is None:
+        return h, None, None
     hf = h.float()
     return h, (hf * norm_weight.float()).to(x.dtype), hf.pow(2).sum(-1)[None, :]
 

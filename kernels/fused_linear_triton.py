@@ -2,10 +2,14 @@
 epilogues: the same signatures and semantics as ``kernels/fused_linear.py``.
 
 A decode step has one row a sequence, so a projection is a stream of its weight: one program owns
-BLOCK_N output columns of every row and walks K in BLOCK_K steps, in order, accumulating in
-float32 (no split-K, so no second reduction kernel)::
+BLOCK_N output columns of BLOCK_M rows (16, 32 or 64, from the row count) and walks K in BLOCK_K
+steps, in order, accumulating in float32 (no split-K, so no second reduction kernel)::
 
-    grid = (cdiv(N, BLOCK_N),)         program -> its BLOCK_N columns of all M <= BLOCK_M rows
+    grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))      program -> (column tile, row tile)
+
+Every program reads its rows' whole input, so the engine takes this path while a step's input is
+small (``fused_rows``: 16 rows of a 4096-wide model, 113 of SmolLM2's 576) and the separate kernels
+(cuBLAS) above.
 
 The main loop only loads and multiplies (elementwise work on a dot operand would run once per
 warp on the whole padded row tile). Around it:
@@ -16,8 +20,8 @@ warp on the whole padded row tile). Around it:
                accumulators) and writes silu(gate) * up, each rounded as the references round.
     ADD_NORM:  h = out + residual is written, and hn = h * norm_w, and the program's partial sum
                of h^2 over its columns to ss[program, row]: the next projection's SCALED input.
+    ADD:       h = out + residual alone.
 
-More than ``MAX_ROWS`` rows run the references (the engine sends them to the separate kernels).
 """
 
 from __future__ import annotations
@@ -30,12 +34,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.fused_linear import linear_add_norm_ref, scaled_gate_up_silu_ref, scaled_linear_ref
-
-MAX_ROWS = 16  # one row tile: tl.dot's smallest M
+MAX_ROWS = 16  # linear_rows_triton's limit (cuBLAS above); tl.dot's smallest row tile
+ROW_ELEMENTS = 65536  # fused_rows: the input elements of a step that takes the fused path
 SHARED_BUDGET = 200 * 1024  # bytes of a program's pipelined copies (an H100/H200 SM has 227 KB)
 
-EPILOGUE_NONE, EPILOGUE_SILU_MUL, EPILOGUE_ADD_NORM = 0, 1, 2
+EPILOGUE_NONE, EPILOGUE_SILU_MUL, EPILOGUE_ADD_NORM, EPILOGUE_ADD = 0, 1, 2, 3
 
 # Launch dependent on the kernel before (programmatic dependent launch, Hopper and later): the
 # launch and the programs' start overlap that kernel's end, and each program waits for its
@@ -52,7 +55,16 @@ class RowLinearConfig:
     num_stages: int = 4
 
 
-def row_linear_config(n: int, k: int, weight_tiles: int = 1) -> RowLinearConfig:
+def fused_rows(hidden: int) -> int:
+    """The most rows of a ``hidden``-wide model a step sends through these kernels."""
+    return max(MAX_ROWS, ROW_ELEMENTS // hidden)
+
+
+def row_tile(rows: int) -> int:
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def row_linear_config(n: int, k: int, weight_tiles: int = 1, block_m: int = 16) -> RowLinearConfig:
     """Tiles from the sweep of ``benchmarks/fused_linear.py`` on an H200 (one row, cold weights):
     the narrowest column tile (16, 32, 64) whose programs fit one wave of 132 SMs (qkv of
     Llama-3-8B: 64 columns, 96 programs; o_proj and down: 32, 128), 32 with gate and up (two weight
@@ -60,7 +72,7 @@ def row_linear_config(n: int, k: int, weight_tiles: int = 1) -> RowLinearConfig:
     as many stages of copies as fit ``SHARED_BUDGET``."""
     block_n = 32 if weight_tiles == 2 else next((b for b in (16, 32) if triton.cdiv(n, b) <= 132), 64)
     block_k = 128 if k < 1024 else min(512, 16384 // (block_n * weight_tiles))
-    stage_bytes = (MAX_ROWS + weight_tiles * block_n) * block_k * 2
+    stage_bytes = (block_m + weight_tiles * block_n) * block_k * 2
     return RowLinearConfig(block_n, block_k, num_stages=max(2, min(4, SHARED_BUDGET // stage_bytes)))
 
 
@@ -74,23 +86,19 @@ def linear_rows_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def scaled_linear_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
                          bias: torch.Tensor | None = None, config: RowLinearConfig | None = None) -> torch.Tensor:
-    if _rows(x) > MAX_ROWS:
-        return scaled_linear_ref(x, ss, eps, weight, bias)
     return _launch(EPILOGUE_NONE, x, weight, bias=bias, ss=ss, eps=eps, config=config)[0]
 
 
 def scaled_gate_up_silu_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
                                config: RowLinearConfig | None = None) -> torch.Tensor:
-    if _rows(x) > MAX_ROWS:
-        return scaled_gate_up_silu_ref(x, ss, eps, weight)
     return _launch(EPILOGUE_SILU_MUL, x, weight, ss=ss, eps=eps, config=config)[0]
 
 
 def linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                           norm_weight: torch.Tensor, config: RowLinearConfig | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _rows(x) > MAX_ROWS:
-        return linear_add_norm_ref(x, weight, residual, norm_weight)
+                           norm_weight: torch.Tensor | None, config: RowLinearConfig | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    if norm_weight is None:
+        return _launch(EPILOGUE_ADD, x, weight, residual=residual, config=config)[0], None, None
     return _launch(EPILOGUE_ADD_NORM, x, weight, residual=residual, norm_weight=norm_weight, config=config)
 
 
@@ -111,26 +119,27 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
     assert x.shape[-1] == K, f"input of width {x.shape[-1]} for a weight {tuple(weight.shape)}"
     x2 = _contiguous_rows(x, K)
     M = x2.shape[0]
-    cfg = config or row_linear_config(N, K, 2 if epilogue == EPILOGUE_SILU_MUL else 1)
+    block_m = row_tile(M)
+    cfg = config or row_linear_config(N, K, 2 if epilogue == EPILOGUE_SILU_MUL else 1, block_m)
     grid = triton.cdiv(N, cfg.block_n)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     add_norm = epilogue == EPILOGUE_ADD_NORM
+    r2 = _contiguous_rows(residual, N) if residual is not None else out  # (out: never read)
     if add_norm:
-        r2 = _contiguous_rows(residual, N)
         h = torch.empty(M, N, dtype=x.dtype, device=x.device)
         ss_out = torch.empty(grid, M, dtype=torch.float32, device=x.device)
     else:
-        r2 = h = ss_out = out  # never read / written by the kernel
+        h = ss_out = out  # never written by the kernel
     if M == 0 or N == 0:
         return out.reshape(*x.shape[:-1], N), h, ss_out
     scaled = ss is not None
     fp32 = x.dtype == torch.float32
     pdl = PDL and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
-    _row_linear_kernel[(grid,)](
+    _row_linear_kernel[(grid, triton.cdiv(M, block_m))](
         x2, weight, out, bias if bias is not None else weight, ss if scaled else out, r2,
         norm_weight if add_norm else weight, h, ss_out, M, N, K, x2.stride(0), weight.stride(0), r2.stride(0), eps,
         ss.shape[0] if scaled else 1,
-        SCALED=scaled, EPILOGUE=epilogue, HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
+        SCALED=scaled, EPILOGUE=epilogue, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_P=triton.next_power_of_2(ss.shape[0]) if scaled else 1,
         PRECISION="ieee" if fp32 else "tf32",
         DOT_DTYPE=tl.float32 if fp32 or not x.is_cuda else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype],
@@ -141,14 +150,14 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
     return out.reshape(*lead, N), h, ss_out
 
 
-@triton.jit(do_not_specialize=["M", "P_IN"])  # 1 row compiles no other kernel than 7
+@triton.jit(do_not_specialize=["M", "P_IN"])  # 1 row compiles no other kernel than 7 (BLOCK_M: 16, 32 or 64)
 def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_ptr, h_ptr, ss_out_ptr,
                        M, N, K, stride_x, stride_w, stride_r, eps, P_IN, SCALED: tl.constexpr, EPILOGUE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_P: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
                        USE_GDC: tl.constexpr):
     pn = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -186,11 +195,13 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
     if EPILOGUE == 1:  # silu(gate) * up from the rounded projections, in float32, rounded once
         g = acc.to(dtype).to(tl.float32)
         acc = g / (1.0 + tl.exp(-g)) * acc_up.to(dtype).to(tl.float32)
-    if EPILOGUE == 2:  # h = out + residual; out <- hn = h * norm_w; the columns' sum of h^2
+    if EPILOGUE >= 2:  # h = out + residual
         r = tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_r + cols[None, :], mask=ok, other=0.0)
         h = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
-        tl.store(h_ptr + at, h, mask=ok)
-        hf = tl.where(ok, h.to(tl.float32), 0.0)
-        tl.store(ss_out_ptr + pn * M + rows, tl.sum(hf * hf, 1), mask=row_ok)
-        acc = hf * tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc = h.to(tl.float32)  # ADD: out <- h
+        if EPILOGUE == 2:  # ADD_NORM: h to h_ptr; out <- hn = h * norm_w; the columns' sum of h^2
+            tl.store(h_ptr + at, h, mask=ok)
+            hf = tl.where(ok, acc, 0.0)
+            tl.store(ss_out_ptr + pn * M + rows, tl.sum(hf * hf, 1), mask=row_ok)
+            acc = hf * tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + at, acc.to(dtype), mask=ok)

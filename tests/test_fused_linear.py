@@ -2,8 +2,7 @@
 the compositions of references they replace (``kernels/fused_linear.py``).
 
 Inputs are strided views, sizes ragged (K not a multiple of the K tile, N not of the column tile),
-row counts on both sides of ``MAX_ROWS`` (above it the wrappers compose the separate kernels),
-and every output the kernels allocate starts as NaN, so an element left unwritten fails. On a
+row counts filling one or two row tiles of each size (16, 32, 64), and every output the kernels allocate starts as NaN, so an element left unwritten fails. On a
 CPU the kernels run through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
 whose float32 -> bfloat16 rounding is toward zero: bfloat16 is compared within a tolerance.
 """
@@ -25,7 +24,7 @@ from kernels.norm import rms_norm_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
-ROWS = [1, 3, MAX_ROWS, MAX_ROWS + 1]
+ROWS = [1, 3, 16, 17, 40, 70]  # row tiles of 16, 32 and 64; 70: two of 64
 SHAPES = [(96, 64), (80, 200)]  # (N, K)
 
 
@@ -109,8 +108,17 @@ def test_linear_add_norm_leaves_what_the_next_projection_needs(poisoned, dtype, 
     torch.testing.assert_close(ss.sum(0), want_ss.sum(0), **TOL[dtype])
     # the partials add up to the rows' sum of the h it wrote, whatever the split
     torch.testing.assert_close(ss.sum(0), h.float().pow(2).sum(-1), atol=1e-3, rtol=1e-5)
-    if rows <= MAX_ROWS:  # one partial sum a program
-        assert ss.shape == (-(-n // row_linear_config(n, k).block_n), rows)
+    assert ss.shape == (-(-n // row_linear_config(n, k).block_n), rows)  # one partial sum a column tile
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 17, 70])
+def test_linear_add_without_a_norm_is_the_sum_alone(poisoned, dtype, rows):
+    x, w = row_view(rows, 200, dtype, seed=rows), randn(80, 200, seed=9, dtype=dtype, scale=0.1)
+    residual = row_view(rows, 80, dtype, seed=10)
+    h, hn, ss = linear_add_norm_triton(x, w, residual, None)
+    assert hn is None and ss is None and h.shape == (rows, 80) and h.dtype == dtype
+    torch.testing.assert_close(h.float(), linear_add_norm_ref(*as_f32(x, w, residual), None)[0], **TOL[dtype])
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -164,13 +172,13 @@ def test_no_rows():
 def test_the_sets_pick_their_fused_entries(monkeypatch):
     triton_set = select_kernels(DEVICE, "triton")
     assert triton_set.scaled_linear is scaled_linear_triton and triton_set.linear_add_norm is linear_add_norm_triton
-    assert triton_set.fused_rows == MAX_ROWS
-    assert REFERENCE.fused_rows == 0 and REFERENCE.scaled_linear is scaled_linear_ref
+    assert triton_set.fused_rows(4096) == MAX_ROWS and triton_set.fused_rows(576) == 113
+    assert REFERENCE.fused_rows(576) == 0 and REFERENCE.scaled_linear is scaled_linear_ref
     # The batch-invariant set never takes the fused path: it scales a row after its matmul, so a
     # decoded row would differ from the same row inside a tree.
     if DEVICE == "cpu":  # (set on a GPU, it would make every kernel first imported now interpreted)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert select_kernels(DEVICE, "triton", exact=True).fused_rows == 0
+    assert select_kernels(DEVICE, "triton", exact=True).fused_rows(576) == 0
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])

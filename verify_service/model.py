@@ -98,7 +98,7 @@ class CausalLM(nn.Module):
         assert self.cos is not None, "call init_rope() before forward()"
         ctx = StepContext(meta, kv_cache, self.cos, self.sin, kernels)
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        if x.shape[0] <= kernels.fused_rows and self.model.layers[0].mlp.gate_up_weight is not None:
+        if x.shape[0] <= kernels.fused_rows(self.config.hidden_size) and self.model.layers[0].mlp.gate_up_weight is not None:
             hidden, captured = self._forward_rows(x, ctx, capture_layers)
         else:
             hidden, captured = self._forward_layers(x, ctx, capture_layers)
@@ -117,8 +117,8 @@ class CausalLM(nn.Module):
 
     def _forward_rows(self, x: torch.Tensor, ctx: StepContext,
                       capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """A few rows (decode): every norm but the first and the last runs in the epilogue of the
-        projection before it (``DecoderLayer.forward_rows``)."""
+        """A small step (decode, small trees): every norm but the first and the last runs in the
+        epilogue of the projection before it (``DecoderLayer.forward_rows``)."""
         layers, k, captured = self.model.layers, ctx.kernels, {}
         hn, h = k.rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         ss = None  # hn is normed already
