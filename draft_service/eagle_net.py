@@ -46,16 +46,9 @@ class MidLayer(nn.Module):
         k = ctx.kernels
         x = torch.cat((k.rms_norm(emb, self.input_layernorm.weight, self.input_layernorm.eps)[0],
                        k.rms_norm(h, self.hidden_norm.weight, self.hidden_norm.eps)[0]), dim=-1)  # (T, 2H)
-        attn, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
-        if x.shape[0] <= k.fused_rows(h.shape[-1]) and attn.qkv_weight is not None and mlp.gate_up_weight is not None:
-            # a few rows (a tree level): the norm and the activation in the projections' epilogues
-            # (kernels/fused_linear.py), the residual adds in o_proj's and down's
-            qkv = k.scaled_linear(x, None, 0.0, attn.qkv_weight, attn.qkv_bias)
-            h, normed, ss = k.linear_add_norm(attn.attend(qkv, ctx), attn.o_proj.weight, h, norm.weight)
-            act = k.scaled_gate_up_silu(normed, ss, norm.eps, mlp.gate_up_weight)
-            return k.linear_add_norm(act, mlp.down_proj.weight, h, None)[0]
-        normed, h = k.rms_norm(attn(x, ctx), norm.weight, norm.eps, residual=h)  # h + attention, normed
-        return h + mlp(normed, k)
+        normed, h = k.rms_norm(self.self_attn(x, ctx), self.post_attention_layernorm.weight,
+                               self.post_attention_layernorm.eps, residual=h)  # h + attention, normed
+        return h + self.mlp(normed, k)
 
 
 class EagleNet(nn.Module):

@@ -89,9 +89,9 @@ def new_cache(model):
     return PagedKVCache(1, 32, BLOCK, c.num_kv_heads, c.head_dim, DTYPE, TEST_DEVICE)
 
 
-def step(model, cache, ids, hidden, kv_start=0, table=(9, 3, 0, 7, 12, 5, 1, 20, 11, 2), kind="auto"):
+def step(model, cache, ids, hidden, kv_start=0, table=(9, 3, 0, 7, 12, 5, 1, 20, 11, 2)):
     """Run the draft over ``ids`` with KV at indices kv_start.. of a scrambled block table."""
-    kernels = select_kernels(TEST_DEVICE, kind)
+    kernels = select_kernels(TEST_DEVICE)
     lay = layout_step([SeqChunk(ids, kv_start, list(table))], BLOCK, torch.device(TEST_DEVICE), kernels)
     with torch.inference_mode():
         return model(lay.input_ids, hidden.to(TEST_DEVICE, DTYPE), lay.meta, cache, kernels)
@@ -127,20 +127,6 @@ def test_forward_matches_naive_reference_with_features_then_own_output(tmp_path,
     out2 = step(model, new_cache(model), ids, out.float().cpu())
     ref_out2, ref_logits2 = reference(draft_dir, embedding, ids, out.double().cpu())
     assert_matches(model, out2, ref_out2, ref_logits2)
-
-
-def test_the_triton_sets_fused_layer_matches_naive_reference(tmp_path, embedding):
-    """Serving layout (fused q/k/v and gate/up) on the Triton set: a step of T rows runs the
-    projections with the norm, the activation and the residual adds in their epilogues."""
-    pytest.importorskip("triton")
-    draft_dir = make_eagle_dir(tmp_path / "d", TARGET_RAW, DRAFT_VOCAB)
-    model = load(draft_dir, embedding)
-    model.fuse_projections()
-    kernels = select_kernels(TEST_DEVICE, "triton")
-    assert T <= kernels.fused_rows(model.config.hidden_size)
-    ids, feats = inputs(2)
-    out = step(model, new_cache(model), ids, feats, kind="triton")
-    assert_matches(model, out, *reference(draft_dir, embedding, ids, feats))
 
 
 def test_chunked_feeding_equals_one_shot(tmp_path, embedding):
