@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.attention_kernel import time_us  # noqa: E402
 from benchmarks.decode_baseline import copy_bandwidth_gbs  # noqa: E402
-from benchmarks.gemm_shapes import SHAPES, _cycling  # noqa: E402
+from benchmarks.gemm_shapes import SHAPES, _cycling, write_cases  # noqa: E402
 from kernels.fused_linear_triton import (RowLinearConfig, linear_add_norm_triton, linear_rows_triton,  # noqa: E402
                                          row_linear_config, scaled_gate_up_silu_triton, scaled_linear_triton)
 from kernels.fused_triton import rms_norm_triton, silu_mul_triton  # noqa: E402
@@ -102,8 +101,7 @@ def main() -> None:
             print(f"{prefix} layer at {m} rows: separate {sum(r['separate_us'] for r in rows):.1f} us, "
                   f"fused {sum(r['fused_us'] for r in rows):.1f} us, floor {sum(r['floor_us'] for r in rows):.1f} us")
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bw,
-                                              "cases": results}, indent=1))
+        write_cases(args.out, bw, results)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,12 @@ SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 40
           "smol.qkv": (960, 576), "smol.o": (576, 576), "smol.gate_up": (3072, 576), "smol.down": (576, 1536)}
 
 
+def write_cases(path: str, bandwidth_gbs: float, cases: list) -> None:
+    """The results as JSON: the device, its copy bandwidth and one entry a timed case."""
+    Path(path).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bandwidth_gbs,
+                                      "cases": cases}, indent=1))
+
+
 def _cycling(fn, weights):
     """``fn(weight)`` on the next weight copy at each call."""
     turn = iter(range(10**9))
@@ -84,8 +90,7 @@ def main() -> None:
             print(f"exact tiles, 8B projections at {m} rows (us, best first; cuBLAS "
                   f"{sum(r['linear_us'] for r in rows):.1f}): {totals[:5]}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bw,
-                                              "cases": results}, indent=1))
+        write_cases(args.out, bw, results)
 
 
 if __name__ == "__main__":

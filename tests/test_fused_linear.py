@@ -1,10 +1,12 @@
-"""The few-row projections with their prologues folded in (``kernels/fused_linear_triton.py``) against
-the compositions of references they replace (``kernels/fused_linear.py``).
+"""The small-step projections with a layer's norms, activation and residual adds in their epilogues
+(``kernels/fused_linear_triton.py``) against their references (``kernels/fused_linear.py``) and the
+separate kernels they replace.
 
 Inputs are strided views, sizes ragged (K not a multiple of the K tile, N not of the column tile),
-row counts filling one or two row tiles of each size (16, 32, 64), and every output the kernels allocate starts as NaN, so an element left unwritten fails. On a
-CPU the kernels run through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
-whose float32 -> bfloat16 rounding is toward zero: bfloat16 is compared within a tolerance.
+row counts filling one or two row tiles of each size (16, 32, 64), and every output the kernels
+allocate starts as NaN (``poisoned_empty``), so an element left unwritten fails. On a CPU the
+kernels run through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), whose
+float32 -> bfloat16 rounding is toward zero: bfloat16 is compared within a tolerance.
 """
 
 from __future__ import annotations
@@ -26,18 +28,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 ROWS = [1, 3, 16, 17, 40, 70]  # row tiles of 16, 32 and 64; 70: two of 64
 SHAPES = [(96, 64), (80, 200)]  # (N, K)
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """``torch.empty`` returns NaN-filled floating tensors while a test runs."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        out = empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
 
 
 def randn(*shape, seed, dtype=torch.float32, scale=1.0):
@@ -62,7 +52,7 @@ def partial_sums(h, parts):
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("scaled, with_bias", [(True, False), (False, False), (True, True)])
-def test_scaled_linear_is_rms_norm_then_linear(poisoned, dtype, rows, n, k, scaled, with_bias):
+def test_scaled_linear_is_rms_norm_then_linear(poisoned_empty, dtype, rows, n, k, scaled, with_bias):
     """Fed h * norm_w and the partial sums of h^2, it equals F.linear(rms_norm(h), w) + b."""
     h = row_view(rows, k, dtype, seed=rows + k)
     norm_w = (1.0 + 0.1 * randn(k, seed=2)).to(dtype)
@@ -81,7 +71,7 @@ def test_scaled_linear_is_rms_norm_then_linear(poisoned, dtype, rows, n, k, scal
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n, k", SHAPES)
-def test_scaled_gate_up_silu_matches_the_reference(poisoned, dtype, rows, n, k):
+def test_scaled_gate_up_silu_matches_the_reference(poisoned_empty, dtype, rows, n, k):
     h = row_view(rows, k, dtype, seed=rows * 3 + k)
     w = randn(2 * n, k, seed=5, dtype=dtype, scale=0.1)  # [gate; up]
     ss = partial_sums(h, 2)
@@ -95,7 +85,7 @@ def test_scaled_gate_up_silu_matches_the_reference(poisoned, dtype, rows, n, k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n, k", SHAPES)
-def test_linear_add_norm_leaves_what_the_next_projection_needs(poisoned, dtype, rows, n, k):
+def test_linear_add_norm_leaves_what_the_next_projection_needs(poisoned_empty, dtype, rows, n, k):
     x = row_view(rows, k, dtype, seed=rows + 11 * k)
     w = randn(n, k, seed=6, dtype=dtype, scale=0.1)
     residual = row_view(rows, n, dtype, seed=7)
@@ -113,7 +103,7 @@ def test_linear_add_norm_leaves_what_the_next_projection_needs(poisoned, dtype, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 17, 70])
-def test_linear_add_without_a_norm_is_the_sum_alone(poisoned, dtype, rows):
+def test_linear_add_without_a_norm_is_the_sum_alone(poisoned_empty, dtype, rows):
     x, w = row_view(rows, 200, dtype, seed=rows), randn(80, 200, seed=9, dtype=dtype, scale=0.1)
     residual = row_view(rows, 80, dtype, seed=10)
     h, hn, ss = linear_add_norm_triton(x, w, residual, None)
@@ -123,7 +113,7 @@ def test_linear_add_without_a_norm_is_the_sum_alone(poisoned, dtype, rows):
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_rows_matches_f_linear(poisoned, rows, with_bias):
+def test_linear_rows_matches_f_linear(poisoned_empty, rows, with_bias):
     x = randn(rows, 2, 72, seed=rows)  # leading dims fold into rows: 2 * rows of them
     w = randn(40, 72, seed=1, scale=0.1)
     bias = randn(40, seed=2) if with_bias else None
