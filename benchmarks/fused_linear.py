@@ -5,7 +5,7 @@ the one kernel with the elementwise work in its epilogue (``kernels/fused_linear
     o:        F.linear                                          against  linear_add_norm_triton
     gate_up:  rms_norm + F.linear + silu_mul                    against  scaled_gate_up_silu_triton
     down:     F.linear                                          against  linear_add_norm_triton
-    lm_head:  F.linear                                          against  linear_rows_triton
+    lm_head:  F.linear                                          against  scaled_linear_triton (no scale)
 
 so a layer's sum covers the same work both ways. Timed as ``gemm_shapes.py`` times (calls captured
 back to back in a CUDA graph, every call on a weight copy the previous calls did not touch, as
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.attention_kernel import time_us  # noqa: E402
 from benchmarks.decode_baseline import copy_bandwidth_gbs  # noqa: E402
 from benchmarks.gemm_shapes import SHAPES, _cycling, write_cases  # noqa: E402
-from kernels.fused_linear_triton import (RowLinearConfig, linear_add_norm_triton, linear_rows_triton,  # noqa: E402
+from kernels.fused_linear_triton import (RowLinearConfig, linear_add_norm_triton,  # noqa: E402
                                          row_linear_config, scaled_gate_up_silu_triton, scaled_linear_triton)
 from kernels.fused_triton import rms_norm_triton, silu_mul_triton  # noqa: E402
 
@@ -53,7 +53,7 @@ def _pair(kind: str, m: int, n: int, k: int):
     if kind in ("o", "down"):
         res, nw_out = torch.randn(m, n, **bf16), torch.ones(n, **bf16)
         return lambda w: F.linear(x, w), lambda w, cfg=None: linear_add_norm_triton(x, w, res, nw_out, config=cfg)
-    return lambda w: F.linear(x, w), lambda w, cfg=None: linear_rows_triton(x, w, config=cfg)
+    return lambda w: F.linear(x, w), lambda w, cfg=None: scaled_linear_triton(x, None, EPS, w, config=cfg)
 
 
 def _sweep(fused, ws) -> list:

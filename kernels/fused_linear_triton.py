@@ -27,14 +27,14 @@ warp on the whole padded row tile). Around it:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # linear_rows_triton's limit (cuBLAS above); tl.dot's smallest row tile
+MAX_ROWS = 16  # tl.dot's smallest row tile: fused_rows' floor
 ROW_ELEMENTS = 65536  # fused_rows: the input elements of a step that takes the fused path
 MAX_FUSED_ROWS = 32
 SHARED_BUDGET = 200 * 1024  # bytes of a program's pipelined copies (an H100/H200 SM has 227 KB)
@@ -79,14 +79,6 @@ def row_linear_config(n: int, k: int, weight_tiles: int = 1, block_m: int = 16) 
     return RowLinearConfig(block_n, block_k, num_stages=max(2, min(4, SHARED_BUDGET // stage_bytes)))
 
 
-def linear_rows_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       config: RowLinearConfig | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; one Triton kernel for at most ``MAX_ROWS`` rows, cuBLAS above."""
-    if _rows(x) > MAX_ROWS:
-        return F.linear(x, weight, bias)
-    return _launch(EPILOGUE_NONE, x, weight, bias=bias, config=config)[0]
-
-
 def scaled_linear_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
                          bias: torch.Tensor | None = None, config: RowLinearConfig | None = None) -> torch.Tensor:
     return _launch(EPILOGUE_NONE, x, weight, bias=bias, ss=ss, eps=eps, config=config)[0]
@@ -105,8 +97,9 @@ def linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torc
     return _launch(EPILOGUE_ADD_NORM, x, weight, residual=residual, norm_weight=norm_weight, config=config)
 
 
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _contiguous_rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -137,7 +130,7 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
         return out.reshape(*x.shape[:-1], N), h, ss_out
     scaled = ss is not None
     fp32 = x.dtype == torch.float32
-    pdl = PDL and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    pdl = PDL and x.is_cuda and _hopper_or_later(x.device)
     _row_linear_kernel[(grid, triton.cdiv(M, block_m))](
         x2, weight, out, bias if bias is not None else weight, ss if scaled else out, r2,
         norm_weight if add_norm else weight, h, ss_out, M, N, K, x2.stride(0), weight.stride(0), r2.stride(0), eps,

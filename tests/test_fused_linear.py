@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from kernels import REFERENCE, select_kernels  # noqa: E402
 from kernels.fused_linear import linear_add_norm_ref, scaled_gate_up_silu_ref, scaled_linear_ref  # noqa: E402
 from kernels.fused_linear_triton import (MAX_ROWS, RowLinearConfig, linear_add_norm_triton,  # noqa: E402
-                                         linear_rows_triton, row_linear_config, scaled_gate_up_silu_triton,
+                                         row_linear_config, scaled_gate_up_silu_triton,
                                          scaled_linear_triton)
 from kernels.norm import rms_norm_ref  # noqa: E402
 
@@ -113,11 +113,11 @@ def test_linear_add_without_a_norm_is_the_sum_alone(poisoned_empty, dtype, rows)
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_rows_matches_f_linear(poisoned_empty, rows, with_bias):
+def test_unscaled_linear_is_f_linear_over_leading_dims(poisoned_empty, rows, with_bias):
     x = randn(rows, 2, 72, seed=rows)  # leading dims fold into rows: 2 * rows of them
     w = randn(40, 72, seed=1, scale=0.1)
     bias = randn(40, seed=2) if with_bias else None
-    got = linear_rows_triton(x, w, bias)
+    got = scaled_linear_triton(x, None, 0.0, w, bias)
     assert got.shape == (rows, 2, 40)
     torch.testing.assert_close(got, F.linear(x, w, bias), **TOL[torch.float32])
 
