@@ -1,19 +1,23 @@
 """The batch-invariant kernel set (``--exact``): every target row's bits independent of the step.
 
 A token's logits come out the same whether it is decoded alone, verified inside a 64-token
-tree, prefilled in any chunking, or batched with any other sequences: the projections and the
-LM head use one fixed matmul tile (``linear_exact``), attention walks keys in position order in
-fixed tiles and fixed chunks (``paged_attention_exact``), and RMSNorm, RoPE and the activation
-are already computed row by row. So greedy speculative output equals target-only output in
-bf16 too, as it does in float32.
+tree, prefilled in any chunking, or batched with any other sequences: every step runs the
+projections with the layer's norms and activation in their epilogues
+(``kernels/fused_linear_triton.py``) on one row tile and tiles that depend on the weights' shapes
+alone, the LM head uses one fixed matmul tile (``linear_exact``), attention walks keys in position
+order in fixed tiles and fixed chunks (``paged_attention_exact``), and RMSNorm and RoPE are
+computed row by row. So greedy speculative output equals target-only output in bf16 too, as it
+does in float32.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from kernels.attention_exact import paged_attention_exact, prepare_attention_exact
-from kernels.fused_linear import no_fused_rows
+from kernels.fused_linear_triton import (EXACT_ROW_TILE, every_step, linear_add_norm_triton,
+                                         scaled_gate_up_silu_triton, scaled_linear_triton)
 from kernels.linear_triton import linear_exact
 from kernels.triton_set import TRITON
 
@@ -22,8 +26,9 @@ EXACT = dataclasses.replace(
     prepare_attention=prepare_attention_exact,
     paged_attention=paged_attention_exact,
     linear=linear_exact,
-    # Never the few-row fused projections: they scale a row after its matmul, so a decoded row
-    # would differ from the same row inside a tree.
-    fused_rows=no_fused_rows,
+    scaled_linear=functools.partial(scaled_linear_triton, block_m=EXACT_ROW_TILE),
+    scaled_gate_up_silu=functools.partial(scaled_gate_up_silu_triton, block_m=EXACT_ROW_TILE),
+    linear_add_norm=functools.partial(linear_add_norm_triton, block_m=EXACT_ROW_TILE),
+    fused_rows=every_step,
     name="exact",
 )

@@ -67,34 +67,48 @@ def row_tile(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
+# The batch-invariant set (kernels/exact_set.py) runs every step through these kernels with one
+# row tile: a row's sums then run in one order whatever the step (the tiles depend on the shapes
+# alone), and the row's scale is applied the same way in a decode step as in a tree or a prefill.
+EXACT_ROW_TILE = 64
+
+
+def every_step(hidden: int) -> int:
+    """The batch-invariant set's ``fused_rows``: every step takes the fused projections."""
+    return 1 << 62
+
+
 def row_linear_config(n: int, k: int, weight_tiles: int = 1, block_m: int = 16) -> RowLinearConfig:
     """Tiles from the sweep of ``benchmarks/fused_linear.py`` on an H200 (one row, cold weights):
     the narrowest column tile (16, 32, 64) whose programs fit one wave of 132 SMs (qkv of
     Llama-3-8B: 64 columns, 96 programs; o_proj and down: 32, 128), 32 with gate and up (two weight
-    tiles a step); K steps of 512 weight-tile bytes a row over the column tile, 128 for a short K;
-    as many stages of copies as fit ``SHARED_BUDGET``."""
+    tiles a step); K steps of 512 weight-tile bytes a row over the column tile (256 for 64-row
+    tiles), 128 for a short K; as many stages of copies as fit ``SHARED_BUDGET``. A function of
+    the shapes and the row tile alone: the batch-invariant set relies on it."""
     block_n = 32 if weight_tiles == 2 else next((b for b in (16, 32) if triton.cdiv(n, b) <= 132), 64)
-    block_k = 128 if k < 1024 else min(512, 16384 // (block_n * weight_tiles))
+    block_k = 128 if k < 1024 else min(512, 16384 // (block_n * weight_tiles), 16384 // block_m)
     stage_bytes = (block_m + weight_tiles * block_n) * block_k * 2
     return RowLinearConfig(block_n, block_k, num_stages=max(2, min(4, SHARED_BUDGET // stage_bytes)))
 
 
 def scaled_linear_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
-                         bias: torch.Tensor | None = None, config: RowLinearConfig | None = None) -> torch.Tensor:
-    return _launch(EPILOGUE_NONE, x, weight, bias=bias, ss=ss, eps=eps, config=config)[0]
+                         bias: torch.Tensor | None = None, config: RowLinearConfig | None = None,
+                         block_m: int | None = None) -> torch.Tensor:
+    return _launch(EPILOGUE_NONE, x, weight, bias=bias, ss=ss, eps=eps, config=config, block_m=block_m)[0]
 
 
 def scaled_gate_up_silu_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
-                               config: RowLinearConfig | None = None) -> torch.Tensor:
-    return _launch(EPILOGUE_SILU_MUL, x, weight, ss=ss, eps=eps, config=config)[0]
+                               config: RowLinearConfig | None = None, block_m: int | None = None) -> torch.Tensor:
+    return _launch(EPILOGUE_SILU_MUL, x, weight, ss=ss, eps=eps, config=config, block_m=block_m)[0]
 
 
 def linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                           norm_weight: torch.Tensor | None, config: RowLinearConfig | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                           norm_weight: torch.Tensor | None, config: RowLinearConfig | None = None,
+                           block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     if norm_weight is None:
-        return _launch(EPILOGUE_ADD, x, weight, residual=residual, config=config)[0], None, None
-    return _launch(EPILOGUE_ADD_NORM, x, weight, residual=residual, norm_weight=norm_weight, config=config)
+        return _launch(EPILOGUE_ADD, x, weight, residual=residual, config=config, block_m=block_m)[0], None, None
+    return _launch(EPILOGUE_ADD_NORM, x, weight, residual=residual, norm_weight=norm_weight, config=config,
+                   block_m=block_m)
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,14 +122,15 @@ def _contiguous_rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, ss=None, eps: float = 0.0,
-            residual=None, norm_weight=None, config: RowLinearConfig | None = None):
-    """(out, h, ss_out); h and ss_out only for ADD_NORM (out is then hn)."""
+            residual=None, norm_weight=None, config: RowLinearConfig | None = None, block_m: int | None = None):
+    """(out, h, ss_out); h and ss_out only for ADD_NORM (out is then hn). ``block_m``: the row tile
+    whatever the row count (the batch-invariant set's), else chosen from it."""
     K = weight.shape[1]
     N = weight.shape[0] // 2 if epilogue == EPILOGUE_SILU_MUL else weight.shape[0]
     assert x.shape[-1] == K, f"input of width {x.shape[-1]} for a weight {tuple(weight.shape)}"
     x2 = _contiguous_rows(x, K)
     M = x2.shape[0]
-    block_m = row_tile(M)
+    block_m = block_m or row_tile(M)
     cfg = config or row_linear_config(N, K, 2 if epilogue == EPILOGUE_SILU_MUL else 1, block_m)
     grid = triton.cdiv(N, cfg.block_n)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)

@@ -146,6 +146,28 @@ def test_linear_exact_rows_do_not_depend_on_row_count(dtype):
             assert torch.equal(linear_exact(x[start:start + rows], w, bias), full[start:start + rows]), (rows, start)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_projections_rows_do_not_depend_on_row_count(dtype):
+    """The exact set's projections (norm, activation and residual adds in their epilogues): rows
+    computed in calls of 1, 7, 64 and 300 rows, bit for bit the same."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(300, 1100, generator=gen).to(dtype).to(DEVICE)  # K over 1024: K tiles from the row tile
+    residual = torch.randn(300, 80, generator=gen).to(dtype).to(DEVICE)
+    w, w_up = ((torch.randn(n, k, generator=gen) * 0.1).to(dtype).to(DEVICE) for n, k in ((80, 1100), (2 * 48, 80)))
+    norm_w = (1 + 0.1 * torch.randn(80, generator=gen)).to(dtype).to(DEVICE)
+    h, hn, ss = EXACT.linear_add_norm(x, w, residual, norm_w)
+    act = EXACT.scaled_gate_up_silu(hn, ss, 1e-5, w_up)
+    qkv = EXACT.scaled_linear(hn, ss, 1e-5, w_up)
+    for rows in (1, 7, 64):
+        for start in (0, 5, 200):
+            part = slice(start, start + rows)
+            h2, hn2, ss2 = EXACT.linear_add_norm(x[part], w, residual[part], norm_w)
+            assert torch.equal(h2, h[part]) and torch.equal(hn2, hn[part]) and torch.equal(ss2, ss[:, part])
+            assert torch.equal(EXACT.scaled_gate_up_silu(hn2, ss2, 1e-5, w_up), act[part]), (rows, start)
+            assert torch.equal(EXACT.scaled_linear(hn2, ss2, 1e-5, w_up), qkv[part]), (rows, start)
+    assert EXACT.fused_rows(4096) > 1 << 30  # every step, prefill chunks too
+
+
 def test_kernel_set():
     assert EXACT.name == "exact" and EXACT.linear is linear_exact and EXACT.paged_attention is paged_attention_exact
 
