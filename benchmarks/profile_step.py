@@ -1,6 +1,6 @@
 """Profile target-only decode steps with torch.profiler; prints the top ops by host and device time.
 
-    python benchmarks/profile_step.py MODEL_DIR_OR_GEOMETRY [--batch 1] [--context 512] [--kernels triton]
+    python benchmarks/profile_step.py MODEL_DIR_OR_GEOMETRY [--batch 1] [--context 512] [--kernels triton] [--exact]
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--kernels", choices=["auto", "triton", "reference"], default="auto")
+    ap.add_argument("--exact", action="store_true", help="the batch-invariant target kernels (--exact of the server)")
     args = ap.parse_args()
-    target = make_engine(args.model, args.batch, args.context, 64, torch.device("cuda"), args.kernels)
+    target = make_engine(args.model, args.batch, args.context, 64, torch.device("cuda"), args.kernels, args.exact)
     engine = Engine(target)
     for _ in range(args.batch):
         engine.add_request(list(range(1, args.context + 1)), SamplingParams(max_tokens=64, ignore_eos=True))
