@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, action="append", required=True, help="tree size incl. the root")
     ap.add_argument("--kernels", action="append", choices=["auto", "triton", "reference"])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="print each case's top GPU kernels (torch.profiler, 5 steps)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -82,6 +84,10 @@ def main() -> None:
                 results["cases"].append(r)
                 print(f"{r['kernels']:>9} ctx {context:>6} tokens {n:>3}: {ms:8.3f} ms  floor {floor:7.3f} ms  "
                       f"x{r['floor_ratio']:<6} vs 1 token x{r['vs_one_token']}", flush=True)
+                if args.profile:
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        time_verify(target, seq_id, context, n, 5)
+                    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8), flush=True)
             del target
             torch.cuda.empty_cache()
     if args.out:
