@@ -78,16 +78,18 @@ def every_step(hidden: int) -> int:
     return 1 << 62
 
 
-def row_linear_config(n: int, k: int, weight_tiles: int = 1, block_m: int = 16) -> RowLinearConfig:
+def row_linear_config(n: int, k: int, weight_tiles: int = 1, block_m: int = 16, elem_bytes: int = 2) -> RowLinearConfig:
     """Tiles from the sweep of ``benchmarks/fused_linear.py`` on an H200 (one row, cold weights):
     the narrowest column tile (16, 32, 64) whose programs fit one wave of 132 SMs (qkv of
     Llama-3-8B: 64 columns, 96 programs; o_proj and down: 32, 128), 32 with gate and up (two weight
     tiles a step); K steps of 512 weight-tile bytes a row over the column tile (256 for 64-row
-    tiles), 128 for a short K; as many stages of copies as fit ``SHARED_BUDGET``. A function of
-    the shapes and the row tile alone: the batch-invariant set relies on it."""
+    tiles), 128 for a short K; as many stages of copies as fit ``SHARED_BUDGET``, at least two (a
+    shorter K step where two stages of ``elem_bytes`` elements would not fit: float32). A function
+    of the shapes, the row tile and the element size alone: the batch-invariant set relies on it."""
     block_n = 32 if weight_tiles == 2 else next((b for b in (16, 32) if triton.cdiv(n, b) <= 132), 64)
     block_k = 128 if k < 1024 else min(512, 16384 // (block_n * weight_tiles), 16384 // block_m)
-    stage_bytes = (block_m + weight_tiles * block_n) * block_k * 2
+    while 2 * (stage_bytes := (block_m + weight_tiles * block_n) * block_k * elem_bytes) > SHARED_BUDGET:
+        block_k //= 2
     return RowLinearConfig(block_n, block_k, num_stages=max(2, min(4, SHARED_BUDGET // stage_bytes)))
 
 
@@ -131,7 +133,7 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
     x2 = _contiguous_rows(x, K)
     M = x2.shape[0]
     block_m = block_m or row_tile(M)
-    cfg = config or row_linear_config(N, K, 2 if epilogue == EPILOGUE_SILU_MUL else 1, block_m)
+    cfg = config or row_linear_config(N, K, 2 if epilogue == EPILOGUE_SILU_MUL else 1, block_m, x.element_size())
     grid = triton.cdiv(N, cfg.block_n)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     add_norm = epilogue == EPILOGUE_ADD_NORM

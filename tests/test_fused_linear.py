@@ -139,13 +139,20 @@ def test_every_tile_matches(cfg):
 
 @pytest.mark.parametrize("n, k, tiles", [(6144, 4096, 1), (4096, 4096, 1), (14336, 4096, 2), (4096, 14336, 1),
                                          (960, 576, 1), (576, 576, 1), (1536, 576, 2), (576, 1536, 1)])
-def test_tiles_fit_shared_memory_and_cover_the_sms(n, k, tiles):
-    """Llama-3-8B's and SmolLM2's projections: the copies in flight fit the budget, and a one-tile
-    projection of the 8B runs one wave on the 132 SMs of an H100/H200, on most of them."""
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("elem_bytes", [2, 4])
+def test_tiles_fit_shared_memory_and_cover_the_sms(n, k, tiles, block_m, elem_bytes):
+    """Llama-3-8B's and SmolLM2's projections, every row tile, bf16 and float32 (the float32 copies
+    of a 64-row tile once asked for 240 KB, over an H200's 227): the copies in flight fit the
+    budget, and a one-tile projection of the 8B runs one wave on the 132 SMs of an H100/H200, on
+    most of them."""
     from kernels.fused_linear_triton import SHARED_BUDGET
 
-    cfg = row_linear_config(n, k, tiles)
-    assert cfg.num_stages * (MAX_ROWS + tiles * cfg.block_n) * cfg.block_k * 2 <= SHARED_BUDGET
+    cfg = row_linear_config(n, k, tiles, block_m, elem_bytes)
+    assert cfg.num_stages >= 2
+    assert cfg.num_stages * (block_m + tiles * cfg.block_n) * cfg.block_k * elem_bytes <= SHARED_BUDGET
+    if elem_bytes == 2 and block_m < 64:  # bf16's tiles as the sweep chose them
+        assert cfg == row_linear_config(n, k, tiles, block_m)
     if k >= 4096 and tiles == 1:
         assert 88 <= -(-n // cfg.block_n) <= 132
 
