@@ -160,30 +160,38 @@ def main() -> None:
     ap.add_argument("--exact", action="store_true",
                     help="also run each case with the batch-invariant target kernels (--exact of the server), "
                          "side by side: the mode's cost")
+    ap.add_argument("--exact-row-tile", type=int, action="append", default=[], choices=[16, 32, 64],
+                    help="with --exact, also the batch-invariant set with its projections on this fixed row tile")
     ap.add_argument("--profile-dir", default=None, help="write each case's host cProfile here")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    import kernels.exact_set as kernels_exact  # (Triton's)
+
     device = torch.device("cuda")
+    default_exact = kernels_exact.EXACT
     bandwidth = copy_bandwidth_gbs(device)
     results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                "copy_bandwidth_gbs": round(bandwidth, 1), "cases": []}
     print(f"{results['device']}: device-to-device copy {bandwidth:.0f} GB/s (read + write)")
+    exact_sets = [False] + ([True] + args.exact_row_tile if args.exact else [])
+    baseline = None
     for case, kernels, linear, exact in [(c, k, m, e) for c in args.case for k in args.kernels or ["auto"]
-                                         for m in args.linear or ["default"] for e in ([False, True] if args.exact
-                                                                                       else [False])]:
+                                         for m in args.linear or ["default"] for e in exact_sets]:
+        kernels_exact.EXACT = kernels_exact.with_row_tile(exact) if exact not in (False, True) else default_exact
         profile = None
         if args.profile_dir:
             Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
-            name = "exact" if exact else kernels
+            name = "exact" if exact is True else f"exact{exact}" if exact else kernels
             profile = str(Path(args.profile_dir) / f"{case.replace(':', '_')}_{name}_{linear}.txt")
         r = run_case(case, args.steps, bandwidth, device, kernels, linear, profile, exact)
-        r["exact"] = exact
-        if exact:  # the same case without the mode ran just before
-            r["exact_cost"] = round(1 - r["tokens_per_s"] / results["cases"][-1]["tokens_per_s"], 4)
+        r["exact"] = exact is not False
+        baseline = r if exact is False else baseline
+        if exact is not False:  # the same case without the mode ran before
+            r["exact_cost"] = round(1 - r["tokens_per_s"] / baseline["tokens_per_s"], 4)
         results["cases"].append(r)
         print(f"{r['case']:>24} {r['kernels']:>9} {linear:>7}: {r['ms_per_step']:8.3f} ms/step  floor {r['floor_ms']:7.3f} ms  "
               f"x{r['floor_ratio']:<6} {r['tokens_per_s']:9.1f} tok/s  p90 {r['p90_ms']} ms  (prefill {r['prefill_s']} s)"
-              + (f"  exact mode cost {r['exact_cost']:.1%}" if exact else ""), flush=True)
+              + (f"  exact mode cost {r['exact_cost']:.1%}" if exact is not False else ""), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

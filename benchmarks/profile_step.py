@@ -32,6 +32,8 @@ def main() -> None:
     engine = Engine(target)
     for _ in range(args.batch):
         engine.add_request(list(range(1, args.context + 1)), SamplingParams(max_tokens=64, ignore_eos=True))
+    while engine.scheduler.waiting or any(s.prefilling for s in engine.scheduler.running):
+        engine.step()  # the prompts' prefill, unprofiled
     for _ in range(5):
         engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

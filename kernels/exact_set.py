@@ -19,16 +19,25 @@ from kernels.attention_exact import paged_attention_exact, prepare_attention_exa
 from kernels.fused_linear_triton import (EXACT_ROW_TILE, every_step, linear_add_norm_triton,
                                          scaled_gate_up_silu_triton, scaled_linear_triton)
 from kernels.linear_triton import linear_exact
+from kernels import KernelSet
 from kernels.triton_set import TRITON
 
-EXACT = dataclasses.replace(
-    TRITON,
-    prepare_attention=prepare_attention_exact,
-    paged_attention=paged_attention_exact,
-    linear=linear_exact,
-    scaled_linear=functools.partial(scaled_linear_triton, block_m=EXACT_ROW_TILE),
-    scaled_gate_up_silu=functools.partial(scaled_gate_up_silu_triton, block_m=EXACT_ROW_TILE),
-    linear_add_norm=functools.partial(linear_add_norm_triton, block_m=EXACT_ROW_TILE),
-    fused_rows=every_step,
-    name="exact",
-)
+
+def with_row_tile(row_tile: int) -> KernelSet:
+    """The batch-invariant set with its projections on one ``row_tile``-row tile (any fixed tile
+    keeps a row's bits independent of the step; the tile's size is a speed choice, and the bits
+    of one tile need not equal another's)."""
+    return dataclasses.replace(
+        TRITON,
+        prepare_attention=prepare_attention_exact,
+        paged_attention=paged_attention_exact,
+        linear=linear_exact,
+        scaled_linear=functools.partial(scaled_linear_triton, block_m=row_tile),
+        scaled_gate_up_silu=functools.partial(scaled_gate_up_silu_triton, block_m=row_tile),
+        linear_add_norm=functools.partial(linear_add_norm_triton, block_m=row_tile),
+        fused_rows=every_step,
+        name="exact" if row_tile == EXACT_ROW_TILE else f"exact/{row_tile}-row tile",
+    )
+
+
+EXACT = with_row_tile(EXACT_ROW_TILE)
