@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import gc
 import pstats
 import json
 import statistics
@@ -184,6 +185,8 @@ def main() -> None:
             name = "exact" if exact is True else f"exact{exact}" if exact else kernels
             profile = str(Path(args.profile_dir) / f"{case.replace(':', '_')}_{name}_{linear}.txt")
         r = run_case(case, args.steps, bandwidth, device, kernels, linear, profile, exact)
+        gc.collect()  # the case's engine and its KV cache (reference cycles) before the next sizes its cache
+        torch.cuda.empty_cache()
         r["exact"] = exact is not False
         baseline = r if exact is False else baseline
         if exact is not False:  # the same case without the mode ran before
@@ -192,8 +195,8 @@ def main() -> None:
         print(f"{r['case']:>24} {r['kernels']:>9} {linear:>7}: {r['ms_per_step']:8.3f} ms/step  floor {r['floor_ms']:7.3f} ms  "
               f"x{r['floor_ratio']:<6} {r['tokens_per_s']:9.1f} tok/s  p90 {r['p90_ms']} ms  (prefill {r['prefill_s']} s)"
               + (f"  exact mode cost {r['exact_cost']:.1%}" if exact is not False else ""), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        if args.out:  # after every case: a later case's failure keeps the earlier ones
+            Path(args.out).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
