@@ -188,6 +188,8 @@ def main() -> None:
         gc.collect()  # the case's engine and its KV cache (reference cycles) before the next sizes its cache
         torch.cuda.empty_cache()
         r["exact"] = exact is not False
+        if exact is not False:
+            r["kernels"] = "exact" if exact is True else f"exact/{exact}"  # the set, /its fixed row tile
         baseline = r if exact is False else baseline
         if exact is not False:  # the same case without the mode ran before
             r["exact_cost"] = round(1 - r["tokens_per_s"] / baseline["tokens_per_s"], 4)
