@@ -46,6 +46,21 @@ EPILOGUE_NONE, EPILOGUE_SILU_MUL, EPILOGUE_ADD_NORM, EPILOGUE_ADD = 0, 1, 2, 3
 # outputs before reading any input. (Reading the first weight tile before the wait measured
 # slower: the tile held in registers spilled. ``EAGLE3_PDL=0`` launches plainly.)
 PDL = os.environ.get("EAGLE3_PDL", "1") != "0"
+# Two experiments on the dependent launch, off by default until measured on a GPU (speed only:
+# neither changes a result's bits):
+# - EAGLE3_PDL_EARLY=1: each program lets the next kernel launch at its start instead of after its
+#   main loop, so the next projection's programs can be resident (where shared memory leaves room)
+#   before this one's end;
+# - EAGLE3_L2_PREFETCH=N: before the wait, each program asks L2 for the first N K steps of its
+#   weight rows (prefetch.global.L2, one address a 128-byte line: no registers held, unlike the
+#   measured early read), so the weight stream starts warm while the kernel before ends.
+# EAGLE3_ROW_LINEAR_STAGES caps the stages of copies (4), leaving shared memory for a resident
+# dependent program.
+PDL_EARLY = os.environ.get("EAGLE3_PDL_EARLY", "0") == "1"
+L2_PREFETCH_STEPS = int(os.environ.get("EAGLE3_L2_PREFETCH", "0"))
+MAX_STAGES = int(os.environ.get("EAGLE3_ROW_LINEAR_STAGES", "4"))
+assert L2_PREFETCH_STEPS in (0, 1, 2, 4, 8), "EAGLE3_L2_PREFETCH: 0, 1, 2, 4 or 8 K steps"
+assert MAX_STAGES >= 2, "EAGLE3_ROW_LINEAR_STAGES: at least 2"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,7 +105,7 @@ def row_linear_config(n: int, k: int, weight_tiles: int = 1, block_m: int = 16, 
     block_k = 128 if k < 1024 else min(512, 16384 // (block_n * weight_tiles), 16384 // block_m)
     while 2 * (stage_bytes := (block_m + weight_tiles * block_n) * block_k * elem_bytes) > SHARED_BUDGET:
         block_k //= 2
-    return RowLinearConfig(block_n, block_k, num_stages=max(2, min(4, SHARED_BUDGET // stage_bytes)))
+    return RowLinearConfig(block_n, block_k, num_stages=max(2, min(MAX_STAGES, SHARED_BUDGET // stage_bytes)))
 
 
 def scaled_linear_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
@@ -156,7 +171,9 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
         BLOCK_K=cfg.block_k, BLOCK_P=triton.next_power_of_2(ss.shape[0]) if scaled else 1,
         PRECISION="ieee" if fp32 else "tf32",
         DOT_DTYPE=tl.float32 if fp32 or not x.is_cuda else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype],
-        USE_GDC=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+        USE_GDC=pdl, GDC_EARLY=pdl and PDL_EARLY, PREFETCH_LINES=(
+            L2_PREFETCH_STEPS * cfg.block_k * weight.element_size() // _LINE_BYTES if pdl else 0),
+        LINE=_LINE_BYTES // weight.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
     lead = x.shape[:-1]
     if add_norm:
         return h.reshape(*lead, N), out.reshape(*lead, N), ss_out
@@ -168,7 +185,8 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
                        M, N, K, stride_x, stride_w, stride_r, eps, P_IN, SCALED: tl.constexpr, EPILOGUE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_P: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                       USE_GDC: tl.constexpr):
+                       USE_GDC: tl.constexpr, GDC_EARLY: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                       LINE: tl.constexpr):
     pn = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -178,7 +196,14 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_w  # SILU_MUL: [gate; up] weight rows
+    if PREFETCH_LINES > 0:  # the weights do not depend on the kernel before: warm L2 before the wait
+        pf_cols = tl.minimum(cols, N - 1).to(tl.int64)[:, None] * stride_w
+        _prefetch_l2(w_ptr + pf_cols, K, PREFETCH_LINES, LINE)
+        if EPILOGUE == 1:
+            _prefetch_l2(w_ptr + N.to(tl.int64) * stride_w + pf_cols, K, PREFETCH_LINES, LINE)
     if USE_GDC:  # launched dependent (PDL): wait for the kernel before to end and its writes to land
+        if GDC_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -191,7 +216,7 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
         if EPILOGUE == 1:
             wu = tl.load(up_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc_up = tl.dot(a, tl.trans(wu.to(DOT_DTYPE)), acc_up, input_precision=PRECISION)
-    if USE_GDC:
+    if USE_GDC and not GDC_EARLY:
         tl.extra.cuda.gdc_launch_dependents()  # the next projection's launch may begin
     if SCALED:  # rms_norm's row scale: rsqrt(mean(h^2) + eps), the partial sums added in order
         ps = tl.arange(0, BLOCK_P)
@@ -218,3 +243,15 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
             tl.store(ss_out_ptr + pn * M + rows, tl.sum(hf * hf, 1), mask=row_ok)
             acc = hf * tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + at, acc.to(dtype), mask=ok)
+
+
+_LINE_BYTES = 128
+
+
+@triton.jit
+def _prefetch_l2(rows_ptr, K, LINES: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the first ``LINES`` 128-byte lines of each row at ``rows_ptr`` [R, 1] (``LINE``
+    elements a line, clamped to the row's K elements); nothing is loaded into registers."""
+    offs = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [rows_ptr + offs[None, :]],
+                              dtype=tl.int32, is_pure=False, pack=1)

@@ -217,3 +217,18 @@ def test_a_decode_step_through_the_fused_layers_matches_the_references(tmp_path,
     torch.testing.assert_close(outs["fused"][0], outs["reference"][0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(outs["fused"][1], outs["reference"][1], atol=1e-4, rtol=1e-4)
     assert torch.isfinite(outs["fused"][0]).all()
+
+
+def test_stage_cap_leaves_tiles_and_bits_alone(monkeypatch):
+    """EAGLE3_ROW_LINEAR_STAGES (an experiment: shared memory left for a resident dependent
+    program) caps the stages of copies only: the column and K tiles, and so every result's bits,
+    stay those of the default."""
+    import kernels.fused_linear_triton as flt
+
+    for n, k, tiles in [(6144, 4096, 1), (14336, 4096, 2), (4096, 14336, 1), (960, 576, 1)]:
+        full = flt.row_linear_config(n, k, tiles)
+        monkeypatch.setattr(flt, "MAX_STAGES", 2)
+        capped = flt.row_linear_config(n, k, tiles)
+        monkeypatch.undo()
+        assert (capped.block_n, capped.block_k) == (full.block_n, full.block_k)
+        assert capped.num_stages == 2 < full.num_stages
