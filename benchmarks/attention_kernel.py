@@ -35,7 +35,7 @@ from kernels.metadata import AttentionMetadata  # noqa: E402
 
 # The batch-invariant kernel's tiles and launch (every launch of it must take the same: a choice of
 # the mode, not of the step): keys per tile, warps, stages. Its rows stay 64.
-EXACT_SWEEP = [(n, w, s) for n in (32, 64) for w in (4, 8) for s in (2, 3)]
+EXACT_SWEEP = [(m, n, w, s) for m in (16, 64) for n in (32, 64) for w in (4, 8) for s in (2, 3)]
 SWEEP = [AttentionConfig(m, n, w, s) for m in (16, 64, 128) for n in (32, 64) for w in (4, 8) for s in (2, 3)] + \
     [AttentionConfig(m, n, 8, s) for m, n in ((128, 128), (256, 32), (256, 64)) for s in (2, 3)]
 
@@ -118,11 +118,12 @@ def load_file(path: str, name: str):
 
 
 @contextlib.contextmanager
-def exact_launch(block_n: int, num_warps: int, num_stages: int):
-    """The batch-invariant kernel launched with these keys a tile, warps and stages, for the block."""
-    names = ("BLOCK_N", "NUM_WARPS", "NUM_STAGES")
+def exact_launch(block_m: int, block_n: int, num_warps: int, num_stages: int):
+    """The batch-invariant kernel launched with these query rows and keys a tile, warps and stages,
+    for the block."""
+    names = ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES")
     saved = [getattr(attention_exact, n) for n in names]
-    for name, value in zip(names, (block_n, num_warps, num_stages)):
+    for name, value in zip(names, (block_m, block_n, num_warps, num_stages)):
         setattr(attention_exact, name, value)
     try:
         yield
@@ -206,12 +207,15 @@ def main() -> None:
                                          "kv_read_us": round(read_us, 1)})
                 print(f"ctx {context:>6} tokens {tokens:>3} exact (batch-invariant): {us:8.1f} us", flush=True)
                 if args.exact_sweep:
-                    for n, w, st in EXACT_SWEEP:
-                        with exact_launch(n, w, st):
+                    for m, n, w, st in EXACT_SWEEP:
+                        if m < g:
+                            continue
+                        with exact_launch(m, n, w, st):
                             us = time_us(lambda: paged_attention_exact(q, k, v, exact_meta, scale))
-                        results["cases"].append({"context": context, "tokens": tokens, "config": f"exact n{n} w{w} s{st}",
+                        config = f"exact m{m} n{n} w{w} s{st}"
+                        results["cases"].append({"context": context, "tokens": tokens, "config": config,
                                                  "us": round(us, 1), "kv_read_us": round(read_us, 1)})
-                        print(f"ctx {context:>6} tokens {tokens:>3} exact n{n:>3} w{w} s{st}: {us:8.1f} us", flush=True)
+                        print(f"ctx {context:>6} tokens {tokens:>3} {config}: {us:8.1f} us", flush=True)
                 if exact_baseline is not None:
                     times = alternated({"this": lambda: paged_attention_exact(q, k, v, exact_meta, scale),
                                         "baseline": lambda: exact_baseline.paged_attention_exact(q, k, v, exact_meta,

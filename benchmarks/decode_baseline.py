@@ -163,10 +163,14 @@ def main() -> None:
                          "side by side: the mode's cost")
     ap.add_argument("--exact-row-tile", type=int, action="append", default=[], choices=[16, 32, 64],
                     help="with --exact, also the batch-invariant set with its projections on this fixed row tile")
+    ap.add_argument("--exact-attention-rows", type=int, action="append", default=[], choices=[16, 32, 64],
+                    help="with --exact, also the batch-invariant set with its attention on tiles of this many query "
+                         "rows (kernels/attention_exact.py BLOCK_M; a fixed tile too)")
     ap.add_argument("--profile-dir", default=None, help="write each case's host cProfile here")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import kernels.exact_set as kernels_exact  # (Triton's)
+    from kernels import attention_exact
 
     device = torch.device("cuda")
     default_exact = kernels_exact.EXACT
@@ -174,29 +178,37 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                "copy_bandwidth_gbs": round(bandwidth, 1), "cases": []}
     print(f"{results['device']}: device-to-device copy {bandwidth:.0f} GB/s (read + write)")
-    exact_sets = [False] + ([True] + args.exact_row_tile if args.exact else [])
+    # (label, exact, projections' fixed row tile, exact attention's query rows a tile): the fast set,
+    # then with --exact the batch-invariant set as shipped and its variants
+    variants = [("", False, None, None)]
+    if args.exact:
+        variants += [("exact", True, None, None)] + [(f"exact/{t}", True, t, None) for t in args.exact_row_tile] + \
+            [(f"exact/attn{m}", True, None, m) for m in args.exact_attention_rows]
+    shipped_rows = attention_exact.BLOCK_M
     baseline = None
-    for case, kernels, linear, exact in [(c, k, m, e) for c in args.case for k in args.kernels or ["auto"]
-                                         for m in args.linear or ["default"] for e in exact_sets]:
-        kernels_exact.EXACT = kernels_exact.with_row_tile(exact) if exact not in (False, True) else default_exact
+    for case, kernels, linear, (label, exact, row_tile, attn_rows) in [
+            (c, k, m, v) for c in args.case for k in args.kernels or ["auto"] for m in args.linear or ["default"]
+            for v in variants]:
+        kernels_exact.EXACT = kernels_exact.with_row_tile(row_tile) if row_tile else default_exact
+        attention_exact.BLOCK_M = attn_rows or shipped_rows
         profile = None
         if args.profile_dir:
             Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
-            name = "exact" if exact is True else f"exact{exact}" if exact else kernels
+            name = label.replace("/", "_") or kernels
             profile = str(Path(args.profile_dir) / f"{case.replace(':', '_')}_{name}_{linear}.txt")
         r = run_case(case, args.steps, bandwidth, device, kernels, linear, profile, exact)
         gc.collect()  # the case's engine and its KV cache (reference cycles) before the next sizes its cache
         torch.cuda.empty_cache()
-        r["exact"] = exact is not False
-        if exact is not False:
-            r["kernels"] = "exact" if exact is True else f"exact/{exact}"  # the set, /its fixed row tile
-        baseline = r if exact is False else baseline
-        if exact is not False:  # the same case without the mode ran before
+        r["exact"] = exact
+        if exact:  # the same case without the mode ran before
+            r["kernels"] = label
             r["exact_cost"] = round(1 - r["tokens_per_s"] / baseline["tokens_per_s"], 4)
+        else:
+            baseline = r
         results["cases"].append(r)
         print(f"{r['case']:>24} {r['kernels']:>9} {linear:>7}: {r['ms_per_step']:8.3f} ms/step  floor {r['floor_ms']:7.3f} ms  "
               f"x{r['floor_ratio']:<6} {r['tokens_per_s']:9.1f} tok/s  p90 {r['p90_ms']} ms  (prefill {r['prefill_s']} s)"
-              + (f"  exact mode cost {r['exact_cost']:.1%}" if exact is not False else ""), flush=True)
+              + (f"  exact mode cost {r['exact_cost']:.1%}" if exact else ""), flush=True)
         if args.out:  # after every case: a later case's failure keeps the earlier ones
             Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -74,6 +74,21 @@ def test_tree_rows_equal_decode_rows_bitwise(prefix, kvh, g, d, dtype):
     """The accepted path's rows of a tree step are bit for bit the rows target-only decoding
     computes at the same positions after compaction: alone, in a prefill chunk, beside another
     sequence, in either launch shape."""
+    check_tree_rows(prefix, kvh, g, d, dtype)
+
+
+@pytest.mark.parametrize("prefix", [60, 700])
+@pytest.mark.parametrize("kvh, g, d, dtype", [(2, 3, 64, torch.bfloat16), (1, 4, 32, torch.float32)])
+def test_tree_rows_equal_decode_rows_bitwise_on_16_row_tiles(prefix, kvh, g, d, dtype, monkeypatch):
+    """The same with 16 query rows a tile (``decode_baseline.py --exact-attention-rows 16`` measures
+    it): any fixed tile keeps the invariance, 5 tokens of 3 heads or 4 of 4 a tile."""
+    from kernels import attention_exact
+
+    monkeypatch.setattr(attention_exact, "BLOCK_M", 16)
+    check_tree_rows(prefix, kvh, g, d, dtype)
+
+
+def check_tree_rows(prefix, kvh, g, d, dtype):
     kv, q, compacted, other = scenario(prefix, kvh, g, d, dtype, seed=prefix)
     depths = [0, 1, 1, 2, 2, 2, 3, 3]  # by column: root, nodes 0 .. 6
     tree = Cache([kv, other], seed=1)
