@@ -161,8 +161,9 @@ def main() -> None:
     ap.add_argument("--exact", action="store_true",
                     help="also run each case with the batch-invariant target kernels (--exact of the server), "
                          "side by side: the mode's cost")
-    ap.add_argument("--exact-row-tile", type=int, action="append", default=[], choices=[16, 32, 64],
-                    help="with --exact, also the batch-invariant set with its projections on this fixed row tile")
+    ap.add_argument("--exact-row-tile", type=int, action="append", default=[], choices=[0, 16, 32, 64],
+                    help="with --exact, also the batch-invariant set with its projections on this fixed row tile "
+                         "(0: the tile from the step's row count, as the fast path picks it)")
     ap.add_argument("--exact-attention-rows", type=int, action="append", default=[], choices=[16, 32, 64],
                     help="with --exact, also the batch-invariant set with its attention on tiles of this many query "
                          "rows (kernels/attention_exact.py BLOCK_M; a fixed tile too)")
@@ -182,14 +183,14 @@ def main() -> None:
     # then with --exact the batch-invariant set as shipped and its variants
     variants = [("", False, None, None)]
     if args.exact:
-        variants += [("exact", True, None, None)] + [(f"exact/{t}", True, t, None) for t in args.exact_row_tile] + \
+        variants += [("exact", True, None, None)] + [(f"exact/{t or 'rows'}", True, t, None) for t in args.exact_row_tile] + \
             [(f"exact/attn{m}", True, None, m) for m in args.exact_attention_rows]
     shipped_rows = attention_exact.BLOCK_M
     baseline = None
     for case, kernels, linear, (label, exact, row_tile, attn_rows) in [
             (c, k, m, v) for c in args.case for k in args.kernels or ["auto"] for m in args.linear or ["default"]
             for v in variants]:
-        kernels_exact.EXACT = kernels_exact.with_row_tile(row_tile) if row_tile else default_exact
+        kernels_exact.EXACT = default_exact if row_tile is None else kernels_exact.with_row_tile(row_tile or None)
         attention_exact.BLOCK_M = attn_rows or shipped_rows
         profile = None
         if args.profile_dir:

@@ -23,18 +23,22 @@ from kernels import KernelSet
 from kernels.triton_set import TRITON
 
 
-def with_row_tile(row_tile: int) -> KernelSet:
-    """The batch-invariant set with its projections on one ``row_tile``-row tile (any fixed tile
-    keeps a row's bits independent of the step; the tile's size is a speed choice, and the bits
-    of one tile need not equal another's)."""
+def with_row_tile(row_tile: int | None) -> KernelSet:
+    """The batch-invariant set with its projections on one ``row_tile``-row tile (``None``: the tile
+    from the step's row count, as the fast path picks it). Any fixed tile keeps a row's bits
+    independent of the step. With the sums of h^2 in fixed point (``exact_sums``) the tile's size
+    changes no bit on an H200 either, where a row's matrix-instruction results do not depend on the
+    tile (``benchmarks/row_tile_bits.py``); Triton's interpreter computes a dot per tile shape, so
+    there only a fixed tile is invariant."""
+    fixed = {"block_m": row_tile, "exact_sums": True}
     return dataclasses.replace(
         TRITON,
         prepare_attention=prepare_attention_exact,
         paged_attention=paged_attention_exact,
         linear=linear_exact,
-        scaled_linear=functools.partial(scaled_linear_triton, block_m=row_tile),
-        scaled_gate_up_silu=functools.partial(scaled_gate_up_silu_triton, block_m=row_tile),
-        linear_add_norm=functools.partial(linear_add_norm_triton, block_m=row_tile),
+        scaled_linear=functools.partial(scaled_linear_triton, **fixed),
+        scaled_gate_up_silu=functools.partial(scaled_gate_up_silu_triton, **fixed),
+        linear_add_norm=functools.partial(linear_add_norm_triton, **fixed),
         fused_rows=every_step,
         name="exact",  # (the engine captures graphs for the sets it knows by name)
     )

@@ -110,22 +110,26 @@ def row_linear_config(n: int, k: int, weight_tiles: int = 1, block_m: int = 16, 
 
 def scaled_linear_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
                          bias: torch.Tensor | None = None, config: RowLinearConfig | None = None,
-                         block_m: int | None = None) -> torch.Tensor:
-    return _launch(EPILOGUE_NONE, x, weight, bias=bias, ss=ss, eps=eps, config=config, block_m=block_m)[0]
+                         block_m: int | None = None, exact_sums: bool = False) -> torch.Tensor:
+    return _launch(EPILOGUE_NONE, x, weight, bias=bias, ss=ss, eps=eps, config=config, block_m=block_m,
+                   exact_sums=exact_sums)[0]
 
 
 def scaled_gate_up_silu_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
-                               config: RowLinearConfig | None = None, block_m: int | None = None) -> torch.Tensor:
-    return _launch(EPILOGUE_SILU_MUL, x, weight, ss=ss, eps=eps, config=config, block_m=block_m)[0]
+                               config: RowLinearConfig | None = None, block_m: int | None = None,
+                               exact_sums: bool = False) -> torch.Tensor:
+    return _launch(EPILOGUE_SILU_MUL, x, weight, ss=ss, eps=eps, config=config, block_m=block_m,
+                   exact_sums=exact_sums)[0]
 
 
 def linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                            norm_weight: torch.Tensor | None, config: RowLinearConfig | None = None,
-                           block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                           block_m: int | None = None, exact_sums: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     if norm_weight is None:
         return _launch(EPILOGUE_ADD, x, weight, residual=residual, config=config, block_m=block_m)[0], None, None
     return _launch(EPILOGUE_ADD_NORM, x, weight, residual=residual, norm_weight=norm_weight, config=config,
-                   block_m=block_m)
+                   block_m=block_m, exact_sums=exact_sums)
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,9 +143,12 @@ def _contiguous_rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, ss=None, eps: float = 0.0,
-            residual=None, norm_weight=None, config: RowLinearConfig | None = None, block_m: int | None = None):
+            residual=None, norm_weight=None, config: RowLinearConfig | None = None, block_m: int | None = None,
+            exact_sums: bool = False):
     """(out, h, ss_out); h and ss_out only for ADD_NORM (out is then hn). ``block_m``: the row tile
-    whatever the row count (the batch-invariant set's), else chosen from it."""
+    whatever the row count (the batch-invariant set's), else chosen from it. ``exact_sums``: the
+    sums of h^2 (a program's columns, the row's partials) in fixed point, the same bits whatever
+    the order and the tile (``_order_free_sum``)."""
     K = weight.shape[1]
     N = weight.shape[0] // 2 if epilogue == EPILOGUE_SILU_MUL else weight.shape[0]
     assert x.shape[-1] == K, f"input of width {x.shape[-1]} for a weight {tuple(weight.shape)}"
@@ -171,7 +178,8 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
         BLOCK_K=cfg.block_k, BLOCK_P=triton.next_power_of_2(ss.shape[0]) if scaled else 1,
         PRECISION="ieee" if fp32 else "tf32",
         DOT_DTYPE=tl.float32 if fp32 or not x.is_cuda else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype],
-        USE_GDC=pdl, GDC_EARLY=pdl and PDL_EARLY, PREFETCH_LINES=(
+        EXACT_SUMS=exact_sums, LOG_P=(triton.next_power_of_2(ss.shape[0]) if scaled else 1).bit_length() - 1,
+        LOG_N=cfg.block_n.bit_length() - 1, USE_GDC=pdl, GDC_EARLY=pdl and PDL_EARLY, PREFETCH_LINES=(
             L2_PREFETCH_STEPS * cfg.block_k * weight.element_size() // _LINE_BYTES if pdl else 0),
         LINE=_LINE_BYTES // weight.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
     lead = x.shape[:-1]
@@ -185,7 +193,7 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
                        M, N, K, stride_x, stride_w, stride_r, eps, P_IN, SCALED: tl.constexpr, EPILOGUE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_P: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                       USE_GDC: tl.constexpr, GDC_EARLY: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                       EXACT_SUMS: tl.constexpr, LOG_P: tl.constexpr, LOG_N: tl.constexpr, USE_GDC: tl.constexpr, GDC_EARLY: tl.constexpr, PREFETCH_LINES: tl.constexpr,
                        LINE: tl.constexpr):
     pn = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -222,7 +230,11 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
         ps = tl.arange(0, BLOCK_P)
         part = tl.load(ss_in_ptr + ps[:, None] * M + rows[None, :], mask=(ps < P_IN)[:, None] & row_ok[None, :],
                        other=0.0)
-        inv = 1.0 / tl.sqrt(tl.sum(part, 0) / K + eps)
+        if EXACT_SUMS:
+            total = _order_free_sum(part, 0, LOG_P)
+        else:
+            total = tl.sum(part, 0)
+        inv = 1.0 / tl.sqrt(total / K + eps)
         acc *= inv[:, None]
         acc_up *= inv[:, None]
     if HAS_BIAS:
@@ -240,7 +252,10 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
         if EPILOGUE == 2:  # ADD_NORM: h to h_ptr; out <- hn = h * norm_w; the columns' sum of h^2
             tl.store(h_ptr + at, h, mask=ok)
             hf = tl.where(ok, acc, 0.0)
-            tl.store(ss_out_ptr + pn * M + rows, tl.sum(hf * hf, 1), mask=row_ok)
+            if EXACT_SUMS:
+                tl.store(ss_out_ptr + pn * M + rows, _order_free_sum(hf * hf, 1, LOG_N), mask=row_ok)
+            else:
+                tl.store(ss_out_ptr + pn * M + rows, tl.sum(hf * hf, 1), mask=row_ok)
             acc = hf * tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + at, acc.to(dtype), mask=ok)
 
@@ -255,3 +270,20 @@ def _prefetch_l2(rows_ptr, K, LINES: tl.constexpr, LINE: tl.constexpr):
     offs = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [rows_ptr + offs[None, :]],
                               dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _order_free_sum(x, axis: tl.constexpr, LOG_TERMS: tl.constexpr):
+    """The sum of float32 ``x`` along ``axis`` (at most 2^``LOG_TERMS`` terms), the same bits in any order
+    and so in any layout of the tile (``tl.sum``'s order follows the layout, and the layout the row
+    tile): each term is cut to a fixed point set by the largest magnitude along the axis (a max, an
+    exact operation), the integers are summed in int64 (exact) and the sum converted back once.
+    Terms below 2^-(62 - LOG_TERMS) of the largest are dropped: far under float32's precision.
+    NaN and infinity pass through."""
+    big = tl.max(tl.abs(x), axis)
+    e = ((big.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(big)); -127 for 0
+    s = tl.minimum(61 - LOG_TERMS - e, 126)  # each term below 2^(62 - LOG_TERMS)
+    up = ((s + 127) << 23).to(tl.float32, bitcast=True)  # 2^s
+    down = ((127 - s) << 23).to(tl.float32, bitcast=True)  # 2^-s
+    fixed = (x * tl.expand_dims(up, axis)).to(tl.int64)
+    return tl.where(big < float("inf"), tl.sum(fixed, axis).to(tl.float32) * down, big)

@@ -176,7 +176,7 @@ def test_the_sets_pick_their_fused_entries(monkeypatch):
     if DEVICE == "cpu":  # (set on a GPU, it would make every kernel first imported now interpreted)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     exact = select_kernels(DEVICE, "triton", exact=True)
-    assert exact.fused_rows(4096) >= 1 << 30 and exact.scaled_linear.keywords == {"block_m": 64}
+    assert exact.fused_rows(4096) >= 1 << 30 and exact.scaled_linear.keywords == {"block_m": 64, "exact_sums": True}
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])
@@ -232,3 +232,41 @@ def test_stage_cap_leaves_tiles_and_bits_alone(monkeypatch):
         monkeypatch.undo()
         assert (capped.block_n, capped.block_k) == (full.block_n, full.block_k)
         assert capped.num_stages == 2 < full.num_stages
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 17, 70])
+def test_exact_sums_match_the_references_in_any_order(poisoned_empty, dtype, rows):
+    """``exact_sums`` (the batch-invariant set's): the row scale from the partial sums of h^2 in
+    fixed point. Right against the references, and the same bits with the partials in another
+    order (a plain sum's bits follow its order, and its order the tile's layout)."""
+    n, k = 80, 200
+    h = row_view(rows, k, dtype, seed=rows + 1)
+    norm_w = (1.0 + 0.1 * randn(k, seed=2)).to(dtype)
+    w = randn(2 * n, k, seed=3, dtype=dtype, scale=0.1)
+    hn, ss = h * norm_w, partial_sums(h, 7) * torch.logspace(0, 6, 7, device=DEVICE)[:, None]  # far-apart terms
+    order = torch.randperm(7, generator=torch.Generator().manual_seed(rows))
+    got = scaled_linear_triton(hn, ss, 1e-6, w, exact_sums=True)
+    torch.testing.assert_close(got.float(), scaled_linear_ref(hn.float(), ss, 1e-6, w.float()), **TOL[dtype])
+    assert torch.equal(scaled_linear_triton(hn, ss[order], 1e-6, w, exact_sums=True), got)
+    act = scaled_gate_up_silu_triton(hn, ss, 1e-6, w, exact_sums=True)
+    torch.testing.assert_close(act.float(), scaled_gate_up_silu_ref(hn.float(), ss, 1e-6, w.float()), **TOL[dtype])
+    assert torch.equal(scaled_gate_up_silu_triton(hn, ss[order], 1e-6, w, exact_sums=True), act)
+
+    x = torch.zeros(rows, 16, dtype=dtype, device=DEVICE)  # one input column: each h is one product, exact
+    x[:, 0] = randn(rows, seed=4, dtype=dtype)
+    w1, res, nw = randn(n, 16, seed=5, dtype=dtype), randn(rows, n, seed=6, dtype=dtype), randn(n, seed=7, dtype=dtype)
+    h1, hn1, ss1 = linear_add_norm_triton(x, w1, res, nw, exact_sums=True)
+    torch.testing.assert_close(ss1.sum(0), h1.float().pow(2).sum(-1), atol=1e-3, rtol=1e-5)
+    tile = row_linear_config(n, 16).block_n
+    cols = torch.cat([torch.arange(tile).flip(0), torch.arange(tile, n)]).to(DEVICE)  # the first tile reversed
+    h2, _, ss2 = linear_add_norm_triton(x, w1[cols], res[:, cols], nw[cols], exact_sums=True)
+    assert torch.equal(h2, h1[:, cols]) and torch.equal(ss2, ss1)
+
+
+def test_exact_sums_pass_nan_through(poisoned_empty):
+    h = row_view(3, 64, torch.float32, seed=1)
+    ss = partial_sums(h, 4)
+    ss[2, 1] = float("nan")
+    out = scaled_linear_triton(h, ss, 1e-6, randn(32, 64, seed=2), exact_sums=True)
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
