@@ -22,7 +22,11 @@ def _dump_every(folder: Path, every_s: float) -> None:
     for i in range(10**6):
         time.sleep(every_s)
         gc.collect()
-        tracemalloc.take_snapshot().dump(str(folder / f"heap_{i:03d}.pickle"))
+        # Written whole or not at all: the process may be stopped mid-dump (the soak ends it, or
+        # kills it), and the reader takes the last snapshot it finds.
+        partial = folder / f"heap_{i:03d}.pickle.partial"
+        tracemalloc.take_snapshot().dump(str(partial))
+        os.replace(partial, folder / f"heap_{i:03d}.pickle")
 
 
 def main() -> int:
