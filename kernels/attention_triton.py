@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import PDL_ALL, dependent, launch_options
+
 from kernels.attention import pack_mask
 from kernels.metadata import AttentionMetadata
 
@@ -174,13 +176,14 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     has_mask = meta.custom_mask is not None
     mask = meta.custom_mask if has_mask else meta.seq_lens  # any tensor: never read without a mask
     mask_start = meta.mask_start if has_mask else meta.seq_lens
+    pdl = dependent(q, PDL_ALL)
     constants = dict(G=g, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
                      BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask,
                      EVEN_D=triton.next_power_of_2(D) == D and D >= 16,
                      PRECISION="ieee" if q.dtype == torch.float32 else "tf32", RAGGED=meta.ragged,
                      BLOCK_B=triton.next_power_of_2(meta.num_seqs) if meta.ragged else 1,
                      DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32),
-                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                     USE_GDC=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def launch(grid, part, lse, splits, warmup=False):
         run = _attention_kernel.warmup if warmup else _attention_kernel[grid]
@@ -191,7 +194,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             meta.block_tables.stride(0), mask.stride(0) if has_mask else 0, mask.shape[1] if has_mask else 0,
             part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
             lse.stride(0) if splits > 1 else 0, lse.stride(-2) if splits > 1 else 0,
-            q_tiles, splits, meta.num_seqs, SPLIT=splits > 1, **constants, **extra)
+            q_tiles, splits, meta.num_seqs, SPLIT=splits > 1, **constants, **extra,
+            **({} if warmup else launch_options(pdl)))
 
     def partials(splits):
         return (torch.empty(splits, T, H, D, dtype=torch.float32, device=q.device),
@@ -214,7 +218,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if splits > 1:
         _combine_kernel[(T, H)](part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2),
                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), D,
-                                BLOCK_S=16, BLOCK_D=triton.next_power_of_2(D))
+                                BLOCK_S=16, BLOCK_D=triton.next_power_of_2(D), USE_GDC=pdl, **launch_options(pdl))
     return out
 
 
@@ -320,7 +324,10 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, qsl_ptr
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
                       PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, RAGGED: tl.constexpr,
-                      BLOCK_B: tl.constexpr):
+                      BLOCK_B: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load and any early return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if RAGGED:  # program p: the step's tile p, counted over the chunks' tiles in order
         p = tl.program_id(0)
         s = tl.arange(0, BLOCK_B)
@@ -384,9 +391,13 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, qsl_ptr
 
 @triton.jit(do_not_specialize=["splits", "stride_ps", "stride_ls"])
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, splits, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                    stride_ot, stride_oh, head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                    stride_ot, stride_oh, head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                    USE_GDC: tl.constexpr):
     """Merge one (token, head)'s split results, ``BLOCK_S`` splits at a time: one compiled variant
     for any number of splits."""
+    if USE_GDC:  # launched dependent (kernels/pdl.py): the splits' partials written first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)

@@ -27,12 +27,13 @@ warp on the whole padded row tile). Around it:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.pdl import PDL_EARLY, dependent, launch_options
 
 MAX_ROWS = 16  # tl.dot's smallest row tile: fused_rows' floor
 ROW_ELEMENTS = 65536  # fused_rows: the input elements of a step that takes the fused path
@@ -41,22 +42,16 @@ SHARED_BUDGET = 200 * 1024  # bytes of a program's pipelined copies (an H100/H20
 
 EPILOGUE_NONE, EPILOGUE_SILU_MUL, EPILOGUE_ADD_NORM, EPILOGUE_ADD = 0, 1, 2, 3
 
-# Launch dependent on the kernel before (programmatic dependent launch, Hopper and later): the
-# launch and the programs' start overlap that kernel's end, and each program waits for its
-# outputs before reading any input. (Reading the first weight tile before the wait measured
-# slower: the tile held in registers spilled. ``EAGLE3_PDL=0`` launches plainly.)
-PDL = os.environ.get("EAGLE3_PDL", "1") != "0"
-# Two experiments on the dependent launch, off by default until measured on a GPU (speed only:
-# neither changes a result's bits):
-# - EAGLE3_PDL_EARLY=1: each program lets the next kernel launch at its start instead of after its
-#   main loop, so the next projection's programs can be resident (where shared memory leaves room)
-#   before this one's end;
+# The projections launch dependent on the kernel before (``kernels/pdl.py``): the launch and the
+# programs' start overlap that kernel's end, and each program waits for its outputs before reading
+# any input. (Reading the first weight tile before the wait measured slower: the tile held in
+# registers spilled.) Two experiments, off by default until measured on a GPU (speed only: neither
+# changes a result's bits):
 # - EAGLE3_L2_PREFETCH=N: before the wait, each program asks L2 for the first N K steps of its
 #   weight rows (prefetch.global.L2, one address a 128-byte line: no registers held, unlike the
-#   measured early read), so the weight stream starts warm while the kernel before ends.
-# EAGLE3_ROW_LINEAR_STAGES caps the stages of copies (4), leaving shared memory for a resident
-# dependent program.
-PDL_EARLY = os.environ.get("EAGLE3_PDL_EARLY", "0") == "1"
+#   measured early read), so the weight stream starts warm while the kernel before ends;
+# - EAGLE3_ROW_LINEAR_STAGES caps the stages of copies (4), leaving shared memory for a resident
+#   dependent program (with EAGLE3_PDL_EARLY).
 L2_PREFETCH_STEPS = int(os.environ.get("EAGLE3_L2_PREFETCH", "0"))
 MAX_STAGES = int(os.environ.get("EAGLE3_ROW_LINEAR_STAGES", "4"))
 assert L2_PREFETCH_STEPS in (0, 1, 2, 4, 8), "EAGLE3_L2_PREFETCH: 0, 1, 2, 4 or 8 K steps"
@@ -132,11 +127,6 @@ def linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torc
                    block_m=block_m, exact_sums=exact_sums)
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper_or_later(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def _contiguous_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     t2 = t.reshape(-1, width)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
@@ -169,7 +159,7 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
         return out.reshape(*x.shape[:-1], N), h, ss_out
     scaled = ss is not None
     fp32 = x.dtype == torch.float32
-    pdl = PDL and x.is_cuda and _hopper_or_later(x.device)
+    pdl = dependent(x)
     _row_linear_kernel[(grid, triton.cdiv(M, block_m))](
         x2, weight, out, bias if bias is not None else weight, ss if scaled else out, r2,
         norm_weight if add_norm else weight, h, ss_out, M, N, K, x2.stride(0), weight.stride(0), r2.stride(0), eps,
@@ -179,9 +169,9 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
         PRECISION="ieee" if fp32 else "tf32",
         DOT_DTYPE=tl.float32 if fp32 or not x.is_cuda else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype],
         EXACT_SUMS=exact_sums, LOG_P=(triton.next_power_of_2(ss.shape[0]) if scaled else 1).bit_length() - 1,
-        LOG_N=cfg.block_n.bit_length() - 1, USE_GDC=pdl, GDC_EARLY=pdl and PDL_EARLY, PREFETCH_LINES=(
+        LOG_N=cfg.block_n.bit_length() - 1, USE_GDC=pdl, GDC_EARLY=PDL_EARLY, PREFETCH_LINES=(
             L2_PREFETCH_STEPS * cfg.block_k * weight.element_size() // _LINE_BYTES if pdl else 0),
-        LINE=_LINE_BYTES // weight.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+        LINE=_LINE_BYTES // weight.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     lead = x.shape[:-1]
     if add_norm:
         return h.reshape(*lead, N), out.reshape(*lead, N), ss_out
@@ -210,9 +200,9 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
         if EPILOGUE == 1:
             _prefetch_l2(w_ptr + N.to(tl.int64) * stride_w + pf_cols, K, PREFETCH_LINES, LINE)
     if USE_GDC:  # launched dependent (PDL): wait for the kernel before to end and its writes to land
+        tl.extra.cuda.gdc_wait()
         if GDC_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):

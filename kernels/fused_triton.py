@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import PDL_ALL, dependent, launch_options
+
 
 def _num_warps(block: int) -> int:
     """Warps for a program owning ``block`` elements: about 256 elements a warp, 1 to 16 warps."""
@@ -105,6 +107,7 @@ def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
         return q_rot
     half = D // 2
     block_half = triton.next_power_of_2(half)
+    pdl = dependent(q, PDL_ALL)
     _rope_write_kv_kernel[(T,)](
         q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, q_rot,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -112,7 +115,7 @@ def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), H, kvh, half, k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(H), BLOCK_KVH=triton.next_power_of_2(kvh), BLOCK_HALF=block_half,
-        num_warps=_num_warps(triton.next_power_of_2(H) * 2 * block_half))
+        USE_GDC=pdl, num_warps=_num_warps(triton.next_power_of_2(H) * 2 * block_half), **launch_options(pdl))
     return q_rot
 
 
@@ -135,7 +138,11 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cach
                           stride_vt, stride_vh, stride_vd, stride_cos, stride_sin,
                           stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                           heads, kv_heads, half, block_size,
-                          BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                          BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                          USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): the projection's q, k and v written first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
