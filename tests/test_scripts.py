@@ -99,3 +99,22 @@ def test_run_continuous_keeps_the_requests_in_flight_and_counts_every_token(tmp_
     tokens, seconds, steps = run_continuous(engine, prompts, SamplingParams(max_tokens=6, ignore_eos=True), 2)
     assert tokens == 30 and seconds > 0 and steps >= 15  # two at a time, one token a step each
     assert max(in_flight) == 2 and len(in_flight) == 5 and not engine.has_work
+
+
+def test_switch_ab_runs_each_variant_in_its_own_environment(tmp_path, monkeypatch):
+    """switch_ab.py: one process per variant and round, each with its switches set, the step times
+    side by side (a stand-in for decode_baseline.py reports the switch it saw)."""
+    from benchmarks import switch_ab
+    fake = tmp_path / "fake_baseline.py"
+    fake.write_text("import json, os, sys\n"
+                    "out = sys.argv[sys.argv.index('--out') + 1]\n"
+                    "ms = float(os.environ.get('EAGLE3_PDL_ALL', '0')) + 1.0\n"
+                    "json.dump({'cases': [{'case': sys.argv[2], 'kernels': 'triton', 'ms_per_step': ms}]}, open(out, 'w'))\n")
+    monkeypatch.setattr(switch_ab, "BASELINE", fake)
+    monkeypatch.delenv("EAGLE3_PDL_ALL", raising=False)
+    result = switch_ab.main(["--variant", "base=", "--variant", "all=EAGLE3_PDL_ALL=1", "--rounds", "2",
+                             "--out", str(tmp_path / "ab.json"), "--", "--case", "smollm2:1:512"])
+    assert result["ms_per_step"] == {"smollm2:1:512 triton": {"base": [1.0, 1.0], "all": [2.0, 2.0]}}
+    assert [r["variant"] for r in result["runs"]] == ["base", "all", "base", "all"]
+    with pytest.raises(SystemExit):
+        switch_ab.main(["--variant", "x=PDL_ALL=1"])  # not an EAGLE3_ switch

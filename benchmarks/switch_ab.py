@@ -1,0 +1,75 @@
+"""A/B of the kernels' environment switches (read once at import, so one process per variant):
+``decode_baseline.py`` runs once per variant, the variants taking turns over ``--rounds``, and the
+per-case step times come back side by side in one JSON.
+
+    python benchmarks/switch_ab.py --variant base= --variant all=EAGLE3_PDL_ALL=1 \\
+        --variant early=EAGLE3_PDL_EARLY=1,EAGLE3_L2_PREFETCH=2,EAGLE3_ROW_LINEAR_STAGES=3 \\
+        --rounds 2 --out ab.json -- --case smollm2:1:512 --case llama3-8b:1:4096 --steps 48
+
+Everything after ``--`` goes to ``decode_baseline.py``. A variant is ``NAME=`` (the defaults) or
+``NAME=VAR=VALUE[,VAR=VALUE...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BASELINE = Path(__file__).resolve().parent / "decode_baseline.py"
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    name, _, settings = text.partition("=")
+    if not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: NAME= or NAME=VAR=VALUE[,VAR=VALUE...]")
+    env = {}
+    for item in filter(None, settings.split(",")):
+        var, eq, value = item.partition("=")
+        if not eq or not var.startswith("EAGLE3_"):
+            raise argparse.ArgumentTypeError(f"{item!r}: EAGLE3_VAR=VALUE")
+        env[var] = value
+    return name, env
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variant", type=parse_variant, action="append", required=True)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(ours)
+    names = [name for name, _ in args.variant]
+    if len(set(names)) != len(names):
+        ap.error("variant names must differ")
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for name, env in args.variant:
+                out = Path(tmp) / f"{name}_{r}.json"
+                print(f"round {r + 1}, {name}: {env or 'defaults'}", flush=True)
+                subprocess.run([sys.executable, str(BASELINE), *rest, "--out", str(out)], check=True,
+                               env={**os.environ, **env})
+                cases = json.loads(out.read_text())["cases"]
+                runs.append({"variant": name, "env": env, "round": r,
+                             "ms_per_step": {f"{c['case']} {c['kernels']}": c["ms_per_step"] for c in cases},
+                             "cases": cases})
+    table = {}
+    for run in runs:
+        for case, ms in run["ms_per_step"].items():
+            table.setdefault(case, {}).setdefault(run["variant"], []).append(ms)
+    for case, by_variant in table.items():
+        print(f"{case}: " + "  ".join(f"{v} {'/'.join(f'{x:.3f}' for x in ms)} ms" for v, ms in by_variant.items()))
+    result = {"decode_baseline_args": rest, "rounds": args.rounds, "ms_per_step": table, "runs": runs}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
