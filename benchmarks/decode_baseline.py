@@ -183,8 +183,9 @@ def main() -> None:
     # then with --exact the batch-invariant set as shipped and its variants
     variants = [("", False, None, None)]
     if args.exact:
-        variants += [("exact", True, None, None)] + [(f"exact/{t or 'rows'}", True, t, None) for t in args.exact_row_tile] + \
-            [(f"exact/attn{m}", True, None, m) for m in args.exact_attention_rows]
+        variants += [("exact", True, None, None)]
+        variants += [(f"exact/{t or 'rows'}", True, t, None) for t in args.exact_row_tile]
+        variants += [(f"exact/attn{m}", True, None, m) for m in args.exact_attention_rows]
     shipped_rows = attention_exact.BLOCK_M
     baseline = None
     for case, kernels, linear, (label, exact, row_tile, attn_rows) in [

@@ -160,18 +160,19 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
     scaled = ss is not None
     fp32 = x.dtype == torch.float32
     pdl = dependent(x)
+    block_p = triton.next_power_of_2(ss.shape[0]) if scaled else 1  # the partial sums' tile
     _row_linear_kernel[(grid, triton.cdiv(M, block_m))](
         x2, weight, out, bias if bias is not None else weight, ss if scaled else out, r2,
         norm_weight if add_norm else weight, h, ss_out, M, N, K, x2.stride(0), weight.stride(0), r2.stride(0), eps,
         ss.shape[0] if scaled else 1,
         SCALED=scaled, EPILOGUE=epilogue, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, BLOCK_P=triton.next_power_of_2(ss.shape[0]) if scaled else 1,
-        PRECISION="ieee" if fp32 else "tf32",
+        BLOCK_K=cfg.block_k, BLOCK_P=block_p, PRECISION="ieee" if fp32 else "tf32",
         DOT_DTYPE=tl.float32 if fp32 or not x.is_cuda else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype],
-        EXACT_SUMS=exact_sums, LOG_P=(triton.next_power_of_2(ss.shape[0]) if scaled else 1).bit_length() - 1,
+        EXACT_SUMS=exact_sums, LOG_P=block_p.bit_length() - 1,
         LOG_N=cfg.block_n.bit_length() - 1, USE_GDC=pdl, GDC_EARLY=PDL_EARLY, PREFETCH_LINES=(
             L2_PREFETCH_STEPS * cfg.block_k * weight.element_size() // _LINE_BYTES if pdl else 0),
-        LINE=_LINE_BYTES // weight.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
+        LINE=_LINE_BYTES // weight.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_options(pdl))
     lead = x.shape[:-1]
     if add_norm:
         return h.reshape(*lead, N), out.reshape(*lead, N), ss_out
@@ -183,8 +184,8 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
                        M, N, K, stride_x, stride_w, stride_r, eps, P_IN, SCALED: tl.constexpr, EPILOGUE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_P: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                       EXACT_SUMS: tl.constexpr, LOG_P: tl.constexpr, LOG_N: tl.constexpr, USE_GDC: tl.constexpr, GDC_EARLY: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                       LINE: tl.constexpr):
+                       EXACT_SUMS: tl.constexpr, LOG_P: tl.constexpr, LOG_N: tl.constexpr, USE_GDC: tl.constexpr,
+                       GDC_EARLY: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
     pn = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -264,9 +265,9 @@ def _prefetch_l2(rows_ptr, K, LINES: tl.constexpr, LINE: tl.constexpr):
 
 @triton.jit
 def _order_free_sum(x, axis: tl.constexpr, LOG_TERMS: tl.constexpr):
-    """The sum of float32 ``x`` along ``axis`` (at most 2^``LOG_TERMS`` terms), the same bits in any order
-    and so in any layout of the tile (``tl.sum``'s order follows the layout, and the layout the row
-    tile): each term is cut to a fixed point set by the largest magnitude along the axis (a max, an
+    """The sum of float32 ``x`` along ``axis`` (at most 2^``LOG_TERMS`` terms), the same bits in any
+    order and so in any layout of the tile (``tl.sum``'s order follows the layout, and the layout
+    the row tile): each term is cut to a fixed point set by the largest magnitude along the axis (a max, an
     exact operation), the integers are summed in int64 (exact) and the sum converted back once.
     Terms below 2^-(62 - LOG_TERMS) of the largest are dropped: far under float32's precision.
     NaN and infinity pass through."""
