@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 BASELINE = Path(__file__).resolve().parent / "decode_baseline.py"
@@ -53,12 +54,18 @@ def main(argv: list[str] | None = None) -> dict:
             for name, env in args.variant:
                 out = Path(tmp) / f"{name}_{r}.json"
                 print(f"round {r + 1}, {name}: {env or 'defaults'}", flush=True)
+                t0 = time.perf_counter()
                 subprocess.run([sys.executable, str(BASELINE), *rest, "--out", str(out)], check=True,
                                env={**os.environ, **env})
                 cases = json.loads(out.read_text())["cases"]
                 runs.append({"variant": name, "env": env, "round": r,
+                             "wall_s": round(time.perf_counter() - t0, 1),
                              "ms_per_step": {f"{c['case']} {c['kernels']}": c["ms_per_step"] for c in cases},
                              "cases": cases})
+                print(f"  {runs[-1]['wall_s']} s: " + "  ".join(f"{k} {v:.3f} ms" for k, v in runs[-1]["ms_per_step"].items()),
+                      flush=True)
+                if args.out:  # kept after every run: a run cut short by a time limit keeps what it measured
+                    Path(args.out).write_text(json.dumps({"decode_baseline_args": rest, "runs": runs}, indent=2))
     table = {}
     for run in runs:
         for case, ms in run["ms_per_step"].items():
