@@ -7,10 +7,12 @@ Switches, read once at import (speed only: none changes a result's bits):
 - ``EAGLE3_PDL`` (``1``; ``0``: plain launches): the fused projections
   (``kernels/fused_linear_triton.py``) launch dependent. Measured on an H200 (README: the GPU
   engine): 8B batch-1 step at 4K 4.880 -> 4.807 ms.
-- ``EAGLE3_PDL_ALL=1`` (off until measured): RoPE with the KV write, attention and its split
-  merge launch dependent too, so every kernel boundary of a decode layer overlaps.
-- ``EAGLE3_PDL_EARLY=1`` (off until measured): a projection's programs let the next kernel launch
-  right after their wait instead of after their main loop.
+- ``EAGLE3_PDL_ALL`` (``1``; ``0``: the projections alone): RoPE with the KV write, attention and
+  its split merge launch dependent too, so every kernel boundary of a decode layer overlaps.
+  Measured on an H200 (4aaa390, ``benchmarks/results/pdl_ab_h200_4aaa390.json``, two rounds):
+  SmolLM2 batch-1 step 0.861 -> 0.783 ms, 8B batch-1 step at 4K 4.633 -> 4.563 ms.
+- ``EAGLE3_PDL_EARLY=1`` (off): a projection's programs let the next kernel launch right after
+  their wait instead of after their main loop. Measured no faster (8B 4.580 against 4.568 ms).
 
 Every dependent kernel waits first, before any load and any early return: if all of a kernel's
 programs could return without waiting, the kernel could complete before the one it depends on,
@@ -25,7 +27,7 @@ import os
 import torch
 
 PDL = os.environ.get("EAGLE3_PDL", "1") != "0"
-PDL_ALL = PDL and os.environ.get("EAGLE3_PDL_ALL", "0") == "1"
+PDL_ALL = PDL and os.environ.get("EAGLE3_PDL_ALL", "1") != "0"
 PDL_EARLY = PDL and os.environ.get("EAGLE3_PDL_EARLY", "0") == "1"
 
 
