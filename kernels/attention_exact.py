@@ -21,8 +21,9 @@ the same way whatever the step around it:
   (``split``: flash-decoding, for a long sequence with few queries). Both give the same bits.
   In the split mode the one or two chunks holding tree tiles get one program per token, so
   the per-token gathers run side by side rather than one after another.
-* **One tile shape.** Every launch uses ``BLOCK_M`` x ``BLOCK_N`` tiles and the same warps, so
-  the same matrix instructions compute every score and every partial sum.
+* **One tile shape.** Every launch for a model uses the same ``BLOCK_M`` x ``BLOCK_N`` tiles and
+  warps (``BLOCK_M`` widened to the query heads of a KV head where they are more), so the same
+  matrix instructions compute every score and every partial sum.
 
 Visibility is positional: a query sees the keys at positions up to its own (its ancestors in a
 tree). Outside a tree, a token's KV index must equal its position, as every causal step here
@@ -41,7 +42,11 @@ from kernels.attention import unpack_mask
 from kernels.attention_triton import _DOT_DTYPES, LOG2E, _query_tile
 from kernels.metadata import AttentionMetadata
 
-BLOCK_M = 64  # query rows per program (tokens x the query heads sharing a KV head)
+# Query rows per program (tokens x the query heads sharing a KV head), at least the group of query
+# heads: a function of the model alone. 16 (H200, 52a76bf, decode_baseline.py --exact-attention-rows
+# 16): the 8B batch-64 step at 4K 14.132 ms against 16.659 with 64 rows, batch 1 5.276 against
+# 5.409; compiled for sm_90, the tree variant holds 168 registers and no spill against 255 and spills.
+BLOCK_M = 16
 BLOCK_N = 64  # keys per tile
 CHUNK = 512  # keys per fold chunk: a multiple of BLOCK_N
 SPLIT_BYTES = 256 * 2**20  # the most the split mode's float32 partials may take
@@ -99,8 +104,8 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     T, H, D = q.shape
     _, block_size, kvh, _ = k_cache.shape
     g = H // kvh
-    block_q = BLOCK_M // g
-    assert block_q >= 1, f"{g} query heads per KV head exceed a tile of {BLOCK_M} rows"
+    block_m = max(BLOCK_M, triton.next_power_of_2(g))
+    block_q = block_m // g
     out = torch.empty_like(q)
     if T == 0:
         return out
@@ -128,7 +133,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         table.stride(0) if has_mask else 0, table.shape[1] if has_mask else 0,
         part_m.stride(0) if split else 0, part_m.stride(1) if split else 0, part_acc.stride(0) if split else 0,
         part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_tiles, chunks,
-        G=g, BLOCK_Q=block_q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=CHUNK, HEAD_DIM=D,
+        G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=CHUNK, HEAD_DIM=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32),

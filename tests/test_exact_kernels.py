@@ -79,12 +79,13 @@ def test_tree_rows_equal_decode_rows_bitwise(prefix, kvh, g, d, dtype):
 
 @pytest.mark.parametrize("prefix", [60, 700])
 @pytest.mark.parametrize("kvh, g, d, dtype", [(2, 3, 64, torch.bfloat16), (1, 4, 32, torch.float32)])
-def test_tree_rows_equal_decode_rows_bitwise_on_16_row_tiles(prefix, kvh, g, d, dtype, monkeypatch):
-    """The same with 16 query rows a tile (``decode_baseline.py --exact-attention-rows 16`` measures
-    it): any fixed tile keeps the invariance, 5 tokens of 3 heads or 4 of 4 a tile."""
+def test_tree_rows_equal_decode_rows_bitwise_on_64_row_tiles(prefix, kvh, g, d, dtype, monkeypatch):
+    """The same with 64 query rows a tile (the tile before 16; ``decode_baseline.py
+    --exact-attention-rows 64`` measures it): any fixed tile keeps the invariance, 21 tokens of 3
+    heads or 16 of 4 a tile."""
     from kernels import attention_exact
 
-    monkeypatch.setattr(attention_exact, "BLOCK_M", 16)
+    monkeypatch.setattr(attention_exact, "BLOCK_M", 64)
     check_tree_rows(prefix, kvh, g, d, dtype)
 
 
@@ -161,26 +162,55 @@ def test_linear_exact_rows_do_not_depend_on_row_count(dtype):
             assert torch.equal(linear_exact(x[start:start + rows], w, bias), full[start:start + rows]), (rows, start)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_projections_rows_do_not_depend_on_row_count(dtype):
-    """The exact set's projections (norm, activation and residual adds in their epilogues): rows
-    computed in calls of 1, 7, 64 and 300 rows, bit for bit the same."""
+def projection_rows_differ(kernels, dtype) -> list:
+    """Rows of a kernel set's projections (norm, activation and residual adds in their epilogues)
+    computed in calls of 1, 7, 20, 64 and 300 rows: the (output, rows, start) whose bits differ
+    from the 300-row call's."""
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(300, 1100, generator=gen).to(dtype).to(DEVICE)  # K over 1024: K tiles from the row tile
     residual = torch.randn(300, 80, generator=gen).to(dtype).to(DEVICE)
     w, w_up = ((torch.randn(n, k, generator=gen) * 0.1).to(dtype).to(DEVICE) for n, k in ((80, 1100), (2 * 48, 80)))
     norm_w = (1 + 0.1 * torch.randn(80, generator=gen)).to(dtype).to(DEVICE)
-    h, hn, ss = EXACT.linear_add_norm(x, w, residual, norm_w)
-    act = EXACT.scaled_gate_up_silu(hn, ss, 1e-5, w_up)
-    qkv = EXACT.scaled_linear(hn, ss, 1e-5, w_up)
-    for rows in (1, 7, 64):
+    h, hn, ss = kernels.linear_add_norm(x, w, residual, norm_w)
+    act = kernels.scaled_gate_up_silu(hn, ss, 1e-5, w_up)
+    qkv = kernels.scaled_linear(hn, ss, 1e-5, w_up)
+    differ = []
+    for rows in (1, 7, 20, 64):
         for start in (0, 5, 200):
             part = slice(start, start + rows)
-            h2, hn2, ss2 = EXACT.linear_add_norm(x[part], w, residual[part], norm_w)
-            assert torch.equal(h2, h[part]) and torch.equal(hn2, hn[part]) and torch.equal(ss2, ss[:, part])
-            assert torch.equal(EXACT.scaled_gate_up_silu(hn2, ss2, 1e-5, w_up), act[part]), (rows, start)
-            assert torch.equal(EXACT.scaled_linear(hn2, ss2, 1e-5, w_up), qkv[part]), (rows, start)
+            h2, hn2, ss2 = kernels.linear_add_norm(x[part], w, residual[part], norm_w)
+            outputs = {"h": (h2, h[part]), "hn": (hn2, hn[part]), "ss": (ss2, ss[:, part]),
+                       "gate_up": (kernels.scaled_gate_up_silu(hn2, ss2, 1e-5, w_up), act[part]),
+                       "qkv": (kernels.scaled_linear(hn2, ss2, 1e-5, w_up), qkv[part])}
+            differ += [(name, rows, start) for name, (got, want) in outputs.items() if not torch.equal(got, want)]
+    return differ
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_projections_rows_do_not_depend_on_row_count(dtype):
+    """The exact set's projections: rows computed in calls of 1, 7, 20, 64 and 300 rows, bit for bit
+    the same. On a GPU the calls take row tiles of 16, 32 and 64 rows, and K steps that follow the
+    tile."""
+    assert projection_rows_differ(EXACT, dtype) == []
     assert EXACT.fused_rows(4096) > 1 << 30  # every step, prefill chunks too
+
+
+def test_the_row_count_check_catches_a_split_k_projection():
+    """The check above, on a set broken on purpose: its qkv projection splits K in two and adds the
+    halves (as a split-K matmul does) in calls of more than 16 rows. The check must see it."""
+    import dataclasses
+
+    def split_k_when_many_rows(x, ss, eps, w, **kwargs):
+        if x.shape[0] <= 16:
+            return EXACT.scaled_linear(x, ss, eps, w, **kwargs)
+        half = w.shape[1] // 2
+        return (EXACT.scaled_linear(x[:, :half].contiguous(), ss, eps, w[:, :half].contiguous(), **kwargs)
+                + EXACT.scaled_linear(x[:, half:].contiguous(), ss, eps, w[:, half:].contiguous(), **kwargs))
+
+    broken = dataclasses.replace(EXACT, scaled_linear=split_k_when_many_rows)
+    differ = projection_rows_differ(broken, torch.bfloat16)
+    assert differ and {name for name, _, _ in differ} == {"qkv"}, differ
+    assert {rows for _, rows, _ in differ} <= {1, 7}  # the 20- and 64-row calls split as the 300-row call does
 
 
 def test_kernel_set():
