@@ -41,6 +41,7 @@ import triton.language as tl
 from kernels.attention import unpack_mask
 from kernels.attention_triton import _DOT_DTYPES, LOG2E, _query_tile
 from kernels.metadata import AttentionMetadata
+from kernels.pdl import PDL_ALL, dependent, launch_options
 
 # Query rows per program (tokens x the query heads sharing a KV head), at least the group of query
 # heads: a function of the model alone. 16 (H200, 52a76bf, decode_baseline.py --exact-attention-rows
@@ -126,6 +127,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     table = meta.custom_mask if has_mask else meta.seq_lens  # any tensor: never read without a mask
     mask_start = meta.mask_start if has_mask else meta.seq_lens
     per_token = TAIL_CHUNKS * block_q if split and has_mask else 0  # programs of the tree chunks, per token
+    pdl = dependent(q, PDL_ALL)  # (speed only: the bits are the same either way)
     _exact_attention_kernel[(meta.num_seqs * q_tiles, kvh, chunks + per_token)](
         q, k_cache, v_cache, out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, meta.positions,
         meta.block_tables, table, mask_start, scale * LOG2E,
@@ -136,13 +138,14 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=CHUNK, HEAD_DIM=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32), USE_GDC=pdl,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(pdl))
     if split:
         _fold_chunks_kernel[(T, H)](part_m, part_l, part_acc, out, meta.positions,
                                     part_m.stride(0), part_m.stride(1), part_acc.stride(0), part_acc.stride(1),
                                     part_acc.stride(2), out.stride(0), out.stride(1),
-                                    CHUNK=CHUNK, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)))
+                                    CHUNK=CHUNK, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), USE_GDC=pdl,
+                                    **launch_options(pdl))
     return out
 
 
@@ -249,7 +252,11 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
                             stride_mc, stride_mt, stride_ac, stride_at, stride_ah, q_tiles, chunks,
                             G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
-                            SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                            SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                            USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load and any early return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0) // q_tiles
     tile = tl.program_id(0) % q_tiles
     kvh = tl.program_id(1)
@@ -315,8 +322,11 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
 @triton.jit(do_not_specialize=["stride_mc", "stride_mt", "stride_ac", "stride_at"])
 def _fold_chunks_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, pos_ptr, stride_mc, stride_mt,
                         stride_ac, stride_at, stride_ah, stride_ot, stride_oh,
-                        CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                        CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr):
     """The split mode's second kernel: fold the chunks of one (token, head) left to right."""
+    if USE_GDC:  # launched dependent (kernels/pdl.py): the chunks' partials written first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)

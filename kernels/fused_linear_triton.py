@@ -47,14 +47,15 @@ EPILOGUE_NONE, EPILOGUE_SILU_MUL, EPILOGUE_ADD_NORM, EPILOGUE_ADD = 0, 1, 2, 3
 # any input. (Reading the first weight tile before the wait measured slower: the tile held in
 # registers spilled.) Two switches (speed only: neither changes a result's bits; H200, 4aaa390,
 # benchmarks/results/pdl_ab2_h200_4aaa390.json):
-# - EAGLE3_L2_PREFETCH=N (2 by default; 0 off): before the wait, each program asks L2 for the
+# - EAGLE3_L2_PREFETCH=N (1 by default; 0 off): before the wait, each program asks L2 for the
 #   first N K steps of its weight rows (prefetch.global.L2, one address a 128-byte line: no
 #   registers held, unlike the measured early read), so the weight stream starts warm while the
-#   kernel before ends. With every kernel dependent: 8B batch-1 step at 4K 4.568 -> 4.530 ms,
-#   SmolLM2 0.790 -> 0.759 ms; 8 steps made the 8B step slower (4.935 ms);
+#   kernel before ends. With every kernel dependent, 8B batch-1 step at 4K: none 4.568, 2 steps
+#   4.530, 8 steps 4.935 ms (pdl_ab2_h200_4aaa390.json); then 1 step 4.515 against 2 steps 4.556
+#   ms at 4K and 5.517 against 5.545 at 32K, alternated (prefetch_ab_h200_52a76bf*.json);
 # - EAGLE3_ROW_LINEAR_STAGES caps the stages of copies (4), leaving shared memory for a resident
 #   dependent program (with EAGLE3_PDL_EARLY). 3 stages measured slower (8B 4.678 ms).
-L2_PREFETCH_STEPS = int(os.environ.get("EAGLE3_L2_PREFETCH", "2"))
+L2_PREFETCH_STEPS = int(os.environ.get("EAGLE3_L2_PREFETCH", "1"))
 MAX_STAGES = int(os.environ.get("EAGLE3_ROW_LINEAR_STAGES", "4"))
 assert L2_PREFETCH_STEPS in (0, 1, 2, 4, 8), "EAGLE3_L2_PREFETCH: 0, 1, 2, 4 or 8 K steps"
 assert MAX_STAGES >= 2, "EAGLE3_ROW_LINEAR_STAGES: at least 2"

@@ -89,6 +89,16 @@ def test_tree_rows_equal_decode_rows_bitwise_on_64_row_tiles(prefix, kvh, g, d, 
     check_tree_rows(prefix, kvh, g, d, dtype)
 
 
+@pytest.mark.parametrize("prefix", [60, 382])
+def test_tree_rows_equal_decode_rows_bitwise_on_128_key_chunks(prefix, monkeypatch):
+    """The same with folding chunks of 128 keys (``decode_baseline.py --exact-chunk 128`` times
+    it): any fixed chunk keeps the invariance, with a tree across a chunk's end at 382 (384)."""
+    from kernels import attention_exact
+
+    monkeypatch.setattr(attention_exact, "CHUNK", 128)
+    check_tree_rows(prefix, 2, 3, 64, torch.bfloat16)
+
+
 def check_tree_rows(prefix, kvh, g, d, dtype):
     kv, q, compacted, other = scenario(prefix, kvh, g, d, dtype, seed=prefix)
     depths = [0, 1, 1, 2, 2, 2, 3, 3]  # by column: root, nodes 0 .. 6
