@@ -170,6 +170,9 @@ def main() -> None:
     ap.add_argument("--exact-chunk", type=int, action="append", default=[], choices=[128, 256, 512, 1024],
                     help="with --exact, also the batch-invariant set with its attention folding chunks of this many "
                          "keys (kernels/attention_exact.py CHUNK; any fixed chunk keeps the invariance)")
+    ap.add_argument("--exact-split-rule", action="append", default=[], choices=["few", "waves"],
+                    help="with --exact, also the batch-invariant set with its attention's launch shape picked by "
+                         "this rule (kernels/attention_exact.py SPLIT_RULE; speed only)")
     ap.add_argument("--profile-dir", default=None, help="write each case's host cProfile here")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -182,22 +185,23 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                "copy_bandwidth_gbs": round(bandwidth, 1), "cases": []}
     print(f"{results['device']}: device-to-device copy {bandwidth:.0f} GB/s (read + write)")
-    # (label, exact, projections' fixed row tile, exact attention's query rows a tile, its fold chunk):
-    # the fast set, then with --exact the batch-invariant set as shipped and its variants
-    variants = [("", False, None, None, None)]
+    # (label, exact, projections' fixed row tile, overrides of kernels/attention_exact.py): the fast set,
+    # then with --exact the batch-invariant set as shipped and its variants
+    variants = [("", False, None, {})]
     if args.exact:
-        variants += [("exact", True, None, None, None)]
-        variants += [(f"exact/{t or 'rows'}", True, t, None, None) for t in args.exact_row_tile]
-        variants += [(f"exact/attn{m}", True, None, m, None) for m in args.exact_attention_rows]
-        variants += [(f"exact/chunk{c}", True, None, None, c) for c in args.exact_chunk]
-    shipped_rows, shipped_chunk = attention_exact.BLOCK_M, attention_exact.CHUNK
+        variants += [("exact", True, None, {})]
+        variants += [(f"exact/{t or 'rows'}", True, t, {}) for t in args.exact_row_tile]
+        variants += [(f"exact/attn{m}", True, None, {"BLOCK_M": m}) for m in args.exact_attention_rows]
+        variants += [(f"exact/chunk{c}", True, None, {"CHUNK": c}) for c in args.exact_chunk]
+        variants += [(f"exact/{r}", True, None, {"SPLIT_RULE": r}) for r in args.exact_split_rule]
+    shipped = {name: getattr(attention_exact, name) for name in ("BLOCK_M", "CHUNK", "SPLIT_RULE")}
     baseline = None
-    for case, kernels, linear, (label, exact, row_tile, attn_rows, chunk) in [
+    for case, kernels, linear, (label, exact, row_tile, attention) in [
             (c, k, m, v) for c in args.case for k in args.kernels or ["auto"] for m in args.linear or ["default"]
             for v in variants]:
         kernels_exact.EXACT = default_exact if row_tile is None else kernels_exact.with_row_tile(row_tile or None)
-        attention_exact.BLOCK_M = attn_rows or shipped_rows
-        attention_exact.CHUNK = chunk or shipped_chunk
+        for name, value in {**shipped, **attention}.items():
+            setattr(attention_exact, name, value)
         profile = None
         if args.profile_dir:
             Path(args.profile_dir).mkdir(parents=True, exist_ok=True)

@@ -81,16 +81,34 @@ def prepare_attention_exact(meta: AttentionMetadata) -> AttentionMetadata:
     return dataclasses.replace(meta, custom_mask=ancestor_table(mask))
 
 
+# How ``auto`` picks the launch shape (speed only: both give the same bits). ``"few"``: split when
+# the fold launch has fewer than two programs an SM (measured with 64-row tiles). ``"waves"``: also
+# split when the fold launch would fill its last wave of the device's program slots below
+# ``WAVE_FILL`` (8B geometry, batch 64, 4K: 512 programs on 396 slots, a second wave two-thirds
+# empty), as the fast kernel sizes its key splits to fill one wave. ``PROGRAMS_PER_SM``: what one
+# SM holds of the 16 x 64 tiles with 3 stages (kernel_resources.py --exact, sm_90, head_dim 128:
+# 162 registers, 70 KB of shared memory: 3 by either). To be measured on a GPU
+# (``decode_baseline.py --exact --exact-split-rule waves``) before it is the default.
+SPLIT_RULE = "few"
+PROGRAMS_PER_SM = 3
+WAVE_FILL = 0.75
+
+
 def _mode(meta: AttentionMetadata, T: int, heads: int, kvh: int, head_dim: int, q_tiles: int,
           device: torch.device) -> bool:
-    """True: one program per chunk and a fold kernel (few programs otherwise); False: each program
-    folds its chunks itself. A choice of speed only: both give the same bits. Host sizes only."""
+    """True: one program per chunk and a fold kernel; False: each program folds its chunks itself
+    (``SPLIT_RULE`` says when). A choice of speed only. Host sizes only."""
     chunks = triton.cdiv(max(meta.max_seq_len, 1), CHUNK)
-    if chunks == 1:
+    if chunks == 1 or chunks * T * heads * head_dim * 4 > SPLIT_BYTES:
         return False
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    few = meta.num_seqs * q_tiles * kvh < 2 * sms
-    return few and chunks * T * heads * head_dim * 4 <= SPLIT_BYTES
+    programs = meta.num_seqs * q_tiles * kvh
+    if programs < 2 * sms:
+        return True
+    if SPLIT_RULE == "waves":
+        slots = PROGRAMS_PER_SM * sms
+        return programs / (triton.cdiv(programs, slots) * slots) < WAVE_FILL
+    return False
 
 
 def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -248,3 +248,24 @@ def test_a_long_prefill_chunk_beside_a_tree():
     torch.testing.assert_close(mixed.float(), want.float(), atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="split launch"):
         attend(cache, [tree, prefill], torch.cat([q, q_long]), "split")
+
+
+def test_the_launch_shape_rules(monkeypatch):
+    """``auto``'s choice (speed only): few programs split; with the ``waves`` rule, a fold launch that
+    would leave most of its last wave of program slots empty splits too (here, off a GPU: 8 SMs of
+    ``PROGRAMS_PER_SM`` programs); one chunk, or partials over ``SPLIT_BYTES``, never split."""
+    from types import SimpleNamespace
+
+    from kernels import attention_exact as ex
+
+    def split(num_seqs, seq_len=2000):  # decode steps: one token a sequence, one KV head of 4 query heads
+        meta = SimpleNamespace(num_seqs=num_seqs, max_seq_len=seq_len)
+        return ex._mode(meta, num_seqs, 4, 1, 32, 1, torch.device("cpu"))
+
+    monkeypatch.setattr(ex, "PROGRAMS_PER_SM", 3)  # 24 slots
+    assert split(15) and not split(30) and not split(40)  # "few": under 2 programs an SM
+    assert not split(15, seq_len=ex.CHUNK)  # one chunk
+    monkeypatch.setattr(ex, "SPLIT_RULE", "waves")
+    assert split(15) and split(30) and not split(40)  # 30 of 48 slots: 0.625; 40: 0.83
+    monkeypatch.setattr(ex, "SPLIT_BYTES", 1024)
+    assert not split(30)
