@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+
+import torch
 
 from kernels.attention_exact import paged_attention_exact, prepare_attention_exact
 from kernels.fused_linear_triton import (EXACT_ROW_TILE, every_step, linear_add_norm_triton,
@@ -22,14 +25,90 @@ from kernels.linear_triton import linear_exact
 from kernels import KernelSet
 from kernels.triton_set import TRITON
 
+log = logging.getLogger(__name__)
+
+
+# Per (device, dtype): whether the fast path's row tiles leave a row's bits unchanged there
+# (``probe_row_tiles``). Where they do not, the set's projections take the fixed ``EXACT_ROW_TILE``.
+_ROW_COUNT_TILES: dict[tuple[torch.device, torch.dtype], bool] = {}
+PROBE_ROWS = (1, 7, 20)  # calls of these many rows (16-, 16- and 32-row tiles) against one call of 64
+
+
+def probe_row_tiles(o_proj: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, qkv: torch.Tensor,
+                    norm: torch.Tensor, eps: float, qkv_bias: torch.Tensor | None = None) -> bool:
+    """Whether the fused projections give each row the same bits on the fast path's row tiles (from
+    the row count) as inside one 64-row call, on these weights' device and dtype: a layer's four
+    projections (o_proj, gate_up, down, qkv: [out, in]) on 64 random rows, then on rows of calls of
+    1, 7 and 20 rows at two offsets, with the sums of h^2 in fixed point. On an H200 the tensor cores
+    accumulate a row's products in K order whatever the tiles (``benchmarks/row_tile_bits.py``); a GPU
+    that does not is found here. The result is kept for the device and dtype; a model's own weights
+    compile the variants its steps use anyway. Not inside a CUDA graph's capture."""
+    dev, dtype = o_proj.device, o_proj.dtype
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, o_proj.shape[1], generator=gen).to(dev, dtype)
+    res = torch.randn(64, o_proj.shape[0], generator=gen).to(dev, dtype)
+
+    def layer(rows: slice) -> list[torch.Tensor]:
+        h, hn, ss = linear_add_norm_triton(x[rows], o_proj, res[rows], norm, exact_sums=True)
+        act = scaled_gate_up_silu_triton(hn, ss, eps, gate_up, exact_sums=True)
+        q = scaled_linear_triton(hn, ss, eps, qkv, qkv_bias, exact_sums=True)
+        out = linear_add_norm_triton(act, down, h, norm, exact_sums=True)
+        return [h, hn, ss.T, act, q, *out[:2], out[2].T]  # (partial sums: rows last -> first)
+
+    whole = layer(slice(0, 64))
+    same = all(torch.equal(got, want[start:start + n])
+               for n in PROBE_ROWS for start in (0, 40)
+               for got, want in zip(layer(slice(start, start + n)), whole))
+    _ROW_COUNT_TILES[(dev, dtype)] = same
+    if not same:
+        log.warning("the fused projections' row tiles change a row's bits on %s (%s, %s): the batch-invariant "
+                    "set runs them on one fixed %d-row tile there (slower, as invariant)",
+                    dev, torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type, dtype, EXACT_ROW_TILE)
+    return same
+
+
+def probe_layer(layer) -> bool:
+    """``probe_row_tiles`` on a target decoder layer's fused weights (``verify_service/model.py``)."""
+    attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    return probe_row_tiles(attn.o_proj.weight, mlp.gate_up_weight, mlp.down_proj.weight, attn.qkv_weight,
+                           norm.weight, norm.eps, attn.qkv_bias)
+
+
+def _synthetic_probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """``probe_row_tiles`` on random weights of a small layer (kernels used without a model: tests,
+    benchmarks). K of 1152: over 1024, so the K step follows the row tile."""
+    gen = torch.Generator().manual_seed(1)
+
+    def w(n, k):
+        return (torch.randn(n, k, generator=gen) * k ** -0.5).to(device, dtype)
+
+    return probe_row_tiles(w(576, 1152), w(2 * 1536, 576), w(576, 1536), w(1152 + 256, 576),
+                           (1 + 0.1 * torch.randn(576, generator=gen)).to(device, dtype), 1e-5)
+
+
+def row_count_tiles(x: torch.Tensor) -> bool:
+    """Whether the set's projections take the fast path's row tiles for ``x``'s device and dtype: on
+    a GPU where the probe found them invariant (probed here at first use, with random weights, when
+    no model layer was probed before); never in Triton's interpreter, which rounds each dot per K
+    step, the K step following the row tile (``row_linear_config``)."""
+    if not x.is_cuda:
+        return False
+    key = (x.device, x.dtype)
+    if key not in _ROW_COUNT_TILES:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the batch-invariant set's row-tile probe has not run for {x.device} and {x.dtype}: "
+                               "run kernels.exact_set.probe_layer before capturing graphs")
+        _synthetic_probe(*key)
+    return _ROW_COUNT_TILES[key]
+
 
 def _gpu_row_count_tile(fn, exact_sums: bool):
-    """``fn`` on the fast path's row tile (from the step's row count) on a GPU, and on the fixed
-    ``EXACT_ROW_TILE`` in Triton's interpreter: there each dot is rounded per K step, and the K
-    step follows the row tile (``row_linear_config``), so only a fixed tile is invariant."""
+    """``fn`` on the fast path's row tile (from the step's row count) where ``row_count_tiles``, else
+    on the fixed ``EXACT_ROW_TILE``."""
     @functools.wraps(fn)
     def call(x, *args, **kwargs):
-        return fn(x, *args, block_m=None if x.is_cuda else EXACT_ROW_TILE, exact_sums=exact_sums, **kwargs)
+        return fn(x, *args, block_m=None if row_count_tiles(x) else EXACT_ROW_TILE, exact_sums=exact_sums,
+                  **kwargs)
     return call
 
 
@@ -40,7 +119,7 @@ def with_row_tile(row_tile: int | None, exact_sums: bool = True) -> KernelSet:
     from the row count does too on an H200 once the sums are in fixed point: the tensor cores
     accumulate a row's products in K order whatever the row and K tiles
     (``benchmarks/row_tile_bits.py --exact-sums``: 0 of 64 cases differ, 52a76bf), and the GPU
-    tests check it bitwise."""
+    tests check it bitwise; on other GPUs ``probe_row_tiles`` decides."""
     if row_tile is None:
         def project(fn):
             return _gpu_row_count_tile(fn, exact_sums)

@@ -269,3 +269,28 @@ def test_the_launch_shape_rules(monkeypatch):
     assert split(15) and split(30) and not split(40)  # 30 of 48 slots: 0.625; 40: 0.83
     monkeypatch.setattr(ex, "SPLIT_BYTES", 1024)
     assert not split(30)
+
+
+@pytest.mark.parametrize("k, invariant", [(576, True), (1152, False)])
+def test_the_row_tile_probe(k, invariant, monkeypatch, caplog):
+    """``probe_row_tiles`` finds whether a layer's projections keep a row's bits across row tiles.
+    Triton's interpreter rounds each dot per K step: with K under 1024 every row tile takes the same
+    K step and the rows keep their bits; with K over 1024 the K step follows the row tile and they do
+    not, which the probe must see (and the set then keeps its fixed tile off the GPU anyway). In
+    float32, whose outputs keep the last bits a bf16 output would round away."""
+    from kernels import exact_set
+
+    monkeypatch.setattr(exact_set, "_ROW_COUNT_TILES", {})
+    gen = torch.Generator().manual_seed(3)
+
+    def w(n, kk):
+        return (torch.randn(n, kk, generator=gen) * kk ** -0.5).to(DEVICE)
+
+    norm = (1 + 0.1 * torch.randn(96, generator=gen)).to(DEVICE)
+    got = exact_set.probe_row_tiles(w(96, k), w(2 * 48, 96), w(96, 48), w(80, 96), norm, 1e-5)
+    if DEVICE == "cpu":
+        assert got is invariant
+        assert ("change a row's bits" in caplog.text) is not invariant
+    else:  # (the GPU: the tensor cores accumulate in K order whatever the tiles, H200)
+        assert got
+    assert exact_set._ROW_COUNT_TILES == {(w(1, 1).device, torch.float32): got}

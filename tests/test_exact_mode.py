@@ -159,3 +159,18 @@ def test_exact_mode_replays_cuda_graphs_with_the_eager_tokens(dirs):
     for engine in (Engine(target_for(dirs[0], **EXACT_BF16)), _eagle_engine(dirs), _oracle_engine(dirs)):
         assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == want
         assert engine.target.runner.graph_steps > 0
+
+
+def test_the_row_tile_probe_reads_a_target_layer(dirs, monkeypatch):
+    """The engine probes its first layer's fused weights before any step on a GPU
+    (``verify_service/target.py``); the layer's names are the probe's (here through the interpreter:
+    the tiny model's K under 1024 keeps every row tile's bits)."""
+    pytest.importorskip("triton")
+    from kernels import exact_set
+
+    monkeypatch.setattr(exact_set, "_ROW_COUNT_TILES", {})
+    target = target_for(dirs[0], **EXACT_BF16)
+    assert exact_set.probe_layer(target.model.model.layers[0]) is True
+    device = target.model.model.norm.weight.device
+    assert exact_set._ROW_COUNT_TILES == {(device, torch.bfloat16): True}
+    assert exact_set.row_count_tiles(torch.zeros(1, device=device, dtype=torch.bfloat16)) is (device.type == "cuda")

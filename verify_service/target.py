@@ -41,6 +41,10 @@ class Target:
         self.kv_cache = PagedKVCache.for_model(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         kernels = select_kernels(self.device, cfg.kernels, exact=cfg.exact)
+        if kernels.name == "exact" and self.device.type == "cuda":  # before any step and any graph's capture
+            from kernels.exact_set import probe_layer
+            log.info("exact numerics: the fast path's row tiles keep a row's bits on %s: %s", self.device,
+                     probe_layer(model.model.layers[0]))
         graphs = not cfg.enforce_eager and (self.device.type == "cuda" and kernels.name in ("triton", "exact")
                                             or self.device.type == "cpu" and cfg.graphs_on_cpu)
         self.runner = ModelRunner(model, self.kv_cache, kernels, capture_layers, graphs, cfg.max_num_seqs)
