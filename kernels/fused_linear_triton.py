@@ -37,7 +37,12 @@ from kernels.pdl import PDL_EARLY, dependent, launch_options
 
 MAX_ROWS = 16  # tl.dot's smallest row tile: fused_rows' floor
 ROW_ELEMENTS = 65536  # fused_rows: the input elements of a step that takes the fused path
-MAX_FUSED_ROWS = 32
+# The most rows of a step on the fused path (EAGLE3_MAX_FUSED_ROWS, 32 by default; 64 takes SmolLM2's
+# 60-node tree steps too: measured slower at 2433078, 1.338 against 1.289 ms, before every kernel
+# launched dependent; to be measured again). Speed only on the fast path, whose bits already depend
+# on the step; the batch-invariant set takes every step fused.
+MAX_FUSED_ROWS = int(os.environ.get("EAGLE3_MAX_FUSED_ROWS", "32"))
+assert MAX_FUSED_ROWS in (16, 32, 64), "EAGLE3_MAX_FUSED_ROWS: 16, 32 or 64"
 SHARED_BUDGET = 200 * 1024  # bytes of a program's pipelined copies (an H100/H200 SM has 227 KB)
 
 EPILOGUE_NONE, EPILOGUE_SILU_MUL, EPILOGUE_ADD_NORM, EPILOGUE_ADD = 0, 1, 2, 3
