@@ -46,9 +46,27 @@ class MidLayer(nn.Module):
         k = ctx.kernels
         x = torch.cat((k.rms_norm(emb, self.input_layernorm.weight, self.input_layernorm.eps)[0],
                        k.rms_norm(h, self.hidden_norm.weight, self.hidden_norm.eps)[0]), dim=-1)  # (T, 2H)
+        return self.forward_normed(x, h, ctx)
+
+    def forward_normed(self, x: torch.Tensor, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``forward`` from its normed input x = [input_layernorm(emb) ; hidden_norm(h)] [T, 2H]."""
+        k = ctx.kernels
         normed, h = k.rms_norm(self.self_attn(x, ctx), self.post_attention_layernorm.weight,
                                self.post_attention_layernorm.eps, residual=h)  # h + attention, normed
         return h + self.mlp(normed, k)
+
+    def forward_rows(self, x: torch.Tensor, h: torch.Tensor, ctx: StepContext,
+                     final_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward_normed`` as a few-row step: the projections with the residual adds, the norm and
+        the activation in their epilogues (``kernels/fused_linear.py``), the last one forming the
+        head's ``final_norm`` too. Returns (out, out * final_norm.weight, the partial sums of out^2):
+        the output fed back next step, and the LM head's scaled input."""
+        k, attn, mlp = ctx.kernels, self.self_attn, self.mlp
+        qkv = k.scaled_linear(x, None, 0.0, attn.qkv_weight, attn.qkv_bias)
+        norm2 = self.post_attention_layernorm
+        h, hn, ss = k.linear_add_norm(attn.attend(qkv, ctx), attn.o_proj.weight, h, norm2.weight)
+        act = k.scaled_gate_up_silu(hn, ss, norm2.eps, mlp.gate_up_weight)
+        return k.linear_add_norm(act, mlp.down_proj.weight, h, final_norm.weight)
 
 
 class EagleNet(nn.Module):
@@ -93,9 +111,24 @@ class EagleNet(nn.Module):
         ctx = StepContext(meta, kv_cache, self.cos, self.sin, kernels)
         h = hidden if hidden.shape[-1] == self.config.hidden_size else self.fc(hidden)  # (T, H)
         # Indexing, not F.embedding: the same rows, through the GPU's row-gather kernel rather than
-        # index_select's (which is slow for a draft level's few rows).
+        # index_select's (which is slow for a few rows).
         emb = self.embed_weight[input_ids].to(h.dtype)  # (T, H)
         return self.midlayer(emb, h, ctx)
+
+    def level_logits(self, x: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache,
+                     kernels: KernelSet, float32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """A tree level's step from its normed input ``x`` [T, 2H] and features ``h`` [T, H]
+        (``kernels.level_input``): (out [T, H], logits [T, draft_vocab]). A step of at most
+        ``kernels.fused_rows`` rows takes the fused projections, the final norm in the last one's
+        epilogue: three launches fewer a level on the GPU."""
+        assert self.cos is not None, "call init_rope() before forward()"
+        ctx = StepContext(meta, kv_cache, self.cos, self.sin, kernels)
+        if x.shape[0] > kernels.fused_rows(self.config.hidden_size) or self.midlayer.mlp.gate_up_weight is None:
+            out = self.midlayer.forward_normed(x, h, ctx)
+            return out, self.compute_logits(out, kernels, float32)
+        out, outn, ss = self.midlayer.forward_rows(x, h, ctx, self.norm)
+        logits = kernels.scaled_linear(outn, ss, self.norm.eps, self.lm_head.weight)
+        return out, logits.float() if float32 else logits
 
     def compute_logits(self, out: torch.Tensor, kernels: KernelSet | None = None, float32: bool = True) -> torch.Tensor:
         """Draft-vocabulary logits [N, draft_vocab] in float32 for pre-norm outputs [N, H] (the norm and

@@ -58,7 +58,6 @@ class _Level:
     token_seq: torch.Tensor  # int64 [B * F]: each token's sequence
     q_idx: torch.Tensor  # int64 [B * F]: each token's node index
     own: torch.Tensor  # int32 [F, words]: node j's own feed column, fed + j, as a packed mask bit
-    first_mask: torch.Tensor  # int32 [B, F, words]: ``own`` for every sequence (depth 1: no ancestors)
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,7 +94,7 @@ def _level_layout(widths: list[int], batch: int, device: torch.device) -> _Layou
         own = torch.from_numpy(own.view(np.int32)).to(device)
         levels.append(_Level(F, slice(B * fed, B * (fed + F)), torch.arange(B + 1, device=device) * F,
                              torch.from_numpy(seq[-1]).to(device), torch.from_numpy(j).repeat(B).to(device),
-                             own, own.expand(B, F, words).contiguous()))
+                             own))
         fed += F
     cat = [torch.from_numpy(np.concatenate(x) if x else np.zeros(0, dtype=np.int64)).to(device)
            for x in (seq, row, step)]
@@ -259,23 +258,23 @@ class DeviceProposal:
         B, F = frontier.tokens.shape
         level = self._layout.levels[frontier.depth - 1]
         assert F == level.width, (F, level.width)
-        if mask is None:  # depth 1: every parent is the root
-            hidden, mask = parent_out.expand(B, F, -1), level.first_mask
-        else:
-            slot = frontier.parent_slot[..., None]  # (B, F, 1)
-            hidden = torch.gather(parent_out, 1, slot.expand(-1, -1, parent_out.shape[2]))
-            mask = torch.gather(mask, 1, slot.expand(-1, -1, mask.shape[2])).bitwise_or_(level.own)
+        mid = self.net.midlayer
+        # Parents' outputs and feed-mask rows gathered, the embeddings looked up and both input norms
+        # taken: one launch on the GPU sets (at depth 1 every parent is the root, and no mask yet).
+        x, hidden, mask = self.kernels.level_input(
+            parent_out, frontier.parent_slot, frontier.tokens, self.net.embed_weight, mid.input_layernorm.weight,
+            mid.input_layernorm.eps, mid.hidden_norm.weight, mid.hidden_norm.eps, mask, level.own)
         slots, positions, lens = kv
         meta = AttentionMetadata(
             query_start_loc=level.qsl, seq_lens=lens[frontier.depth - 1], block_tables=self.tables,
             slot_mapping=slots[level.tokens], positions=positions[level.tokens],
             token_seq=level.token_seq, token_q_idx=level.q_idx, max_query_len=F,
             max_seq_len=min(self._longest, self.max_seq_len), custom_mask=mask.view(B * F, -1), mask_start=self.rows)
-        out = self.net(frontier.tokens.reshape(-1), hidden.reshape(B * F, -1), self.kernels.prepare_attention(meta),
-                       self.kv, self.kernels)
         # Logits, not log-probs: the builder's top-k normalises them (``draft_topk``), a log-softmax
-        # over the whole draft vocabulary first would only repeat that.
-        logits = self.net.compute_logits(out, self.kernels, float32=False)  # the top-k reads them as they are
+        # over the whole draft vocabulary first would only repeat that; in the head's dtype, as the
+        # top-k reads them.
+        out, logits = self.net.level_logits(x, hidden, self.kernels.prepare_attention(meta), self.kv, self.kernels,
+                                            float32=False)
         return out.view(B, F, -1), logits.view(B, F, -1), mask
 
     def _capture(self, pool) -> None:

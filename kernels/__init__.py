@@ -54,6 +54,7 @@ class KernelSet:
     best_nodes: Callable  # a dynamic tree's final nodes: the pool's best, parents first
     extend_layout: Callable  # a draft extend's metadata from its row counts, on the device
     pack_rows: Callable  # a chained extend's fed rows packed front to back
+    level_input: Callable  # a draft tree level's inputs: parents' outputs gathered, embeddings, both norms, mask rows
     name: str
     fused_rows: Callable = fused_linear.no_fused_rows
 
@@ -87,6 +88,7 @@ REFERENCE = KernelSet(
     best_nodes=tree.best_nodes_ref,
     extend_layout=draft_rows.extend_layout_ref,
     pack_rows=draft_rows.pack_rows_ref,
+    level_input=draft_rows.level_input_ref,
     name="reference",
 )
 

@@ -1,5 +1,6 @@
-"""A draft extend's rows on the device: the layout of rows packed sequence after sequence, and the
-packing of a chained step's fed rows (references; ``draft_rows_triton.py`` has one launch each).
+"""A draft's rows on the device: the layout of an extend's rows packed sequence after sequence, the
+packing of a chained step's fed rows, and a tree level's inputs (references;
+``draft_rows_triton.py`` has one launch each).
 
 An extend holds ``rows_per_seq`` rows a sequence, packed at the front: sequence b's ``counts[b]``
 rows come after those of sequences 0 .. b-1, and the slots past the last row write nothing::
@@ -13,6 +14,8 @@ rows come after those of sequences 0 .. b-1, and the slots past the last row wri
 from __future__ import annotations
 
 import torch
+
+from kernels.norm import rms_norm_ref
 
 
 def extend_layout_ref(starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor, block_size: int,
@@ -55,3 +58,25 @@ def pack_rows_ref(counts: torch.Tensor, tokens: torch.Tensor, features: torch.Te
     ids = torch.where(valid, tokens.reshape(-1)[flat], 0)
     hidden = torch.where(valid[:, None], features.reshape(B * D, -1)[flat], 0)
     return ids, hidden
+
+
+def level_input_ref(parent_out: torch.Tensor, parent_slot: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor,
+                    emb_norm: torch.Tensor, emb_eps: float, hid_norm: torch.Tensor, hid_eps: float,
+                    mask: torch.Tensor | None, own: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tree level's inputs to the draft layer, for ``tokens`` [B, F] (target ids) whose parents sit
+    at ``parent_slot`` [B, F] among the previous level's outputs ``parent_out`` [B, P, H] (-1: the
+    root, ``parent_out``'s row 0 at the first level)::
+
+        h    [B * F, H]       each node's parent's output (the layer's residual stream)
+        x    [B * F, 2H]      [rms_norm(embed[token], emb_norm) ; rms_norm(h, hid_norm)]
+        rows [B, F, words]    its packed feed-mask row: its parent's row of ``mask`` [B, P, words]
+                              (None at the first level: no ancestors) | its own columns ``own`` [F, words]
+    """
+    B, F = tokens.shape
+    H, words = parent_out.shape[-1], own.shape[-1]
+    slot = parent_slot.clamp(min=0)[..., None]
+    h = torch.gather(parent_out, 1, slot.expand(B, F, H)).reshape(B * F, H)
+    emb = embed[tokens.reshape(-1)].to(h.dtype)
+    x = torch.cat((rms_norm_ref(emb, emb_norm, emb_eps)[0], rms_norm_ref(h, hid_norm, hid_eps)[0]), dim=-1)
+    rows = own.expand(B, F, words) if mask is None else torch.gather(mask, 1, slot.expand(B, F, words)) | own
+    return x, h, rows.contiguous()

@@ -1,5 +1,6 @@
-"""Triton draft-extend rows: ``kernels.draft_rows``' references, one launch each (some twenty small
-torch kernels each, on the critical path of every chained step).
+"""Triton draft rows: ``kernels.draft_rows``' references, one launch each (some twenty small torch
+kernels for an extend's layout, seven for a tree level's inputs, on the critical path of every
+chained step).
 
 Every program holds the batch's row counts (B of them, in registers), takes their running sum, and
 finds the sequence of each of its packed rows by counting the sequences that end at or before it.
@@ -123,3 +124,58 @@ def _pack_rows_kernel(counts_ptr, tokens_ptr, features_ptr, ids_ptr, hidden_ptr,
         ok = (w0 + w < width)[None, :]
         x = tl.load(features_ptr + src[:, None] * width + w0 + w[None, :], mask=ok & valid[:, None], other=0.0)
         tl.store(hidden_ptr + r[:, None] * width + w0 + w[None, :], x, mask=ok & in_r[:, None])
+
+
+def level_input_triton(parent_out: torch.Tensor, parent_slot: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor,
+                       emb_norm: torch.Tensor, emb_eps: float, hid_norm: torch.Tensor, hid_eps: float,
+                       mask: torch.Tensor | None, own: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``level_input_ref``'s signature and results (the norms as ``rms_norm_triton`` computes them), in
+    one launch: a program a node."""
+    B, F = tokens.shape
+    P, H = parent_out.shape[1], parent_out.shape[2]
+    words = own.shape[-1]
+    dev = parent_out.device
+    x = torch.empty(B * F, 2 * H, dtype=parent_out.dtype, device=dev)
+    h = torch.empty(B * F, H, dtype=parent_out.dtype, device=dev)
+    rows = torch.empty(B, F, words, dtype=own.dtype, device=dev)
+    if B * F:
+        parent_out, own = parent_out.contiguous(), own.contiguous()
+        has_mask = mask is not None
+        _level_input_kernel[(B * F,)](
+            parent_out, parent_slot.contiguous(), tokens.contiguous(), embed, emb_norm, hid_norm,
+            mask.contiguous() if has_mask else own, own, x, h, rows, F, P, H, words, embed.stride(0),
+            emb_eps, hid_eps, HAS_MASK=has_mask, BLOCK=triton.next_power_of_2(H),
+            BLOCK_WORDS=triton.next_power_of_2(words), num_warps=4 if H >= 1024 else 2)
+    return x, h, rows
+
+
+@triton.jit
+def _norm_row(v, w_ptr, cols, ok, hidden, eps):
+    """``rms_norm_triton``'s row: float32 sums, the scale as 1 / sqrt."""
+    vf = v.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(vf * vf, 0) / hidden + eps)
+    return vf * inv * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+
+
+@jit_unspecialized("F", "P", "words")  # (the widths stay specialised: one model's)
+def _level_input_kernel(parent_ptr, slot_ptr, tokens_ptr, embed_ptr, emb_w_ptr, hid_w_ptr, mask_ptr, own_ptr,
+                        x_ptr, h_ptr, rows_ptr, F, P, H, words, stride_e, emb_eps, hid_eps,
+                        HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_WORDS: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # node j of sequence b: row b * F + j
+    b, j = r // F, r % F
+    slot = tl.maximum(tl.load(slot_ptr + r), 0)
+    token = tl.load(tokens_ptr + r)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    hv = tl.load(parent_ptr + (b * P + slot) * H + cols, mask=ok, other=0.0)
+    tl.store(h_ptr + r * H + cols, hv, mask=ok)
+    ev = tl.load(embed_ptr + token * stride_e + cols, mask=ok, other=0.0).to(hv.dtype)
+    dtype = x_ptr.dtype.element_ty
+    tl.store(x_ptr + r * 2 * H + cols, _norm_row(ev, emb_w_ptr, cols, ok, H, emb_eps).to(dtype), mask=ok)
+    tl.store(x_ptr + r * 2 * H + H + cols, _norm_row(hv, hid_w_ptr, cols, ok, H, hid_eps).to(dtype), mask=ok)
+    w = tl.arange(0, BLOCK_WORDS)
+    w_ok = w < words
+    bits = tl.load(own_ptr + j * words + w, mask=w_ok, other=0)
+    if HAS_MASK:
+        bits = bits | tl.load(mask_ptr + (b * P + slot) * words + w, mask=w_ok, other=0)
+    tl.store(rows_ptr + r * words + w, bits, mask=w_ok)

@@ -37,11 +37,14 @@ from kernels.pdl import PDL_EARLY, dependent, launch_options
 
 MAX_ROWS = 16  # tl.dot's smallest row tile: fused_rows' floor
 ROW_ELEMENTS = 65536  # fused_rows: the input elements of a step that takes the fused path
-# The most rows of a step on the fused path (EAGLE3_MAX_FUSED_ROWS, 32 by default; 64 takes SmolLM2's
-# 60-node tree steps too: measured slower at 2433078, 1.338 against 1.289 ms, before every kernel
-# launched dependent; to be measured again). Speed only on the fast path, whose bits already depend
-# on the step; the batch-invariant set takes every step fused.
-MAX_FUSED_ROWS = int(os.environ.get("EAGLE3_MAX_FUSED_ROWS", "32"))
+# The most rows of a step on the fused path (EAGLE3_MAX_FUSED_ROWS, 64 by default: SmolLM2's 60-node
+# tree steps and its batch-64 decode take it; a 4096-wide model stops at 16 rows, ROW_ELEMENTS).
+# Measured on an H200 with every kernel dependent, 64 against 32: a 64-token SmolLM2 verify step at
+# 512 keys 1.111 against 1.274 ms, a batch-64 decode step 1.142 against 1.336 ms, a batch-1 chained
+# tree step 1.48 against 1.68 ms (2433078, before the dependent launches, had read 1.338 against
+# 1.289 for the verify step). Speed only on the fast path, whose bits already depend on the step;
+# the batch-invariant set takes every step fused.
+MAX_FUSED_ROWS = int(os.environ.get("EAGLE3_MAX_FUSED_ROWS", "64"))
 assert MAX_FUSED_ROWS in (16, 32, 64), "EAGLE3_MAX_FUSED_ROWS: 16, 32 or 64"
 SHARED_BUDGET = 200 * 1024  # bytes of a program's pipelined copies (an H100/H200 SM has 227 KB)
 
@@ -76,8 +79,7 @@ class RowLinearConfig:
 
 def fused_rows(hidden: int) -> int:
     """The most rows of a ``hidden``-wide model a step sends through these kernels: 16 for a
-    4096-wide model, 32 for SmolLM2 (576). On an H200, SmolLM2's verify step took 1.118 ms
-    against 1.244 with the separate kernels at 32 tokens, but 1.338 against 1.289 at 64."""
+    4096-wide model, 64 for SmolLM2 (576; ``MAX_FUSED_ROWS`` says what was measured)."""
     return max(MAX_ROWS, min(MAX_FUSED_ROWS, ROW_ELEMENTS // hidden))
 
 

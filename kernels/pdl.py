@@ -14,9 +14,12 @@ Switches, read once at import (speed only: none changes a result's bits):
 - ``EAGLE3_PDL_EARLY=1`` (off): a projection's programs let the next kernel launch right after
   their wait instead of after their main loop. Measured no faster (8B 4.580 against 4.568 ms).
 
-Every dependent kernel waits first, before any load and any early return: if all of a kernel's
-programs could return without waiting, the kernel could complete before the one it depends on,
-and the kernel after it would no longer be ordered after that one.
+Every dependent kernel waits before any early return: if all of a kernel's programs could return
+without waiting, the kernel could complete before the one it depends on, and the kernel after it
+would no longer be ordered after that one. It loads nothing before the wait but what the kernel
+just before it cannot have written: each kernel lets its dependent launch only after its own
+wait, so when a kernel starts, every kernel but the one just before it is complete. (Attention
+reads its step's metadata there: RoPE, before it, writes only q and the new keys.)
 """
 
 from __future__ import annotations

@@ -230,20 +230,48 @@ def test_select_kernels():
 @pytest.mark.parametrize("splits", [1, 5, 16, 17, 40, 64])
 def test_combine_merges_any_number_of_splits(splits):
     """The combine kernel walks the splits in blocks of 16: every count up to MAX_SPLITS merges to
-    the softmax-weighted mean of the partials (splits that saw no key, lse -inf, weigh nothing)."""
+    the softmax-weighted mean of the partials (splits that saw no key, lse -inf, weigh nothing), each
+    token's first ``used`` of them."""
     from kernels.attention_triton import MAX_SPLITS, _combine_kernel
     assert splits <= MAX_SPLITS
     gen = torch.Generator().manual_seed(splits)
-    T, H, D = 3, 2, 32
+    T, H, D = 4, 2, 32
     part = torch.randn(splits, T, H, D, generator=gen)
     lse = torch.randn(splits, T, H, generator=gen) * 3
     if splits > 1:
         lse[splits // 2] = float("-inf")
     out = torch.empty(T, H, D)
-    part, lse, out = part.to(DEVICE), lse.to(DEVICE), out.to(DEVICE)
-    _combine_kernel[(T, H)](part, lse, out, splits, part.stride(0), part.stride(1), part.stride(2),
+    # Each token's splits holding keys; the last token's count is garbage (padding no program wrote):
+    # clamped to the launch's splits.
+    used = torch.tensor([splits, max(1, splits - 3), 1, 1 << 30], dtype=torch.int32)
+    part[:, 1, :, :][max(1, splits - 3):] = float("nan")  # partials past a token's count: never read
+    part[1:, 2] = float("nan")
+    part, lse, used, out = part.to(DEVICE), lse.to(DEVICE), used.to(DEVICE), out.to(DEVICE)
+    _combine_kernel[(T, H)](part, lse, used, out, splits, part.stride(0), part.stride(1), part.stride(2),
                             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), D, BLOCK_S=16, BLOCK_D=D,
                             USE_GDC=False)
-    w = torch.softmax(lse * np.log(2), dim=0)  # lse is in base 2
-    want = (w[..., None] * part).sum(0)
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for t, n in enumerate(used.clamp(max=splits).tolist()):
+        w = torch.softmax(lse[:n, t] * np.log(2), dim=0)  # lse is in base 2
+        want = (w[..., None] * part[:n, t]).sum(0)
+        torch.testing.assert_close(out[t], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [3, 40])
+def test_short_sequences_in_a_launch_of_many_splits(splits):
+    """A graphed step's split count comes from its capacity: sequences far shorter than it use their
+    first few splits only, and the rest of the launch reads nothing, yet every token's attention is
+    the reference's. Decode, tree and prefill rows side by side with one long sequence."""
+    from kernels.attention_triton import AttentionConfig
+    kvh, g, d = 2, 2, 32
+    cases = [(5, 1, None, None), (130, 1, None, None), (20, 8, tree_mask(TREE), 20), (0, 12, None, None),
+             (700, 1, None, None)]
+    k_cache, v_cache, chunks = build(cases, kvh, d, torch.float32, seed=11)
+    q = torch.randn(sum(len(c.token_ids) for c in chunks), kvh * g, d, generator=torch.Generator().manual_seed(3))
+    q = q.to(DEVICE)
+    want = paged_attention_ref(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0),
+                               layout_step(chunks, BLOCK, torch.device(DEVICE), REFERENCE).meta, d ** -0.5)
+    cfg = AttentionConfig(16, 16, splits=splits)
+    assert 5 <= cfg.block_n and 700 > splits * cfg.block_n  # the shortest one split, the long one every split
+    got = paged_attention_triton(q, k_cache, v_cache, layout_step(chunks, BLOCK, torch.device(DEVICE), TRITON_SET).meta,
+                                 d ** -0.5, cfg)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -1,6 +1,6 @@
 """A chained step's draft kernels, each implementation against its reference: the extend's layout
-(``extend_layout``), the packing of its fed rows (``pack_rows``) and a dynamic tree's final nodes
-(``best_nodes``).
+(``extend_layout``), the packing of its fed rows (``pack_rows``), a tree level's inputs
+(``level_input``) and a dynamic tree's final nodes (``best_nodes``).
 
 The Triton kernels (kernels/draft_rows_triton.py, kernels/tree_triton.py) run through Triton's
 interpreter on a CPU (tests/conftest.py sets TRITON_INTERPRET=1) and natively on a GPU. Outputs
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.draft_rows import extend_layout_ref, pack_rows_ref
+from kernels.draft_rows import extend_layout_ref, level_input_ref, pack_rows_ref
 from kernels.tree import best_nodes_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,6 +46,34 @@ def test_extend_layout_equals_the_reference(B, D):
         for key in want:
             assert got[key].dtype == torch.int64 and torch.equal(got[key].cpu(), want[key].cpu()), (key, trial)
         assert (got["slots"][int(counts.sum()):] == -1).all()
+
+
+@pytest.mark.parametrize("B,F,P,H,words", [(1, 10, 1, 64, 1), (1, 10, 10, 64, 2), (3, 4, 7, 96, 3), (8, 10, 10, 576, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("first", [True, False])
+def test_level_input_equals_the_reference(B, F, P, H, words, dtype, first):
+    """Parents at random slots (-1, the root, at a first level, whose parents' outputs are one row a
+    sequence and which has no mask rows yet), tokens over a table wider than the model's rows: the
+    gathered features and mask rows equal the reference's bit for bit, the normed input within a
+    rounding (the norm's scale as rms_norm_triton takes it, 1 / sqrt)."""
+    fn = triton_or_skip("level_input")
+    gen = torch.Generator().manual_seed(B * 100 + F * 10 + H + first)
+    P = 1 if first else P
+    parent_out = (torch.randn(B, P, H, generator=gen) * 3).to(dtype)
+    slot = torch.full((B, F), -1) if first else torch.randint(0, P, (B, F), generator=gen)
+    embed = torch.randn(50, H + 8, generator=gen).to(dtype)[:, :H]  # rows strided wider than H
+    tokens = torch.randint(0, 50, (B, F), generator=gen)
+    emb_w, hid_w = (torch.randn(H, generator=gen).to(dtype) for _ in range(2))
+    mask = None if first else torch.randint(-2 ** 31, 2 ** 31 - 1, (B, P, words), generator=gen, dtype=torch.int32)
+    own = torch.randint(-2 ** 31, 2 ** 31 - 1, (F, words), generator=gen, dtype=torch.int32)
+    args = [parent_out, slot, tokens, embed, emb_w, 1e-5, hid_w, 1e-6, mask, own]
+    args = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+    want, got = level_input_ref(*args), fn(*args)
+    x, h, rows = (t.cpu() for t in got)
+    assert torch.equal(h, want[1].cpu()) and torch.equal(rows, want[2].cpu())
+    assert x.dtype == dtype and x.shape == (B * F, 2 * H)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(x.float(), want[0].cpu().float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("B,D,width", [(1, 8, 24), (3, 9, 40), (16, 4, 1100), (130, 2, 8)])

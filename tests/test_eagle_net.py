@@ -313,3 +313,30 @@ def test_capture_layers_from_config_or_target_default():
     assert aux.capture_layers(TARGET) == (0, 2, 3)
     cfg = DraftConfig.from_hf(raw)
     assert (cfg.head_dim, cfg.num_kv_heads, cfg.draft_vocab_size, cfg.target_hidden_size) == (16, 4, 97, 64)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_level_logits_matches_naive_reference(tmp_path, embedding, fused):
+    """A tree level's forward and logits from its inputs (``kernels.level_input``: every node's parent
+    here its own row of features): with few enough rows (``fused_rows``) through the fused
+    projections, the norm and the final norm in their epilogues; either way the oracle's."""
+    import dataclasses
+    from kernels import REFERENCE
+    draft_dir = make_eagle_dir(tmp_path / "d", TARGET_RAW, DRAFT_VOCAB)
+    model = load(draft_dir, embedding)
+    model.fuse_projections()
+    kernels = dataclasses.replace(REFERENCE, fused_rows=(lambda hidden: T) if fused else REFERENCE.fused_rows)
+    ids, feats = inputs(2)
+    lay = layout_step([SeqChunk(ids, 0, list(range(10)))], BLOCK, torch.device(TEST_DEVICE), kernels)
+    mid = model.midlayer
+    with torch.inference_mode():
+        h = model.fc(feats.to(TEST_DEVICE, DTYPE))
+        x, h, _ = kernels.level_input(h[None], torch.arange(T, device=TEST_DEVICE)[None], lay.input_ids[None],
+                                      model.embed_weight, mid.input_layernorm.weight, mid.input_layernorm.eps,
+                                      mid.hidden_norm.weight, mid.hidden_norm.eps, None,
+                                      torch.zeros(T, 1, dtype=torch.int32, device=TEST_DEVICE))
+        out, logits = model.level_logits(x, h, lay.meta, new_cache(model), kernels)
+    assert logits.dtype == torch.float32 and logits.shape == (T, DRAFT_VOCAB)
+    ref_out, ref_logits = reference(draft_dir, embedding, ids, feats)
+    torch.testing.assert_close(out.double().cpu(), ref_out, **tolerance())
+    torch.testing.assert_close(logits.double().cpu(), ref_logits, **tolerance())

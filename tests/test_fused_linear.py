@@ -169,7 +169,7 @@ def test_no_rows():
 def test_the_sets_pick_their_fused_entries(monkeypatch):
     triton_set = select_kernels(DEVICE, "triton")
     assert triton_set.scaled_linear is scaled_linear_triton and triton_set.linear_add_norm is linear_add_norm_triton
-    assert triton_set.fused_rows(4096) == MAX_ROWS and triton_set.fused_rows(576) == 32
+    assert triton_set.fused_rows(4096) == MAX_ROWS and triton_set.fused_rows(576) == 64
     assert REFERENCE.fused_rows(576) == 0 and REFERENCE.scaled_linear is scaled_linear_ref
     # The batch-invariant set takes the fused path in every step, with the sums of h^2 in fixed
     # point: a decoded row then rounds as the same row inside a tree or a prefill chunk. Off the GPU
