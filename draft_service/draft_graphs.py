@@ -71,7 +71,8 @@ def extend_forward(net: EagleNet, kv: PagedKVCache, kernels: KernelSet, ids: tor
                              token_q_idx=lay["q_idx"], max_query_len=rows_per_seq, max_seq_len=max_seq_len)
     out = net(ids, features, kernels.prepare_attention(meta), kv, kernels)
     last = out[lay["rows"]]
-    return last, torch.log_softmax(net.compute_logits(last, kernels), dim=-1)
+    # (In float32 as it reads the head's logits: one kernel, no float32 copy of them first.)
+    return last, torch.log_softmax(net.compute_logits(last, kernels, float32=False), dim=-1, dtype=torch.float32)
 
 
 class DraftGraphs:

@@ -239,15 +239,13 @@ class DeviceProposal:
 
     def _kv_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every level's KV slots and RoPE positions [all levels' tokens] and lengths [levels, B], from
-        this proposal's rows and tables, in one go: a level reads its slices (no launches of its own).
+        this proposal's rows and tables, in one go (``kernels.proposal_layout``: one launch on the GPU
+        sets): a level reads its slices (no launches of its own).
         Token t of level i, sequence b, node j goes to KV row rows[b] + fed_i + j at position
         rows[b] + depth_i - 1; a padding sequence (not ``live``) writes nowhere (slot -1)."""
         c = self._layout
-        first = self.rows[c.seq]  # (T,): each token's sequence's committed rows
-        kv_idx = first + c.row
-        blocks = self.tables[c.seq, kv_idx // self.kv.block_size]
-        slots = torch.where(self.live[c.seq] > 0, blocks * self.kv.block_size + kv_idx % self.kv.block_size, -1)
-        return slots, first + c.step, self.rows + c.lens[:, None]
+        return self.kernels.proposal_layout(self.rows, self.live, self.tables, c.seq, c.row, c.step, c.lens,
+                                            self.kv.block_size)
 
     def _level(self, frontier: Frontier, parent_out: torch.Tensor, mask: torch.Tensor | None,
                kv: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

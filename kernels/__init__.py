@@ -55,6 +55,7 @@ class KernelSet:
     extend_layout: Callable  # a draft extend's metadata from its row counts, on the device
     pack_rows: Callable  # a chained extend's fed rows packed front to back
     level_input: Callable  # a draft tree level's inputs: parents' outputs gathered, embeddings, both norms, mask rows
+    proposal_layout: Callable  # a whole proposal's KV slots, positions and lengths from its rows and tables
     name: str
     fused_rows: Callable = fused_linear.no_fused_rows
 
@@ -89,6 +90,7 @@ REFERENCE = KernelSet(
     extend_layout=draft_rows.extend_layout_ref,
     pack_rows=draft_rows.pack_rows_ref,
     level_input=draft_rows.level_input_ref,
+    proposal_layout=draft_rows.proposal_layout_ref,
     name="reference",
 )
 

@@ -1,6 +1,6 @@
 """A draft's rows on the device: the layout of an extend's rows packed sequence after sequence, the
-packing of a chained step's fed rows, and a tree level's inputs (references;
-``draft_rows_triton.py`` has one launch each).
+packing of a chained step's fed rows, a proposal's KV layout and a tree level's inputs
+(references; ``draft_rows_triton.py`` has one launch each).
 
 An extend holds ``rows_per_seq`` rows a sequence, packed at the front: sequence b's ``counts[b]``
 rows come after those of sequences 0 .. b-1, and the slots past the last row write nothing::
@@ -80,3 +80,18 @@ def level_input_ref(parent_out: torch.Tensor, parent_slot: torch.Tensor, tokens:
     x = torch.cat((rms_norm_ref(emb, emb_norm, emb_eps)[0], rms_norm_ref(h, hid_norm, hid_eps)[0]), dim=-1)
     rows = own.expand(B, F, words) if mask is None else torch.gather(mask, 1, slot.expand(B, F, words)) | own
     return x, h, rows.contiguous()
+
+
+def proposal_layout_ref(rows: torch.Tensor, live: torch.Tensor, tables: torch.Tensor, seq: torch.Tensor,
+                        row: torch.Tensor, step: torch.Tensor, lens: torch.Tensor, block_size: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every tree level's KV slots and RoPE positions at once, for a proposal over sequences with
+    ``rows`` [B] committed draft rows, ``live`` [B] (0: a padding sequence, which writes nowhere) and
+    block tables ``tables`` [B, W]: token t (of sequence ``seq[t]``) goes to KV row rows + ``row[t]``
+    at position rows + ``step[t]``; returns slots [T] (-1: not written), positions [T] and each
+    level's lengths rows + ``lens`` [levels, B]. int64 all."""
+    first = rows[seq]
+    kv_idx = first + row
+    blocks = tables[seq, kv_idx // block_size]
+    slots = torch.where(live[seq] > 0, blocks * block_size + kv_idx % block_size, -1)
+    return slots, first + step, rows + lens[:, None]

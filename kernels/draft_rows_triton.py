@@ -1,6 +1,6 @@
 """Triton draft rows: ``kernels.draft_rows``' references, one launch each (some twenty small torch
-kernels for an extend's layout, seven for a tree level's inputs, on the critical path of every
-chained step).
+kernels for an extend's layout, twelve for a proposal's, seven for a tree level's inputs, on the
+critical path of every chained step).
 
 Every program holds the batch's row counts (B of them, in registers), takes their running sum, and
 finds the sequence of each of its packed rows by counting the sequences that end at or before it.
@@ -179,3 +179,45 @@ def _level_input_kernel(parent_ptr, slot_ptr, tokens_ptr, embed_ptr, emb_w_ptr, 
     if HAS_MASK:
         bits = bits | tl.load(mask_ptr + (b * P + slot) * words + w, mask=w_ok, other=0)
     tl.store(rows_ptr + r * words + w, bits, mask=w_ok)
+
+
+def proposal_layout_triton(rows: torch.Tensor, live: torch.Tensor, tables: torch.Tensor, seq: torch.Tensor,
+                           row: torch.Tensor, step: torch.Tensor, lens: torch.Tensor, block_size: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``proposal_layout_ref``'s signature and results, in one launch (a block table's index clamped
+    into the table: a row past it reads its last block, where the reference would fail)."""
+    T, (B, W), levels = seq.shape[0], tables.shape, lens.shape[0]
+    dev = rows.device
+    slots, positions = (torch.empty(T, dtype=torch.int64, device=dev) for _ in range(2))
+    out_lens = torch.empty(levels, B, dtype=torch.int64, device=dev)
+    if B:
+        block = min(1024, max(16, triton.next_power_of_2(T)))
+        _proposal_layout_kernel[(max(1, triton.cdiv(T, block)),)](
+            rows.contiguous(), live.contiguous(), tables.contiguous(), seq.contiguous(), row.contiguous(),
+            step.contiguous(), lens.contiguous(), slots, positions, out_lens, T, B, W, levels, block_size,
+            BLOCK=block, BLOCK_B=max(MIN_BLOCK_B, triton.next_power_of_2(B)))
+    return slots, positions, out_lens
+
+
+@jit_unspecialized("rows_ptr", "live_ptr", "tables_ptr", "seq_ptr", "row_ptr", "step_ptr", "lens_ptr", "T", "B", "W",
+                   "levels")
+def _proposal_layout_kernel(rows_ptr, live_ptr, tables_ptr, seq_ptr, row_ptr, step_ptr, lens_ptr, slots_ptr,
+                            positions_ptr, out_lens_ptr, T, B, W, levels, block_size,
+                            BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
+    pid = tl.program_id(0)
+    t = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    ok = t < T
+    s = tl.load(seq_ptr + t, mask=ok, other=0)
+    first = tl.load(rows_ptr + s, mask=ok, other=0)
+    kv = first + tl.load(row_ptr + t, mask=ok, other=0)
+    block = tl.minimum(tl.maximum(kv // block_size, 0), W - 1)
+    phys = tl.load(tables_ptr + s * W + block, mask=ok, other=0)
+    live = tl.load(live_ptr + s, mask=ok, other=0)
+    tl.store(slots_ptr + t, tl.where(live > 0, phys * block_size + kv % block_size, -1), mask=ok)
+    tl.store(positions_ptr + t, first + tl.load(step_ptr + t, mask=ok, other=0), mask=ok)
+    if pid == 0:  # each level's lengths
+        b = tl.arange(0, BLOCK_B)
+        b_ok = b < B
+        r = tl.load(rows_ptr + b, mask=b_ok, other=0)
+        for i in range(levels):
+            tl.store(out_lens_ptr + i * B + b, r + tl.load(lens_ptr + i), mask=b_ok)

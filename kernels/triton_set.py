@@ -9,7 +9,8 @@ from kernels.attention_triton import paged_attention_triton, prepare_attention_t
 from kernels.fused_linear_triton import (fused_rows, linear_add_norm_triton, scaled_gate_up_silu_triton,
                                          scaled_linear_triton)
 from kernels.fused_triton import rms_norm_triton, rope_write_kv_triton, silu_mul_triton
-from kernels.draft_rows_triton import extend_layout_triton, level_input_triton, pack_rows_triton
+from kernels.draft_rows_triton import (extend_layout_triton, level_input_triton, pack_rows_triton,
+                                       proposal_layout_triton)
 from kernels.acceptance_triton import compaction_slots_triton, greedy_accept_triton
 from kernels.topk_triton import draft_topk_triton
 from kernels.tree_triton import (best_nodes_triton, expand_frontier_triton, packed_tree_mask_triton,
@@ -37,5 +38,6 @@ TRITON = dataclasses.replace(
     extend_layout=extend_layout_triton,
     pack_rows=pack_rows_triton,
     level_input=level_input_triton,
+    proposal_layout=proposal_layout_triton,
     name="triton",
 )

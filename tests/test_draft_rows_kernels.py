@@ -1,6 +1,7 @@
 """A chained step's draft kernels, each implementation against its reference: the extend's layout
-(``extend_layout``), the packing of its fed rows (``pack_rows``), a tree level's inputs
-(``level_input``) and a dynamic tree's final nodes (``best_nodes``).
+(``extend_layout``), the packing of its fed rows (``pack_rows``), a proposal's KV layout
+(``proposal_layout``), a tree level's inputs (``level_input``) and a dynamic tree's final nodes
+(``best_nodes``).
 
 The Triton kernels (kernels/draft_rows_triton.py, kernels/tree_triton.py) run through Triton's
 interpreter on a CPU (tests/conftest.py sets TRITON_INTERPRET=1) and natively on a GPU. Outputs
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.draft_rows import extend_layout_ref, level_input_ref, pack_rows_ref
+from kernels.draft_rows import extend_layout_ref, level_input_ref, pack_rows_ref, proposal_layout_ref
 from kernels.tree import best_nodes_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,6 +47,33 @@ def test_extend_layout_equals_the_reference(B, D):
         for key in want:
             assert got[key].dtype == torch.int64 and torch.equal(got[key].cpu(), want[key].cpu()), (key, trial)
         assert (got["slots"][int(counts.sum()):] == -1).all()
+
+
+@pytest.mark.parametrize("B,widths", [(1, [10] * 6), (4, [3, 5, 2]), (64, [10] * 6), (300, [4])])
+def test_proposal_layout_equals_the_reference(B, widths):
+    """A proposal's levels laid out as the proposal lays them (sequence, KV row past the committed
+    ones, depth), random committed rows, padding sequences among them (not live: slot -1) and block
+    tables: slots, positions and every level's lengths equal the reference's."""
+    fn = triton_or_skip("proposal_layout")
+    rng = np.random.default_rng(B * 10 + len(widths))
+    block_size, W = 16, 40
+    seq, row, step, lens, fed = [], [], [], [], 0
+    for i, F in enumerate(widths):
+        seq.append(np.repeat(np.arange(B), F))
+        row.append(np.tile(fed + np.arange(F), B))
+        step.append(np.full(B * F, i))
+        fed += F
+        lens.append(fed)
+    rows = rng.integers(0, W * block_size - fed, B)
+    live = (rng.random(B) > 0.2).astype(np.int64)
+    tables = rng.integers(0, 5000, (B, W))
+    args = [torch.as_tensor(x, dtype=torch.int64, device=DEVICE)
+            for x in (rows, live, tables, np.concatenate(seq), np.concatenate(row), np.concatenate(step), lens)]
+    want, got = proposal_layout_ref(*args, block_size), fn(*args, block_size)
+    for w, g in zip(want, got):
+        assert g.dtype == torch.int64 and torch.equal(g.cpu(), w.cpu())
+    padding = torch.as_tensor(live == 0)[torch.as_tensor(np.concatenate(seq))]
+    assert (got[0].cpu()[padding] == -1).all() and (got[0].cpu()[~padding] >= 0).all()
 
 
 @pytest.mark.parametrize("B,F,P,H,words", [(1, 10, 1, 64, 1), (1, 10, 10, 64, 2), (3, 4, 7, 96, 3), (8, 10, 10, 576, 2)])
