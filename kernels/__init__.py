@@ -102,15 +102,17 @@ KERNEL_CHOICES = ("auto", "triton", "reference")
 TRITON_BY_DEFAULT = True
 
 
-def select_kernels(device: torch.device | str, kind: str = "auto", exact: bool = False) -> KernelSet:
+def select_kernels(device: torch.device | str, kind: str = "auto", exact: bool = False,
+                   exact_chunk: int | None = None) -> KernelSet:
     """The kernels for ``device``. ``reference``: the pure-torch references; ``triton``: the Triton
     set (on a CPU through Triton's interpreter, with ``TRITON_INTERPRET=1``: tests); ``auto``: the
     Triton set on CUDA where ``TRITON_BY_DEFAULT``, else the references. ``exact``: the
-    batch-invariant set (``kernels.exact_set.EXACT``) for ``auto`` and ``triton``."""
+    batch-invariant set (``kernels.exact_set.EXACT``) for ``auto`` and ``triton``, its attention
+    folding chunks of ``exact_chunk`` keys (default ``kernels.attention_exact.CHUNK``)."""
     if kind not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kind!r}")
     if exact:
-        return _exact_kernels(device, kind)
+        return _exact_kernels(device, kind, exact_chunk)
     if kind == "reference" or (kind == "auto" and not (TRITON_BY_DEFAULT and torch.device(device).type == "cuda")):
         return REFERENCE
     try:
@@ -136,12 +138,12 @@ def exact_refusal(device_type: str, kind: str) -> str | None:
     return None
 
 
-def _exact_kernels(device: torch.device | str, kind: str) -> KernelSet:
+def _exact_kernels(device: torch.device | str, kind: str, chunk: int | None) -> KernelSet:
     refusal = exact_refusal(torch.device(device).type, kind)
     if refusal is not None:
         raise ValueError(f"--exact {refusal}")
     try:
-        from kernels.exact_set import EXACT
+        from kernels import exact_set
     except ImportError as exc:  # triton is not installed
         raise RuntimeError(f"--exact needs the Triton kernels but triton does not import: {exc}") from exc
-    return EXACT
+    return exact_set.EXACT if chunk is None else exact_set.with_chunk(chunk)

@@ -49,7 +49,7 @@ from kernels.pdl import PDL_ALL, dependent, launch_options
 # 5.409; compiled for sm_90, the tree variant holds 168 registers and no spill against 255 and spills.
 BLOCK_M = 16
 BLOCK_N = 64  # keys per tile
-CHUNK = 512  # keys per fold chunk: a multiple of BLOCK_N
+CHUNK = 512  # keys per fold chunk by default: a multiple of BLOCK_N (kernels.exact_set.fold_chunk picks a model's)
 SPLIT_BYTES = 256 * 2**20  # the most the split mode's float32 partials may take
 # Chunks the gathered tiles of a masked step may span: they run from the tile holding mask_start to
 # the deepest position, at most BLOCK_N - 1 + max_query_len positions, so 2 while max_query_len <= CHUNK.
@@ -95,10 +95,10 @@ WAVE_FILL = 0.75
 
 
 def _mode(meta: AttentionMetadata, T: int, heads: int, kvh: int, head_dim: int, q_tiles: int,
-          device: torch.device) -> bool:
+          device: torch.device, chunk: int) -> bool:
     """True: one program per chunk and a fold kernel; False: each program folds its chunks itself
     (``SPLIT_RULE`` says when). A choice of speed only. Host sizes only."""
-    chunks = triton.cdiv(max(meta.max_seq_len, 1), CHUNK)
+    chunks = triton.cdiv(max(meta.max_seq_len, 1), chunk)
     if chunks == 1 or chunks * T * heads * head_dim * 4 > SPLIT_BYTES:
         return False
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -112,14 +112,19 @@ def _mode(meta: AttentionMetadata, T: int, heads: int, kvh: int, head_dim: int, 
 
 
 def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float, mode: str = "auto") -> torch.Tensor:
+                          meta: AttentionMetadata, scale: float, mode: str = "auto",
+                          chunk: int | None = None) -> torch.Tensor:
     """Attention of new queries [T, heads, head_dim] over their sequences' cached KV -> [T, heads, head_dim],
     each query's bits independent of the step around it.
 
     ``meta.custom_mask``, if any, must be the ancestor table (``prepare_attention_exact``).
-    ``mode``: ``fold`` or ``split`` force a launch shape (tests); ``auto`` picks by size.
+    ``mode``: ``fold`` or ``split`` force a launch shape (tests); ``auto`` picks by size. ``chunk``:
+    keys per fold chunk (default ``CHUNK``), a multiple of ``BLOCK_N``; the bits depend on it, so a
+    server keeps one for its model (``kernels.exact_set.fold_chunk``).
     """
     assert mode in MODES, mode
+    chunk = chunk or CHUNK
+    assert chunk % BLOCK_N == 0, f"a fold chunk of {chunk} keys is not a multiple of {BLOCK_N}"
     T, H, D = q.shape
     _, block_size, kvh, _ = k_cache.shape
     g = H // kvh
@@ -130,12 +135,12 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return out
     q_tiles = triton.cdiv(meta.max_query_len, block_q)
     has_mask = meta.custom_mask is not None
-    split_ok = not has_mask or meta.max_query_len <= CHUNK  # the gathered tiles within TAIL_CHUNKS chunks
+    split_ok = not has_mask or meta.max_query_len <= chunk  # the gathered tiles within TAIL_CHUNKS chunks
     if mode == "split" and not split_ok:
-        raise ValueError(f"the split launch takes masked steps of at most {CHUNK} tokens a sequence, "
+        raise ValueError(f"the split launch takes masked steps of at most {chunk} tokens a sequence, "
                          f"not {meta.max_query_len}")
-    split = (_mode(meta, T, H, kvh, D, q_tiles, q.device) and split_ok) if mode == "auto" else mode == "split"
-    chunks = triton.cdiv(max(meta.max_seq_len, 1), CHUNK) if split else 1
+    split = (_mode(meta, T, H, kvh, D, q_tiles, q.device, chunk) and split_ok) if mode == "auto" else mode == "split"
+    chunks = triton.cdiv(max(meta.max_seq_len, 1), chunk) if split else 1
     if split:
         part_m = torch.empty(chunks, T, H, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -153,7 +158,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         table.stride(0) if has_mask else 0, table.shape[1] if has_mask else 0,
         part_m.stride(0) if split else 0, part_m.stride(1) if split else 0, part_acc.stride(0) if split else 0,
         part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_tiles, chunks,
-        G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=CHUNK, HEAD_DIM=D,
+        G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, HEAD_DIM=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32), USE_GDC=pdl,
@@ -162,7 +167,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         _fold_chunks_kernel[(T, H)](part_m, part_l, part_acc, out, meta.positions,
                                     part_m.stride(0), part_m.stride(1), part_acc.stride(0), part_acc.stride(1),
                                     part_acc.stride(2), out.stride(0), out.stride(1),
-                                    CHUNK=CHUNK, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), USE_GDC=pdl,
+                                    CHUNK=chunk, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), USE_GDC=pdl,
                                     **launch_options(pdl))
     return out
 

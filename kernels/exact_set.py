@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 
 import torch
 
-from kernels.attention_exact import paged_attention_exact, prepare_attention_exact
+from kernels.attention_exact import BLOCK_N, CHUNK, paged_attention_exact, prepare_attention_exact
 from kernels.fused_linear_triton import (EXACT_ROW_TILE, every_step, linear_add_norm_triton,
                                          scaled_gate_up_silu_triton, scaled_linear_triton)
 from kernels.linear_triton import linear_exact
@@ -143,3 +144,39 @@ def with_row_tile(row_tile: int | None, exact_sums: bool = True) -> KernelSet:
 # decode_baseline.py --exact-row-tile 0: the 8B batch-1 step at 4K 4.893 ms against 5.409 on one
 # fixed 64-row tile, 4.553 on the fast path; README: Exact mode).
 EXACT = with_row_tile(None)
+
+
+# Keys per fold chunk of the exact attention, for a model (``EAGLE3_EXACT_CHUNK``, read at import):
+# a number fixes it (a multiple of 64); ``auto`` picks it by the model's KV width; 512 by default,
+# the chunk the identical-output runs were measured with (README: Exact mode). The bits depend on it
+# (every chunk keeps the invariance), so one server keeps one for its model. On an H200 (6a72e18,
+# ``decode_baseline.py --exact --exact-chunk``, ``exact_mode/exact_variants_h200_6a72e18.json``):
+# SmolLM2 (3 KV heads of 64) batch 1 0.718 ms with 128-key chunks against 0.874 with 512 (the fast
+# kernels 0.747), batch 64 1.164 against 1.243; the 8B (8 KV heads of 128) at 4K, batch 1 4.764
+# against 4.677, batch 64 16.428 against 14.367.
+FOLD_CHUNK = os.environ.get("EAGLE3_EXACT_CHUNK", str(CHUNK))
+AUTO_NARROW_KV = 256  # ``auto``: 128-key chunks for a KV head width (heads x head_dim) up to this
+
+
+def fold_chunk(num_kv_heads: int, head_dim: int, setting: str | None = None) -> int:
+    """Keys per fold chunk for a model of ``num_kv_heads`` KV heads of ``head_dim`` under ``setting``
+    (default ``FOLD_CHUNK``): ``auto`` gives 128 for a KV width of at most ``AUTO_NARROW_KV``
+    (SmolLM2's 192), else ``CHUNK``; a number, itself. Raises ValueError for anything else."""
+    setting = FOLD_CHUNK if setting is None else setting
+    if setting == "auto":
+        return 128 if num_kv_heads * head_dim <= AUTO_NARROW_KV else CHUNK
+    try:
+        chunk = int(setting)
+    except ValueError:
+        chunk = 0
+    if chunk < BLOCK_N or chunk % BLOCK_N or chunk > 1 << 16:
+        raise ValueError(f"EAGLE3_EXACT_CHUNK must be auto or a multiple of {BLOCK_N} up to 65536 keys, "
+                         f"got {setting!r}")
+    return chunk
+
+
+def with_chunk(chunk: int) -> KernelSet:
+    """The batch-invariant set with its attention folding chunks of ``chunk`` keys."""
+    if chunk == CHUNK:
+        return EXACT
+    return dataclasses.replace(EXACT, paged_attention=functools.partial(paged_attention_exact, chunk=chunk))

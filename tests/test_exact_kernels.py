@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import REFERENCE  # noqa: E402
+from kernels import REFERENCE, select_kernels  # noqa: E402
 from kernels.attention import paged_attention_ref  # noqa: E402
 from kernels.attention_exact import CHUNK, ancestor_table, paged_attention_exact  # noqa: E402
 from kernels.exact_set import EXACT  # noqa: E402
@@ -260,7 +260,7 @@ def test_the_launch_shape_rules(monkeypatch):
 
     def split(num_seqs, seq_len=2000):  # decode steps: one token a sequence, one KV head of 4 query heads
         meta = SimpleNamespace(num_seqs=num_seqs, max_seq_len=seq_len)
-        return ex._mode(meta, num_seqs, 4, 1, 32, 1, torch.device("cpu"))
+        return ex._mode(meta, num_seqs, 4, 1, 32, 1, torch.device("cpu"), ex.CHUNK)
 
     monkeypatch.setattr(ex, "PROGRAMS_PER_SM", 3)  # 24 slots
     assert split(15) and not split(30) and not split(40)  # "few": under 2 programs an SM
@@ -294,3 +294,43 @@ def test_the_row_tile_probe(k, invariant, monkeypatch, caplog):
     else:  # (the GPU: the tensor cores accumulate in K order whatever the tiles, H200)
         assert got
     assert exact_set._ROW_COUNT_TILES == {(w(1, 1).device, torch.float32): got}
+
+
+@pytest.mark.parametrize("setting, kvh, d, want", [
+    ("auto", 3, 64, 128),  # SmolLM2: 192-wide KV
+    ("auto", 8, 128, 512),  # the 8B
+    ("auto", 4, 64, 128),
+    ("512", 3, 64, 512), ("256", 8, 128, 256), ("1024", 1, 32, 1024),
+])
+def test_fold_chunk_by_setting_and_geometry(setting, kvh, d, want):
+    from kernels.exact_set import fold_chunk
+    assert fold_chunk(kvh, d, setting) == want
+
+
+@pytest.mark.parametrize("setting", ["", "fast", "100", "0", "-64", "32", str(1 << 17)])
+def test_a_fold_chunk_setting_that_is_not_one_is_refused(setting):
+    from kernels.exact_set import fold_chunk
+    with pytest.raises(ValueError, match="EAGLE3_EXACT_CHUNK"):
+        fold_chunk(8, 128, setting)
+
+
+def test_a_set_with_its_own_chunk_folds_as_the_module_chunk_does(monkeypatch):
+    """``select_kernels(exact=True, exact_chunk=128)``'s attention gives the bits the module's CHUNK set
+    to 128 gives (the tests above check that chunk's invariance), and the default set keeps CHUNK."""
+    from kernels import attention_exact
+    from kernels.exact_set import EXACT
+    assert select_kernels(DEVICE, "triton", exact=True) is EXACT
+    custom = select_kernels(DEVICE, "triton", exact=True, exact_chunk=128)
+    assert custom.name == "exact" and custom.paged_attention.keywords == {"chunk": 128}
+    kv, q, _, other = scenario(382, 2, 3, 64, torch.float32, seed=5)  # (bf16 outputs round the chunks alike)
+    cache = Cache([kv, other], seed=2)
+    step = [SeqChunk(list(range(8)), 382, cache.tables[0], positions=[382 + x for x in (0, 1, 1, 2, 2, 2, 3, 3)],
+                     custom_mask=tree_mask(TREE), mask_start=382), SeqChunk([0], 299, cache.tables[1])]
+    q = torch.cat([q, torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(1))])
+    meta = layout_step(step, BLOCK, torch.device(DEVICE), EXACT).meta
+    got = custom.paged_attention(q.to(DEVICE), cache.k, cache.v, meta, 0.125)
+    monkeypatch.setattr(attention_exact, "CHUNK", 128)
+    want = paged_attention_exact(q.to(DEVICE), cache.k, cache.v, meta, 0.125)
+    assert torch.equal(got, want)
+    monkeypatch.setattr(attention_exact, "CHUNK", 512)
+    assert not torch.equal(paged_attention_exact(q.to(DEVICE), cache.k, cache.v, meta, 0.125), want)

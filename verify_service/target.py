@@ -40,11 +40,15 @@ class Target:
         check_fits(f"KV cache of {num_blocks} blocks of {cfg.block_size} tokens", num_blocks * per_block, self.device)
         self.kv_cache = PagedKVCache.for_model(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
-        kernels = select_kernels(self.device, cfg.kernels, exact=cfg.exact)
+        chunk = None
+        if cfg.exact:  # the attention's fold chunk: one for the model, for every step
+            from kernels.exact_set import fold_chunk
+            chunk = fold_chunk(self.model_config.num_kv_heads, self.model_config.head_dim)
+        kernels = select_kernels(self.device, cfg.kernels, exact=cfg.exact, exact_chunk=chunk)
         if kernels.name == "exact" and self.device.type == "cuda":  # before any step and any graph's capture
             from kernels.exact_set import probe_layer
-            log.info("exact numerics: the fast path's row tiles keep a row's bits on %s: %s", self.device,
-                     probe_layer(model.model.layers[0]))
+            log.info("exact numerics: attention folds chunks of %d keys; the fast path's row tiles keep a row's "
+                     "bits on %s: %s", chunk, self.device, probe_layer(model.model.layers[0]))
         graphs = not cfg.enforce_eager and (self.device.type == "cuda" and kernels.name in ("triton", "exact")
                                             or self.device.type == "cpu" and cfg.graphs_on_cpu)
         self.runner = ModelRunner(model, self.kv_cache, kernels, capture_layers, graphs, cfg.max_num_seqs)
