@@ -40,7 +40,7 @@ from kernels.attention_triton import _attention_kernel  # noqa: E402
 _POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*fp32", "lse_ptr": "*fp32",
              "qsl_ptr": "*i64", "seq_lens_ptr": "*i64", "tables_ptr": "*i32", "mask_ptr": "*i32",
              "mask_start_ptr": "*i64", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
-             "pos_ptr": "*i64", "table_ptr": "*i32"}
+             "pos_ptr": "*i64", "table_ptr": "*i32", "used_ptr": "*i32"}
 
 
 def compile_config(block_m: int, block_n: int, warps: int, stages: int, group: int, head_dim: int, masked: bool,

@@ -272,3 +272,59 @@ def test_exact_sums_pass_nan_through(poisoned_empty):
     ss[2, 1] = float("nan")
     out = scaled_linear_triton(h, ss, 1e-6, randn(32, 64, seed=2), exact_sums=True)
     assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 17, 70])
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_split_k_matches_the_whole_k(poisoned_empty, dtype, rows, splits):
+    """K split across programs (``EAGLE3_SPLIT_K``: the tile's last program sums the splits' partials
+    and runs the epilogue): every epilogue equals its reference within the tolerance, twice in a row
+    (the tile counters are zero again after each launch), and a split count past K's steps is cut
+    to them. Row tiles of 16, 32 and 64 (70: two tiles of 64)."""
+    n, k = 80, 1000  # 1000: eight K steps of 128, the last partial
+    cfg = RowLinearConfig(16, 128)
+    x = row_view(rows, k, dtype, seed=rows)
+    h = row_view(rows, k, dtype, seed=rows + 1)
+    norm_w = (1.0 + 0.1 * randn(k, seed=2)).to(dtype)
+    w = randn(n, k, seed=3, dtype=dtype, scale=0.1)
+    gate_up = randn(2 * n, k, seed=4, dtype=dtype, scale=0.1)
+    residual = randn(rows, n, seed=5, dtype=dtype)
+    out_norm = (1.0 + 0.1 * randn(n, seed=6)).to(dtype)
+    hn, ss = (h.float() * norm_w.float()).to(dtype), partial_sums(h, 3)
+    for _ in range(2):
+        got = scaled_linear_triton(hn, ss, 1e-5, w, config=cfg, split_k=splits)
+        torch.testing.assert_close(got.float(), scaled_linear_ref(hn, ss, 1e-5, w).float(), **TOL[dtype])
+        got = scaled_gate_up_silu_triton(hn, ss, 1e-5, gate_up, config=RowLinearConfig(32, 128), split_k=splits)
+        torch.testing.assert_close(got.float(), scaled_gate_up_silu_ref(hn, ss, 1e-5, gate_up).float(), **TOL[dtype])
+        got_h, got_hn, got_ss = linear_add_norm_triton(x, w, residual, out_norm, config=cfg, split_k=splits)
+        want_h, want_hn, want_ss = linear_add_norm_ref(x, w, residual, out_norm)
+        torch.testing.assert_close(got_h.float(), want_h.float(), **TOL[dtype])
+        torch.testing.assert_close(got_hn.float(), want_hn.float(), **TOL[dtype])
+        torch.testing.assert_close(got_ss.sum(0), want_ss.sum(0), rtol=2e-2 if dtype == torch.bfloat16 else 1e-4,
+                                   atol=1e-2)
+    from kernels import fused_linear_triton as flt
+    assert all(int(c.abs().sum()) == 0 for c in flt._COUNTERS.values())  # every tile's counter reset
+    whole = scaled_linear_triton(hn, ss, 1e-5, w, config=cfg, split_k=1)
+    torch.testing.assert_close(scaled_linear_triton(hn, ss, 1e-5, w, config=cfg, split_k=64).float(), whole.float(),
+                               **TOL[dtype])
+
+
+@pytest.mark.parametrize("programs, k_steps, sms, want", [
+    (36, 3, 132, 3),  # SmolLM2's down projection at a few rows: three splits, one K step each
+    (36, 9, 132, 3),  # the draft's (4,608-wide rows)
+    (60, 5, 132, 2),  # SmolLM2's qkv
+    (16, 40, 132, 4),  # MAX_SPLITS
+    (67, 9, 132, 1),  # more than half the SMs: whole K
+    (128, 9, 132, 1),
+    (36, 1, 132, 1),  # one K step
+])
+def test_split_count(programs, k_steps, sms, want):
+    from kernels.fused_linear_triton import split_count
+    assert split_count(programs, k_steps, sms) == want
+
+
+def test_the_exact_sums_never_split():
+    x, w = randn(3, 200, seed=1), randn(16, 200, seed=2)
+    with pytest.raises(AssertionError, match="K whole"):
+        scaled_linear_triton(x, None, 0.0, w, exact_sums=True, split_k=2)
