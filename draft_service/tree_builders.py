@@ -189,10 +189,10 @@ class _PoolBuilder:
     def _level_topk(self, logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k children of every fed node: (target ids, log-probs), each [B, F, k]."""
         lead = logprobs.shape[:-1]
+        # (Log-probs clamped to at most 0 by the top-k: scores monotone along paths, so the best-by-score
+        # set is closed under ancestors.)
         ids, lp = self._kernels.draft_topk(logprobs.reshape(-1, logprobs.shape[-1]), k, self._d2t)
-        # Clamp: log-probs are <= 0 in exact maths; keeping them so in float keeps scores
-        # monotone along paths, which makes the best-by-score set ancestor-closed.
-        return ids.view(*lead, k), lp.clamp(max=0.0).view(*lead, k)
+        return ids.view(*lead, k), lp.view(*lead, k)
 
 
 class DynamicTreeBuilder(_PoolBuilder):

@@ -139,5 +139,5 @@ def _merge_topk_kernel(cand_vals, cand_ids, shares, chunks, v, d2t_ptr, ids_ptr,
         best = tl.max(keys, 0)
         d = tl.minimum(_key_id(best), v - 1)  # (in range whatever was left)
         tl.store(ids_ptr + row * K + i, d + tl.load(d2t_ptr + d))
-        tl.store(lp_ptr + row * K + i, _key_value(best) - lse)
+        tl.store(lp_ptr + row * K + i, tl.minimum(_key_value(best) - lse, 0.0))  # (the reference's clamp)
         keys = tl.where(keys == best, NO_KEY, keys)

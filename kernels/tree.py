@@ -103,14 +103,16 @@ def tree_positions_ref(depths: torch.Tensor, num_nodes: torch.Tensor,
 def draft_topk_ref(logits: torch.Tensor, k: int, d2t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of the draft distribution: (target_ids int64 [M, k], log_probs float32 [M, k]).
 
-    log_probs = log_softmax over the draft vocabulary, in descending order; draft id d maps to
-    target id d + d2t[d] (d2t holds OFFSETS, as in EAGLE-3 checkpoints). Already-normalised
-    log-probs pass through unchanged (log_softmax is idempotent), so callers may feed either.
-    Equal log-probs are ordered as torch.topk orders them (unspecified).
+    log_probs = log_softmax over the draft vocabulary, in descending order, clamped to at most 0
+    (so in exact maths: keeping them so in float keeps a tree's scores monotone along its paths,
+    which makes the best-by-score set closed under ancestors); draft id d maps to target id
+    d + d2t[d] (d2t holds OFFSETS, as in EAGLE-3 checkpoints). Already-normalised log-probs pass
+    through unchanged (log_softmax is idempotent), so callers may feed either. Equal log-probs are
+    ordered as torch.topk orders them (unspecified).
     """
     assert 0 < k <= logits.shape[-1], f"top-k {k} over a draft vocabulary of {logits.shape[-1]}"
     log_probs, draft_ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    return draft_ids + d2t[draft_ids], log_probs
+    return draft_ids + d2t[draft_ids], log_probs.clamp(max=0.0)
 
 
 def expand_frontier_ref(frontier_scores: torch.Tensor, log_probs: torch.Tensor, tokens: torch.Tensor,
