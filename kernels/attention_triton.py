@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import PDL_ALL, dependent, launch_options
+from kernels.tile_counters import tile_counters
 
 from kernels.attention import pack_mask
 from kernels.metadata import AttentionMetadata
@@ -165,21 +166,12 @@ def attention_config(max_query_len: int, group: int, head_dim: int, elem_bytes: 
 
 # How a split launch's partials are merged (``EAGLE3_ATTN_MERGE``, read at import): "kernel" (the
 # default) launches ``_combine_kernel`` after the attention; "last": each (query tile, KV head)'s last
-# program to finish merges them itself, counted through an atomic counter per tile (one launch and
-# one dependent wait fewer a layer; not yet measured on a GPU).
+# program to finish merges them itself, counted through an atomic counter per tile
+# (``kernels/tile_counters.py``; one launch and one dependent wait fewer a layer; not yet measured
+# on a GPU).
 MERGES = ("kernel", "last")
 MERGE = os.environ.get("EAGLE3_ATTN_MERGE", "kernel")
 assert MERGE in MERGES, f"EAGLE3_ATTN_MERGE: one of {MERGES}"
-# Per (layer's cache, tile count): the "last" merge's counters, zero between launches (each tile's
-# last program resets its own); one layer's launches follow one another on a stream.
-_MERGE_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _merge_counters(k_cache: torch.Tensor, tiles: int) -> torch.Tensor:
-    key = (k_cache.device, k_cache.data_ptr(), tiles)
-    if key not in _MERGE_COUNTERS:
-        _MERGE_COUNTERS[key] = torch.zeros(tiles, dtype=torch.int32, device=k_cache.device)
-    return _MERGE_COUNTERS[key]
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -249,7 +241,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     part, lse, used = partials(splits) if splits > 1 else (out, out, out)  # one split: written directly, normalised
     programs = triton.cdiv(meta.max_query_len, block_q) + meta.num_seqs if meta.ragged else meta.num_seqs * q_tiles
-    counts = _merge_counters(k_cache, programs * kvh) if merge == "last" and splits > 1 else out
+    counts = tile_counters(k_cache, programs * kvh) if merge == "last" and splits > 1 else out
     launch((programs, kvh, splits), part, lse, used, splits, out, counts)
     if splits > 1 and merge == "kernel":
         _combine_kernel[(T, H)](part, lse, used, out, splits, part.stride(0), part.stride(1), part.stride(2),

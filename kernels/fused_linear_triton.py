@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import PDL_EARLY, dependent, launch_options
+from kernels.tile_counters import tile_counters
 
 MAX_ROWS = 16  # tl.dot's smallest row tile: fused_rows' floor
 ROW_ELEMENTS = 65536  # fused_rows: the input elements of a step that takes the fused path
@@ -168,21 +169,6 @@ def split_count(programs: int, k_steps: int, sms: int) -> int:
     return max(1, min(MAX_SPLITS, sms // programs, k_steps))
 
 
-# The split launches' tile counters, one buffer per weight and row-tile count (a call site: a layer's
-# projection), all zero between launches (a tile's last program resets its own). One call site's
-# launches never overlap: they follow one another on a stream, and a dependent launch counts only
-# after the launch before it has completed; two streams never run one model's forward at once.
-# (Made on the warm-up's eager run, which precedes every capture with the same shapes.)
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _counters(weight: torch.Tensor, tiles: int) -> torch.Tensor:
-    key = (weight.device, weight.data_ptr(), tiles)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(tiles, dtype=torch.int32, device=weight.device)
-    return _COUNTERS[key]
-
-
 def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, ss=None, eps: float = 0.0,
             residual=None, norm_weight=None, config: RowLinearConfig | None = None, block_m: int | None = None,
             exact_sums: bool = False, split_k: int | None = None):
@@ -221,7 +207,7 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
     if split_k > 1:  # the splits' float32 partials, whole tiles (gate and up side by side), and the counters
         width = grid * cfg.block_n * (2 if epilogue == EPILOGUE_SILU_MUL else 1)
         partials = torch.empty(split_k, m_tiles * block_m, width, dtype=torch.float32, device=x.device)
-        counters = _counters(weight, grid * m_tiles)
+        counters = tile_counters(weight, grid * m_tiles)  # (the weight: this call site's)
     else:
         partials = counters = out  # never touched
     _row_linear_kernel[(grid, m_tiles, split_k)](

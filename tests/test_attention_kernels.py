@@ -284,8 +284,8 @@ def test_the_last_program_merge_equals_the_combine_kernel(splits, dtype):
     splits its sequence used, with no combine launch: the reference's attention for decode, tree and
     prefill rows beside a long sequence, twice in a row (the tile counters are zero again after each
     launch)."""
-    from kernels import attention_triton
     from kernels.attention_triton import AttentionConfig
+    from kernels.tile_counters import COUNTERS
     kvh, g, d = 2, 2, 32
     cases = [(5, 1, None, None), (130, 1, None, None), (20, 8, tree_mask(TREE), 20), (0, 12, None, None),
              (700, 1, None, None)]
@@ -300,8 +300,7 @@ def test_the_last_program_merge_equals_the_combine_kernel(splits, dtype):
         got = paged_attention_triton(q, k_cache, v_cache, meta, d ** -0.5, AttentionConfig(16, 16, splits=splits),
                                      merge="last")
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-    assert attention_triton._MERGE_COUNTERS and all(int(c.abs().sum()) == 0
-                                                    for c in attention_triton._MERGE_COUNTERS.values())
+    assert COUNTERS and all(int(c.abs().sum()) == 0 for c in COUNTERS.values())  # every tile's counter reset
     kernel = paged_attention_triton(q, k_cache, v_cache, meta, d ** -0.5, AttentionConfig(16, 16, splits=splits),
                                     merge="kernel")
     torch.testing.assert_close(got.float(), kernel.float(), atol=tol, rtol=tol)
