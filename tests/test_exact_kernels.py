@@ -54,8 +54,11 @@ class Cache:
 
 
 def attend(cache: Cache, chunks: list[SeqChunk], q: torch.Tensor, mode: str = "auto") -> torch.Tensor:
+    """``mode``: a launch shape, or ``split-last`` (the split shape folded by each tile's last program)."""
     meta = layout_step(chunks, BLOCK, torch.device(DEVICE), EXACT).meta
-    return paged_attention_exact(q.to(DEVICE), cache.k, cache.v, meta, q.shape[-1] ** -0.5, mode)
+    fold = "last" if mode == "split-last" else "kernel"
+    return paged_attention_exact(q.to(DEVICE), cache.k, cache.v, meta, q.shape[-1] ** -0.5, mode.split("-")[0],
+                                 fold=fold)
 
 
 def scenario(prefix: int, kvh: int, g: int, d: int, dtype, seed: int):
@@ -107,8 +110,8 @@ def check_tree_rows(prefix, kvh, g, d, dtype):
                      custom_mask=tree_mask(TREE), mask_start=prefix),
             SeqChunk([0], 299, tree.tables[1])]
     q_other = torch.randn(1, kvh * g, d, generator=torch.Generator().manual_seed(9)).to(dtype)
-    got_tree = {mode: attend(tree, step, torch.cat([q, q_other]), mode)[:8] for mode in ("fold", "split")}
-    assert torch.equal(got_tree["fold"], got_tree["split"])
+    got_tree = {mode: attend(tree, step, torch.cat([q, q_other]), mode)[:8] for mode in ("fold", "split", "split-last")}
+    assert torch.equal(got_tree["fold"], got_tree["split"]) and torch.equal(got_tree["fold"], got_tree["split-last"])
 
     # Sanity against the reference: the tree step is attention at all.
     ref_meta = layout_step(step, BLOCK, torch.device(DEVICE), REFERENCE).meta
@@ -121,9 +124,10 @@ def check_tree_rows(prefix, kvh, g, d, dtype):
     for i, col in enumerate(PATH):  # decode steps, one token each, with and without a neighbour
         alone = attend(after, [SeqChunk([0], prefix + i, after.tables[0])], q[col:col + 1])
         assert torch.equal(alone[0], got_tree["fold"][col]), f"depth {i} alone"
-        batched = attend(after, [SeqChunk([0], 299, after.tables[1]), SeqChunk([0], prefix + i, after.tables[0])],
-                         torch.cat([q_other, q[col:col + 1]]), "split")
-        assert torch.equal(batched[1], got_tree["fold"][col]), f"depth {i} batched"
+        for shape in ("split", "split-last"):
+            batched = attend(after, [SeqChunk([0], 299, after.tables[1]), SeqChunk([0], prefix + i, after.tables[0])],
+                             torch.cat([q_other, q[col:col + 1]]), shape)
+            assert torch.equal(batched[1], got_tree["fold"][col]), f"depth {i} batched, {shape}"
     chunk = attend(after, [SeqChunk(list(range(4)), prefix, after.tables[0])], q[PATH])  # a prefill chunk
     assert torch.equal(chunk, got_tree["fold"][PATH])
 
@@ -140,8 +144,9 @@ def test_prefill_rows_do_not_depend_on_chunking():
         part = attend(cache, [SeqChunk(list(range(hi - lo)), lo, cache.tables[0])], q[lo:hi])
         assert torch.equal(part, whole[lo:hi]), (lo, hi)
     for pos in (0, 63, 64, 511, 512, 599):
-        one = attend(cache, [SeqChunk([0], pos, cache.tables[0])], q[pos:pos + 1], "split")
-        assert torch.equal(one[0], whole[pos]), pos
+        for shape in ("split", "split-last"):
+            one = attend(cache, [SeqChunk([0], pos, cache.tables[0])], q[pos:pos + 1], shape)
+            assert torch.equal(one[0], whole[pos]), (pos, shape)
 
 
 def test_chunk_is_a_whole_number_of_tiles():
