@@ -9,6 +9,7 @@ on a CPU too, where CI tests them against the eager paths (``EngineConfig.graphs
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import Callable, TypeVar
 
 import torch
@@ -57,6 +58,17 @@ def capture_graph(forward: Callable[[], T], device: torch.device, pool=None,
         (warm or forward)()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = forward()
+    # No garbage collection during the capture: a collection then may destroy an unreachable graph of
+    # earlier work, a call CUDA refuses while a stream captures, and the capture fails ("operation
+    # failed due to a previous error during capture" at a later launch). torch.cuda.graph no longer
+    # collects before a capture (PyTorch pull request 161037 has the reproducer); this turned up as
+    # one native test that failed only after others had run.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = forward()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, outputs

@@ -371,3 +371,38 @@ def test_a_ragged_graph_of_more_tokens_than_a_sequence_holds_captures(tmp_path):
     graphed = Engine(target_for(model_dir, graphs_on_cpu=True, **small))
     assert [r.token_ids for r in graphed.generate(prompts, params)] == want
     assert graphed.target.runner.ragged_steps == 1
+
+
+class _Cycle:
+    """An object that refers to itself: freed only by a garbage collection."""
+
+    def __init__(self, obj):
+        self.obj, self.me = obj, self
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_capture_survives_garbage_that_holds_an_old_graph():
+    """An unreachable graph of earlier work, in a reference cycle, is not collected while another graph
+    is being captured (destroying a graph then invalidates the capture): ``capture_graph`` keeps the
+    collector off for the capture, however much the forward allocates, and on again after."""
+    import gc
+
+    from runtime.graphs import capture_graph
+    dev = torch.device("cuda")
+    old, _ = capture_graph(lambda: torch.zeros(4, device=dev) + 1, dev)
+    _Cycle(old)
+    del old
+    x = torch.ones(8, device=dev)
+
+    def forward():
+        _ = [_Cycle(i) for i in range(5000)]  # enough new objects to trigger automatic collections
+        return x * 2
+
+    assert gc.isenabled()
+    graph, out = capture_graph(forward, dev)
+    assert gc.isenabled()
+    x.fill_(3.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full((8,), 6.0, device=dev))
+    gc.collect()  # the old graph goes now, outside any capture
