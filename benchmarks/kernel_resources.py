@@ -40,7 +40,7 @@ from kernels.attention_triton import _attention_kernel  # noqa: E402
 _POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*fp32", "lse_ptr": "*fp32",
              "qsl_ptr": "*i64", "seq_lens_ptr": "*i64", "tables_ptr": "*i32", "mask_ptr": "*i32",
              "mask_start_ptr": "*i64", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
-             "pos_ptr": "*i64", "table_ptr": "*i32", "used_ptr": "*i32", "final_ptr": "*bf16", "count_ptr": "*i32"}
+             "pos_ptr": "*i64", "table_ptr": "*i32", "used_ptr": "*i32"}
 
 
 def compile_config(block_m: int, block_n: int, warps: int, stages: int, group: int, head_dim: int, masked: bool,
@@ -52,8 +52,8 @@ def compile_config(block_m: int, block_n: int, warps: int, stages: int, group: i
     const = dict(G=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
                  BLOCK_D=head_dim, BLOCK_SIZE=16, HAS_MASK=masked, SPLIT=split, PRECISION="tf32",
                  DOT_DTYPE=tl.bfloat16)
-    const.update(CHUNK=attention_exact.CHUNK, USE_GDC=False, FOLD_LAST=False) if exact else const.update(
-        EVEN_D=True, RAGGED=False, BLOCK_B=1, USE_GDC=False, MERGE_LAST=False)
+    const.update(CHUNK=attention_exact.CHUNK, USE_GDC=False) if exact else const.update(
+        EVEN_D=True, RAGGED=False, BLOCK_B=1, USE_GDC=False)
     out_type = "*bf16" if exact else "*fp32"  # (the exact kernel writes bf16 outputs, its partials float32)
     unspecialised = set(kernel.do_not_specialize) | {"scale_log2"}
     sig = {n: "constexpr" if n in const else out_type if n == "out_ptr" else

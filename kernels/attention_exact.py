@@ -33,7 +33,6 @@ lays it out.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -43,7 +42,6 @@ from kernels.attention import unpack_mask
 from kernels.attention_triton import _DOT_DTYPES, LOG2E, _query_tile
 from kernels.metadata import AttentionMetadata
 from kernels.pdl import PDL_ALL, dependent, launch_options
-from kernels.tile_counters import tile_counters
 
 # Query rows per program (tokens x the query heads sharing a KV head), at least the group of query
 # heads: a function of the model alone. 16 (H200, 52a76bf, decode_baseline.py --exact-attention-rows
@@ -113,32 +111,18 @@ def _mode(meta: AttentionMetadata, T: int, heads: int, kvh: int, head_dim: int, 
     return False
 
 
-# How the split mode folds its chunks (``EAGLE3_EXACT_FOLD``, read at import; the same bits either
-# way: the one formula, ``_fold``, applied to each row's chunks left to right): "kernel" (the default)
-# launches ``_fold_chunks_kernel`` after the chunks; "last": each (query tile, KV head)'s last program
-# to finish folds them for its rows, counted through an atomic counter per tile
-# (``kernels/tile_counters.py``; one launch and one dependent wait fewer a layer; not yet measured
-# on a GPU).
-FOLDS = ("kernel", "last")
-FOLD = os.environ.get("EAGLE3_EXACT_FOLD", "kernel")
-assert FOLD in FOLDS, f"EAGLE3_EXACT_FOLD: one of {FOLDS}"
-
-
 def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float, mode: str = "auto",
-                          chunk: int | None = None, fold: str | None = None) -> torch.Tensor:
+                          chunk: int | None = None) -> torch.Tensor:
     """Attention of new queries [T, heads, head_dim] over their sequences' cached KV -> [T, heads, head_dim],
     each query's bits independent of the step around it.
 
     ``meta.custom_mask``, if any, must be the ancestor table (``prepare_attention_exact``).
     ``mode``: ``fold`` or ``split`` force a launch shape (tests); ``auto`` picks by size. ``chunk``:
     keys per fold chunk (default ``CHUNK``), a multiple of ``BLOCK_N``; the bits depend on it, so a
-    server keeps one for its model (``kernels.exact_set.fold_chunk``). ``fold``: how the split mode
-    folds (default ``FOLD``; the bits are the same).
+    server keeps one for its model (``kernels.exact_set.fold_chunk``).
     """
     assert mode in MODES, mode
-    fold = fold or FOLD
-    assert fold in FOLDS, f"exact fold: one of {FOLDS}, got {fold!r}"
     chunk = chunk or CHUNK
     assert chunk % BLOCK_N == 0, f"a fold chunk of {chunk} keys is not a multiple of {BLOCK_N}"
     T, H, D = q.shape
@@ -167,10 +151,8 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     mask_start = meta.mask_start if has_mask else meta.seq_lens
     per_token = TAIL_CHUNKS * block_q if split and has_mask else 0  # programs of the tree chunks, per token
     pdl = dependent(q, PDL_ALL)  # (speed only: the bits are the same either way)
-    fold_last = split and fold == "last"
-    counts = tile_counters(k_cache, meta.num_seqs * q_tiles * kvh) if fold_last else out
     _exact_attention_kernel[(meta.num_seqs * q_tiles, kvh, chunks + per_token)](
-        q, k_cache, v_cache, out, part_m, part_l, part_acc, counts, meta.query_start_loc, meta.seq_lens, meta.positions,
+        q, k_cache, v_cache, out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, meta.positions,
         meta.block_tables, table, mask_start, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         table.stride(0) if has_mask else 0, table.shape[1] if has_mask else 0,
@@ -178,10 +160,10 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_tiles, chunks,
         G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, HEAD_DIM=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
-        FOLD_LAST=fold_last, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32), USE_GDC=pdl,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(pdl))
-    if split and not fold_last:
+    if split:
         _fold_chunks_kernel[(T, H)](part_m, part_l, part_acc, out, meta.positions,
                                     part_m.stride(0), part_m.stride(1), part_acc.stride(0), part_acc.stride(1),
                                     part_acc.stride(2), out.stride(0), out.stride(1),
@@ -288,13 +270,13 @@ def _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, hi, b, t0, m_start, tail_sta
 @triton.jit(do_not_specialize=["stride_bt", "stride_tab", "tab_cols", "stride_mc", "stride_mt", "stride_ac",
                                "stride_at", "q_tiles", "chunks"])  # step-dependent (attention_triton.py)
 def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-                            count_ptr, qsl_ptr, seq_lens_ptr, pos_ptr, tables_ptr, table_ptr, mask_start_ptr, scale_log2,
+                            qsl_ptr, seq_lens_ptr, pos_ptr, tables_ptr, table_ptr, mask_start_ptr, scale_log2,
                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_tab, tab_cols,
                             stride_mc, stride_mt, stride_ac, stride_at, stride_ah, q_tiles, chunks,
                             G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
-                            SPLIT: tl.constexpr, FOLD_LAST: tl.constexpr, PRECISION: tl.constexpr,
-                            DOT_DTYPE: tl.constexpr, USE_GDC: tl.constexpr):
+                            SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                            USE_GDC: tl.constexpr):
     if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load and any early return
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -320,7 +302,6 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
     n_tok = tl.minimum(q_len - tile * BLOCK_Q, BLOCK_Q)
     if SPLIT:
         pid = tl.program_id(2)
-        tile_rows, tile_pos = row_ok, pos  # (the whole tile's, for the fold)
         # Programs [0, chunks): one chunk each, all tokens; then, with a tree, one program per
         # (tree chunk, token) for the chunks holding tree tiles, which the first ones skip.
         per_token = pid >= chunks
@@ -328,48 +309,24 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
         j_lo = tl.where(per_token, (pid - chunks) % BLOCK_Q, 0)
         j_hi = tl.where(per_token, j_lo + 1, n_tok)
         c = tl.where(per_token, tail_start // CHUNK + (pid - chunks) // BLOCK_Q, pid)
-        skip = False
         if HAS_MASK:
-            skip = (per_token & (j_lo >= n_tok)) | (whole & ((c + 1) * CHUNK > tail_start))
+            if (per_token & (j_lo >= n_tok)) | (whole & ((c + 1) * CHUNK > tail_start)):
+                return
             row_ok = row_ok & (row_tok >= j_lo) & (row_tok < j_hi)
             pos = tl.where(row_ok, pos, -1)
             end = tl.max(pos, 0) + 1
         lo = c * CHUNK
-        skip = skip | (lo >= end)
-        if not FOLD_LAST and skip:
+        if lo >= end:
             return
-        if not skip:
-            m_c, l_c, acc_c = _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, tl.minimum(lo + CHUNK, end), b, t0,
-                                     m_start, tail_start, k_cache_ptr, v_cache_ptr, tables_ptr, table_ptr,
-                                     scale_log2, stride_bt, stride_kb, stride_ks, stride_kh, stride_tab, tab_cols, kvh,
-                                     d, d_ok, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, HAS_MASK, PRECISION,
-                                     DOT_DTYPE)
-            at = c * stride_mc + t * stride_mt + head  # partials [chunks, T, H] and [chunks, T, H, D]
-            tl.store(part_m_ptr + at, m_c, mask=row_ok)
-            tl.store(part_l_ptr + at, l_c, mask=row_ok)
-            tl.store(part_acc_ptr + c * stride_ac + t[:, None] * stride_at + head[:, None] * stride_ah + d[None, :],
-                     acc_c, mask=row_ok[:, None] & d_ok[None, :])
-        if FOLD_LAST:  # every program of the tile counts; the last folds each row's chunks, left to right
-            tl.debug_barrier()  # every thread's partial stored before the count is taken (released with it)
-            group = tl.program_id(0) * tl.num_programs(1) + kvh
-            if tl.atomic_add(count_ptr + group, 1, sem="acq_rel", scope="gpu") < tl.num_programs(2) - 1:
-                return
-            n_chunks = tl.where(tile_rows, tile_pos // CHUNK + 1, 0)  # as the fold kernel counts a row's
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for c2 in range(0, tl.max(n_chunks, 0)):  # (past L1: other programs wrote them)
-                active = c2 < n_chunks  # a row past its chunks folds an empty one: no change
-                at = c2 * stride_mc + t * stride_mt + head
-                m_c = tl.load(part_m_ptr + at, mask=active, other=float("-inf"), cache_modifier=".cg")
-                l_c = tl.load(part_l_ptr + at, mask=active, other=0.0, cache_modifier=".cg")
-                acc_c = tl.load(part_acc_ptr + c2 * stride_ac + t[:, None] * stride_at + head[:, None] * stride_ah
-                                + d[None, :], mask=active[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-                m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c)
-            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(out_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=tile_rows[:, None] & d_ok[None, :])
-            tl.store(count_ptr + group, 0)  # zero again for the next launch
+        m_c, l_c, acc_c = _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, tl.minimum(lo + CHUNK, end), b, t0,
+                                 m_start, tail_start, k_cache_ptr, v_cache_ptr, tables_ptr, table_ptr, scale_log2,
+                                 stride_bt, stride_kb, stride_ks, stride_kh, stride_tab, tab_cols, kvh, d, d_ok,
+                                 BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, HAS_MASK, PRECISION, DOT_DTYPE)
+        at = c * stride_mc + t * stride_mt + head  # partials [chunks, T, H] and [chunks, T, H, D]
+        tl.store(part_m_ptr + at, m_c, mask=row_ok)
+        tl.store(part_l_ptr + at, l_c, mask=row_ok)
+        tl.store(part_acc_ptr + c * stride_ac + t[:, None] * stride_at + head[:, None] * stride_ah + d[None, :],
+                 acc_c, mask=row_ok[:, None] & d_ok[None, :])
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)

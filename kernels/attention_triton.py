@@ -36,14 +36,12 @@ took 0.799 ms with shares of at least four tiles, against 0.768 with one.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.pdl import PDL_ALL, dependent, launch_options
-from kernels.tile_counters import tile_counters
 
 from kernels.attention import pack_mask
 from kernels.metadata import AttentionMetadata
@@ -164,24 +162,12 @@ def attention_config(max_query_len: int, group: int, head_dim: int, elem_bytes: 
     return AttentionConfig(64, 64, num_warps=4, num_stages=3 if head_dim * elem_bytes <= 256 else 2)
 
 
-# How a split launch's partials are merged (``EAGLE3_ATTN_MERGE``, read at import): "kernel" (the
-# default) launches ``_combine_kernel`` after the attention; "last": each (query tile, KV head)'s last
-# program to finish merges them itself, counted through an atomic counter per tile
-# (``kernels/tile_counters.py``; one launch and one dependent wait fewer a layer; not yet measured
-# on a GPU).
-MERGES = ("kernel", "last")
-MERGE = os.environ.get("EAGLE3_ATTN_MERGE", "kernel")
-assert MERGE in MERGES, f"EAGLE3_ATTN_MERGE: one of {MERGES}"
-
-
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float, config: AttentionConfig | None = None,
-                           merge: str | None = None) -> torch.Tensor:
+                           meta: AttentionMetadata, scale: float, config: AttentionConfig | None = None) -> torch.Tensor:
     """Attention of new queries [T, heads, head_dim] over their sequences' cached KV -> [T, heads, head_dim].
 
     ``meta.custom_mask`` must be packed (``prepare_attention_triton``). ``config``: tile sizes
-    (default ``attention_config``; benchmarks sweep others). ``merge``: how split partials merge
-    (default ``MERGE``).
+    (default ``attention_config``; benchmarks sweep others).
     """
     T, H, D = q.shape
     _, block_size, kvh, _ = k_cache.shape
@@ -207,20 +193,17 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                      DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32),
                      USE_GDC=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    merge = merge or MERGE
-    assert merge in MERGES, f"attention merge: one of {MERGES}, got {merge!r}"
-
-    def launch(grid, part, lse, used, splits, final, counts, warmup=False):
+    def launch(grid, part, lse, used, splits, warmup=False):
         run = _attention_kernel.warmup if warmup else _attention_kernel[grid]
         extra = {"grid": grid} if warmup else {}
         return run(
-            q, k_cache, v_cache, part, lse, used, final, counts, meta.query_start_loc, meta.seq_lens,
-            meta.block_tables, mask, mask_start, scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0),
-            k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0), mask.stride(0) if has_mask else 0,
-            mask.shape[1] if has_mask else 0, part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
-            lse.stride(0) if splits > 1 else 0, lse.stride(-2) if splits > 1 else 0, final.stride(0), final.stride(1),
-            q_tiles, splits, meta.num_seqs, MERGE_LAST=merge == "last" and splits > 1, SPLIT=splits > 1,
-            **constants, **extra, **({} if warmup else launch_options(pdl)))
+            q, k_cache, v_cache, part, lse, used, meta.query_start_loc, meta.seq_lens, meta.block_tables, mask, mask_start,
+            scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            meta.block_tables.stride(0), mask.stride(0) if has_mask else 0, mask.shape[1] if has_mask else 0,
+            part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
+            lse.stride(0) if splits > 1 else 0, lse.stride(-2) if splits > 1 else 0,
+            q_tiles, splits, meta.num_seqs, SPLIT=splits > 1, **constants, **extra,
+            **({} if warmup else launch_options(pdl)))
 
     def partials(splits):
         return (torch.empty(splits, T, H, D, dtype=torch.float32, device=q.device),
@@ -231,19 +214,17 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if not splits:
         slots = _CPU_SLOTS
         if q.is_cuda:  # the split variant's resources decide how many programs run at once
-            key = (q.device.index, k_cache.dtype, merge, tuple(sorted(constants.items())))
+            key = (q.device.index, k_cache.dtype, tuple(sorted(constants.items())))
             if key not in _slots:
-                kernel = launch((1, 1, 1), *partials(2), 2, q, torch.zeros(1, dtype=torch.int32, device=q.device),
-                                warmup=True)
+                kernel = launch((1, 1, 1), *partials(2), 2, warmup=True)
                 _slots[key] = _slots_of(kernel, cfg.num_warps, q.device)
             slots = _slots[key]
         splits = _num_splits(meta.num_seqs * q_tiles * kvh, meta.max_seq_len, cfg.block_n, slots)
     out = torch.empty_like(q)
     part, lse, used = partials(splits) if splits > 1 else (out, out, out)  # one split: written directly, normalised
     programs = triton.cdiv(meta.max_query_len, block_q) + meta.num_seqs if meta.ragged else meta.num_seqs * q_tiles
-    counts = tile_counters(k_cache, programs * kvh) if merge == "last" and splits > 1 else out
-    launch((programs, kvh, splits), part, lse, used, splits, out, counts)
-    if splits > 1 and merge == "kernel":
+    launch((programs, kvh, splits), part, lse, used, splits)
+    if splits > 1:
         _combine_kernel[(T, H)](part, lse, used, out, splits, part.stride(0), part.stride(1), part.stride(2),
                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), D,
                                 BLOCK_S=16, BLOCK_D=triton.next_power_of_2(D), USE_GDC=pdl, **launch_options(pdl))
@@ -344,10 +325,10 @@ def _query_tile(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh, G: tl.co
 # the compilation (a block table's width, the splits, the mask's words, strides that scale with T).
 @triton.jit(do_not_specialize=["stride_bt", "stride_mask", "mask_words", "stride_os", "stride_ls", "q_tiles",
                                "splits", "num_seqs"])
-def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, used_ptr, final_ptr, count_ptr, qsl_ptr, seq_lens_ptr, tables_ptr,
+def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, used_ptr, qsl_ptr, seq_lens_ptr, tables_ptr,
                       mask_ptr, mask_start_ptr, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                       stride_bt, stride_mask, mask_words, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                      stride_ft, stride_fh, q_tiles, splits, num_seqs, MERGE_LAST: tl.constexpr,
+                      q_tiles, splits, num_seqs,
                       G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
@@ -395,8 +376,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, used_pt
     first_kv = seq_len - q_len  # KV index of the sequence's first new token
     qi, head, row_ok, t, d, d_ok, q = _query_tile(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh,
                                                   G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
-    if SPLIT and not MERGE_LAST:
-        if split == 0:  # every KV head's program writes the same count (the combine kernel reads it)
+    if SPLIT:
+        if split == 0:  # every KV head's program writes the same count
             tl.store(used_ptr + t, used, mask=row_ok)
     if HAS_MASK:
         open_end = m_start  # keys before the mask: visible to every token
@@ -431,29 +412,6 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, used_pt
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(lse_ptr + split * stride_ls + t * stride_lt + head, lse, mask=row_ok)
-        if MERGE_LAST:  # the tile's last program to finish merges its ``used`` splits (no combine launch)
-            tl.debug_barrier()  # every thread's partial stored before the count is taken (released with it)
-            group = tl.program_id(0) * tl.num_programs(1) + kvh
-            if tl.atomic_add(count_ptr + group, 1, sem="acq_rel", scope="gpu") < used - 1:
-                return
-            top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            for s in range(0, used):  # (past L1: other programs wrote them)
-                top = tl.maximum(top, tl.load(lse_ptr + s * stride_ls + t * stride_lt + head, mask=row_ok,
-                                              other=float("-inf"), cache_modifier=".cg"))
-            top = tl.where(top == float("-inf"), 0.0, top)  # (a row that saw no key: every weight 0)
-            merged = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            total = tl.zeros([BLOCK_M], tl.float32)
-            for s in range(0, used):
-                lse_s = tl.load(lse_ptr + s * stride_ls + t * stride_lt + head, mask=row_ok, other=float("-inf"),
-                                cache_modifier=".cg")
-                w = tl.exp2(lse_s - top)  # (0 for a split that saw no key)
-                part = tl.load(out_ptr + s * stride_os + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                               mask=ok, other=0.0, cache_modifier=".cg")
-                merged += part * w[:, None]
-                total += w
-            tl.store(final_ptr + t[:, None] * stride_ft + head[:, None] * stride_fh + d[None, :],
-                     (merged / tl.where(total == 0.0, 1.0, total)[:, None]).to(final_ptr.dtype.element_ty), mask=ok)
-            tl.store(count_ptr + group, 0)  # zero again for the next launch
 
 
 @triton.jit(do_not_specialize=["splits", "stride_ps", "stride_ls"])

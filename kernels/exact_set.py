@@ -147,14 +147,14 @@ EXACT = with_row_tile(None)
 
 
 # Keys per fold chunk of the exact attention, for a model (``EAGLE3_EXACT_CHUNK``, read at import):
-# a number fixes it (a multiple of 64); ``auto`` picks it by the model's KV width; 512 by default,
-# the chunk the identical-output runs were measured with (README: Exact mode). The bits depend on it
-# (every chunk keeps the invariance), so one server keeps one for its model. On an H200 (6a72e18,
-# ``decode_baseline.py --exact --exact-chunk``, ``exact_mode/exact_variants_h200_6a72e18.json``):
-# SmolLM2 (3 KV heads of 64) batch 1 0.718 ms with 128-key chunks against 0.874 with 512 (the fast
-# kernels 0.747), batch 64 1.164 against 1.243; the 8B (8 KV heads of 128) at 4K, batch 1 4.764
-# against 4.677, batch 64 16.428 against 14.367.
-FOLD_CHUNK = os.environ.get("EAGLE3_EXACT_CHUNK", str(CHUNK))
+# ``auto`` (the default) picks it by the model's KV width; a number fixes it (a multiple of 64). The
+# bits depend on it (every chunk keeps the invariance), so one server keeps one for its model. On
+# an H200 (bcaee65, ``switch_ab.py --variant base= --variant auto=EAGLE3_EXACT_CHUNK=auto ...
+# --exact``, ``exact_mode/exact_switches_h200_bcaee65.json``): SmolLM2 (3 KV heads of 64) batch 1
+# 0.744 ms with 128-key chunks against 0.905 with 512 (the fast kernels 0.776), batch 64 1.174
+# against 1.256 (1.154); the 8B keeps 512 (128-key chunks cost it 4.764 against 4.677 ms at batch
+# 1 and 16.428 against 14.367 at batch 64: 6a72e18, ``exact_mode/exact_variants_h200_6a72e18.json``).
+FOLD_CHUNK = os.environ.get("EAGLE3_EXACT_CHUNK", "auto")
 AUTO_NARROW_KV = 256  # ``auto``: 128-key chunks for a KV head width (heads x head_dim) up to this
 
 

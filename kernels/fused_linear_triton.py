@@ -22,12 +22,6 @@ warp on the whole padded row tile). Around it:
                of h^2 over its columns to ss[program, row]: the next projection's SCALED input.
     ADD:       h = out + residual alone.
 
-With few programs for the GPU (a narrow projection: SmolLM2's are 36 to 60 column tiles, and the
-draft's down projection walks 4,608-wide rows in each) the fast path may split K across programs
-(``EAGLE3_SPLIT_K``, below): grid (column tile, row tile, split), each split's float32 partial
-stored, a counter per tile taken atomically, and the tile's last program sums the partials in
-split order and runs the epilogue. The batch-invariant set never splits (its sums must run in K
-order whatever the step).
 """
 
 from __future__ import annotations
@@ -40,7 +34,6 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import PDL_EARLY, dependent, launch_options
-from kernels.tile_counters import tile_counters
 
 MAX_ROWS = 16  # tl.dot's smallest row tile: fused_rows' floor
 ROW_ELEMENTS = 65536  # fused_rows: the input elements of a step that takes the fused path
@@ -73,12 +66,6 @@ EPILOGUE_NONE, EPILOGUE_SILU_MUL, EPILOGUE_ADD_NORM, EPILOGUE_ADD = 0, 1, 2, 3
 L2_PREFETCH_STEPS = int(os.environ.get("EAGLE3_L2_PREFETCH", "1"))
 MAX_STAGES = int(os.environ.get("EAGLE3_ROW_LINEAR_STAGES", "4"))
 assert L2_PREFETCH_STEPS in (0, 1, 2, 4, 8), "EAGLE3_L2_PREFETCH: 0, 1, 2, 4 or 8 K steps"
-# EAGLE3_SPLIT_K: the fast path's split of K for launches of few programs. "0" (the default): never;
-# "auto": where the launch holds at most half as many programs as the GPU has SMs, into as many
-# splits (4 at most, a K step each at least) as fill them; not yet measured on a GPU, hence off.
-SPLIT_K = os.environ.get("EAGLE3_SPLIT_K", "0")
-assert SPLIT_K in ("0", "auto"), "EAGLE3_SPLIT_K: 0 or auto"
-MAX_SPLITS = 4
 assert MAX_STAGES >= 2, "EAGLE3_ROW_LINEAR_STAGES: at least 2"
 
 
@@ -128,27 +115,26 @@ def row_linear_config(n: int, k: int, weight_tiles: int = 1, block_m: int = 16, 
 
 def scaled_linear_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
                          bias: torch.Tensor | None = None, config: RowLinearConfig | None = None,
-                         block_m: int | None = None, exact_sums: bool = False, split_k: int | None = None) -> torch.Tensor:
+                         block_m: int | None = None, exact_sums: bool = False) -> torch.Tensor:
     return _launch(EPILOGUE_NONE, x, weight, bias=bias, ss=ss, eps=eps, config=config, block_m=block_m,
-                   exact_sums=exact_sums, split_k=split_k)[0]
+                   exact_sums=exact_sums)[0]
 
 
 def scaled_gate_up_silu_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
                                config: RowLinearConfig | None = None, block_m: int | None = None,
-                               exact_sums: bool = False, split_k: int | None = None) -> torch.Tensor:
+                               exact_sums: bool = False) -> torch.Tensor:
     return _launch(EPILOGUE_SILU_MUL, x, weight, ss=ss, eps=eps, config=config, block_m=block_m,
-                   exact_sums=exact_sums, split_k=split_k)[0]
+                   exact_sums=exact_sums)[0]
 
 
 def linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                            norm_weight: torch.Tensor | None, config: RowLinearConfig | None = None,
-                           block_m: int | None = None, exact_sums: bool = False, split_k: int | None = None
+                           block_m: int | None = None, exact_sums: bool = False
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     if norm_weight is None:
-        return _launch(EPILOGUE_ADD, x, weight, residual=residual, config=config, block_m=block_m,
-                       split_k=split_k)[0], None, None
+        return _launch(EPILOGUE_ADD, x, weight, residual=residual, config=config, block_m=block_m)[0], None, None
     return _launch(EPILOGUE_ADD_NORM, x, weight, residual=residual, norm_weight=norm_weight, config=config,
-                   block_m=block_m, exact_sums=exact_sums, split_k=split_k)
+                   block_m=block_m, exact_sums=exact_sums)
 
 
 def _contiguous_rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -156,27 +142,13 @@ def _contiguous_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
-def split_count(programs: int, k_steps: int, sms: int) -> int:
-    """K splits for a launch of ``programs`` (column tile, row tile) programs of ``k_steps`` K steps
-    each on ``sms`` SMs: 1 where it holds more than half as many programs as SMs, else as many as fill
-    them, ``MAX_SPLITS`` at most, a K step each at least."""
-    if 2 * programs > sms:
-        return 1
-    return max(1, min(MAX_SPLITS, sms // programs, k_steps))
-
-
 def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, ss=None, eps: float = 0.0,
             residual=None, norm_weight=None, config: RowLinearConfig | None = None, block_m: int | None = None,
-            exact_sums: bool = False, split_k: int | None = None):
+            exact_sums: bool = False):
     """(out, h, ss_out); h and ss_out only for ADD_NORM (out is then hn). ``block_m``: the row tile
     whatever the row count (the batch-invariant set's), else chosen from it. ``exact_sums``: the
     sums of h^2 (a program's columns, the row's partials) in fixed point, the same bits whatever
-    the order and the tile (``_order_free_sum``), and K never split. ``split_k``: the K splits
-    (tests; default: ``SPLIT_K``'s rule)."""
+    the order and the tile (``_order_free_sum``)."""
     K = weight.shape[1]
     N = weight.shape[0] // 2 if epilogue == EPILOGUE_SILU_MUL else weight.shape[0]
     assert x.shape[-1] == K, f"input of width {x.shape[-1]} for a weight {tuple(weight.shape)}"
@@ -199,22 +171,10 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
     fp32 = x.dtype == torch.float32
     pdl = dependent(x)
     block_p = triton.next_power_of_2(ss.shape[0]) if scaled else 1  # the partial sums' tile
-    m_tiles, k_steps = triton.cdiv(M, block_m), triton.cdiv(K, cfg.block_k)
-    if split_k is None:
-        split_k = 1 if exact_sums or SPLIT_K == "0" else split_count(grid * m_tiles, k_steps, _sm_count(x.device))
-    assert not (exact_sums and split_k > 1), "the batch-invariant sums take K whole"
-    split_k = max(1, min(split_k, k_steps))
-    if split_k > 1:  # the splits' float32 partials, whole tiles (gate and up side by side), and the counters
-        width = grid * cfg.block_n * (2 if epilogue == EPILOGUE_SILU_MUL else 1)
-        partials = torch.empty(split_k, m_tiles * block_m, width, dtype=torch.float32, device=x.device)
-        counters = tile_counters(weight, grid * m_tiles)  # (the weight: this call site's)
-    else:
-        partials = counters = out  # never touched
-    _row_linear_kernel[(grid, m_tiles, split_k)](
+    _row_linear_kernel[(grid, triton.cdiv(M, block_m))](
         x2, weight, out, bias if bias is not None else weight, ss if scaled else out, r2,
-        norm_weight if add_norm else weight, h, ss_out, partials, counters, M, N, K, x2.stride(0), weight.stride(0),
-        r2.stride(0), eps, ss.shape[0] if scaled else 1, triton.cdiv(k_steps, split_k) * cfg.block_k,
-        partials.stride(0) if split_k > 1 else 0, partials.stride(1) if split_k > 1 else 0, SPLIT=split_k,
+        norm_weight if add_norm else weight, h, ss_out, M, N, K, x2.stride(0), weight.stride(0), r2.stride(0), eps,
+        ss.shape[0] if scaled else 1,
         SCALED=scaled, EPILOGUE=epilogue, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_P=block_p, PRECISION="ieee" if fp32 else "tf32",
         DOT_DTYPE=tl.float32 if fp32 or not x.is_cuda else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype],
@@ -229,10 +189,9 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
     return out.reshape(*lead, N), h, ss_out
 
 
-@triton.jit(do_not_specialize=["M", "P_IN", "stride_ps", "stride_pm"])  # 1 row compiles no other kernel than 7
+@triton.jit(do_not_specialize=["M", "P_IN"])  # 1 row compiles no other kernel than 7 (BLOCK_M: 16, 32 or 64)
 def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_ptr, h_ptr, ss_out_ptr,
-                       part_ptr, count_ptr, M, N, K, stride_x, stride_w, stride_r, eps, P_IN, K_SPLIT, stride_ps,
-                       stride_pm, SPLIT: tl.constexpr, SCALED: tl.constexpr, EPILOGUE: tl.constexpr,
+                       M, N, K, stride_x, stride_w, stride_r, eps, P_IN, SCALED: tl.constexpr, EPILOGUE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_P: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
                        EXACT_SUMS: tl.constexpr, LOG_P: tl.constexpr, LOG_N: tl.constexpr, USE_GDC: tl.constexpr,
@@ -257,8 +216,7 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
             tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_lo = tl.program_id(2) * K_SPLIT  # this split's K steps (all of K unsplit: K_SPLIT >= K)
-    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
         a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
@@ -269,24 +227,6 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
             acc_up = tl.dot(a, tl.trans(wu.to(DOT_DTYPE)), acc_up, input_precision=PRECISION)
     if USE_GDC and not GDC_EARLY:
         tl.extra.cuda.gdc_launch_dependents()  # the next projection's launch may begin
-    if SPLIT > 1:  # the tile's last program to finish sums the splits' partials, in split order
-        tile = tl.program_id(1) * tl.num_programs(0) + pn
-        prow = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M))[:, None] * stride_pm
-        pcol = pn * BLOCK_N * (2 if EPILOGUE == 1 else 1) + tl.arange(0, BLOCK_N)[None, :]
-        mine = part_ptr + tl.program_id(2) * stride_ps + prow + pcol
-        tl.store(mine, acc)
-        if EPILOGUE == 1:
-            tl.store(mine + BLOCK_N, acc_up)
-        tl.debug_barrier()  # every thread's partial stored before the count is taken (released with it)
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") < SPLIT - 1:
-            return
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for j in tl.static_range(SPLIT):  # (past L1: other programs wrote them)
-            acc += tl.load(part_ptr + j * stride_ps + prow + pcol, cache_modifier=".cg")
-            if EPILOGUE == 1:
-                acc_up += tl.load(part_ptr + j * stride_ps + prow + pcol + BLOCK_N, cache_modifier=".cg")
-        tl.store(count_ptr + tile, 0)  # zero again for the next launch
     if SCALED:  # rms_norm's row scale: rsqrt(mean(h^2) + eps), the partial sums added in order
         ps = tl.arange(0, BLOCK_P)
         part = tl.load(ss_in_ptr + ps[:, None] * M + rows[None, :], mask=(ps < P_IN)[:, None] & row_ok[None, :],

@@ -275,32 +275,3 @@ def test_short_sequences_in_a_launch_of_many_splits(splits):
     got = paged_attention_triton(q, k_cache, v_cache, layout_step(chunks, BLOCK, torch.device(DEVICE), TRITON_SET).meta,
                                  d ** -0.5, cfg)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
-
-
-@pytest.mark.parametrize("splits", [3, 40])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_last_program_merge_equals_the_combine_kernel(splits, dtype):
-    """``EAGLE3_ATTN_MERGE=last``: each (query tile, KV head)'s last program to finish merges the
-    splits its sequence used, with no combine launch: the reference's attention for decode, tree and
-    prefill rows beside a long sequence, twice in a row (the tile counters are zero again after each
-    launch)."""
-    from kernels.attention_triton import AttentionConfig
-    from kernels.tile_counters import COUNTERS
-    kvh, g, d = 2, 2, 32
-    cases = [(5, 1, None, None), (130, 1, None, None), (20, 8, tree_mask(TREE), 20), (0, 12, None, None),
-             (700, 1, None, None)]
-    k_cache, v_cache, chunks = build(cases, kvh, d, dtype, seed=13)
-    q = torch.randn(sum(len(c.token_ids) for c in chunks), kvh * g, d, generator=torch.Generator().manual_seed(4))
-    q = q.to(dtype).to(DEVICE)
-    want = paged_attention_ref(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0),
-                               layout_step(chunks, BLOCK, torch.device(DEVICE), REFERENCE).meta, d ** -0.5)
-    meta = layout_step(chunks, BLOCK, torch.device(DEVICE), TRITON_SET).meta
-    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
-    for _ in range(2):
-        got = paged_attention_triton(q, k_cache, v_cache, meta, d ** -0.5, AttentionConfig(16, 16, splits=splits),
-                                     merge="last")
-        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-    assert COUNTERS and all(int(c.abs().sum()) == 0 for c in COUNTERS.values())  # every tile's counter reset
-    kernel = paged_attention_triton(q, k_cache, v_cache, meta, d ** -0.5, AttentionConfig(16, 16, splits=splits),
-                                    merge="kernel")
-    torch.testing.assert_close(got.float(), kernel.float(), atol=tol, rtol=tol)

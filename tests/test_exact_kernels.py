@@ -9,6 +9,8 @@ instructions are the real ones (``pytest -m gpu`` on the device).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -54,11 +56,8 @@ class Cache:
 
 
 def attend(cache: Cache, chunks: list[SeqChunk], q: torch.Tensor, mode: str = "auto") -> torch.Tensor:
-    """``mode``: a launch shape, or ``split-last`` (the split shape folded by each tile's last program)."""
     meta = layout_step(chunks, BLOCK, torch.device(DEVICE), EXACT).meta
-    fold = "last" if mode == "split-last" else "kernel"
-    return paged_attention_exact(q.to(DEVICE), cache.k, cache.v, meta, q.shape[-1] ** -0.5, mode.split("-")[0],
-                                 fold=fold)
+    return paged_attention_exact(q.to(DEVICE), cache.k, cache.v, meta, q.shape[-1] ** -0.5, mode)
 
 
 def scenario(prefix: int, kvh: int, g: int, d: int, dtype, seed: int):
@@ -110,8 +109,8 @@ def check_tree_rows(prefix, kvh, g, d, dtype):
                      custom_mask=tree_mask(TREE), mask_start=prefix),
             SeqChunk([0], 299, tree.tables[1])]
     q_other = torch.randn(1, kvh * g, d, generator=torch.Generator().manual_seed(9)).to(dtype)
-    got_tree = {mode: attend(tree, step, torch.cat([q, q_other]), mode)[:8] for mode in ("fold", "split", "split-last")}
-    assert torch.equal(got_tree["fold"], got_tree["split"]) and torch.equal(got_tree["fold"], got_tree["split-last"])
+    got_tree = {mode: attend(tree, step, torch.cat([q, q_other]), mode)[:8] for mode in ("fold", "split")}
+    assert torch.equal(got_tree["fold"], got_tree["split"])
 
     # Sanity against the reference: the tree step is attention at all.
     ref_meta = layout_step(step, BLOCK, torch.device(DEVICE), REFERENCE).meta
@@ -124,10 +123,9 @@ def check_tree_rows(prefix, kvh, g, d, dtype):
     for i, col in enumerate(PATH):  # decode steps, one token each, with and without a neighbour
         alone = attend(after, [SeqChunk([0], prefix + i, after.tables[0])], q[col:col + 1])
         assert torch.equal(alone[0], got_tree["fold"][col]), f"depth {i} alone"
-        for shape in ("split", "split-last"):
-            batched = attend(after, [SeqChunk([0], 299, after.tables[1]), SeqChunk([0], prefix + i, after.tables[0])],
-                             torch.cat([q_other, q[col:col + 1]]), shape)
-            assert torch.equal(batched[1], got_tree["fold"][col]), f"depth {i} batched, {shape}"
+        batched = attend(after, [SeqChunk([0], 299, after.tables[1]), SeqChunk([0], prefix + i, after.tables[0])],
+                         torch.cat([q_other, q[col:col + 1]]), "split")
+        assert torch.equal(batched[1], got_tree["fold"][col]), f"depth {i} batched"
     chunk = attend(after, [SeqChunk(list(range(4)), prefix, after.tables[0])], q[PATH])  # a prefill chunk
     assert torch.equal(chunk, got_tree["fold"][PATH])
 
@@ -144,9 +142,8 @@ def test_prefill_rows_do_not_depend_on_chunking():
         part = attend(cache, [SeqChunk(list(range(hi - lo)), lo, cache.tables[0])], q[lo:hi])
         assert torch.equal(part, whole[lo:hi]), (lo, hi)
     for pos in (0, 63, 64, 511, 512, 599):
-        for shape in ("split", "split-last"):
-            one = attend(cache, [SeqChunk([0], pos, cache.tables[0])], q[pos:pos + 1], shape)
-            assert torch.equal(one[0], whole[pos]), (pos, shape)
+        one = attend(cache, [SeqChunk([0], pos, cache.tables[0])], q[pos:pos + 1], "split")
+        assert torch.equal(one[0], whole[pos]), pos
 
 
 def test_chunk_is_a_whole_number_of_tiles():
@@ -299,6 +296,15 @@ def test_the_row_tile_probe(k, invariant, monkeypatch, caplog):
     else:  # (the GPU: the tensor cores accumulate in K order whatever the tiles, H200)
         assert got
     assert exact_set._ROW_COUNT_TILES == {(w(1, 1).device, torch.float32): got}
+
+
+def test_the_default_fold_chunk_is_chosen_by_the_kv_width(monkeypatch):
+    """Unset, ``EAGLE3_EXACT_CHUNK`` means ``auto``: 128-key chunks for SmolLM2's narrow KV, 512 for the 8B's."""
+    from kernels import exact_set
+
+    if "EAGLE3_EXACT_CHUNK" in os.environ:
+        pytest.skip("EAGLE3_EXACT_CHUNK is set for this run")
+    assert (exact_set.fold_chunk(3, 64), exact_set.fold_chunk(8, 128)) == (128, 512)
 
 
 @pytest.mark.parametrize("setting, kvh, d, want", [
