@@ -32,22 +32,24 @@ log = logging.getLogger(__name__)
 # Per (device, dtype): whether the fast path's row tiles leave a row's bits unchanged there
 # (``probe_row_tiles``). Where they do not, the set's projections take the fixed ``EXACT_ROW_TILE``.
 _ROW_COUNT_TILES: dict[tuple[torch.device, torch.dtype], bool] = {}
-PROBE_ROWS = (1, 7, 20)  # calls of these many rows (16-, 16- and 32-row tiles) against one call of 64
+PROBE_ROWS = (1, 7, 20, 64)  # calls of these many rows (16-, 16-, 32- and 64-row tiles) against one call of
+PROBE_WHOLE = 192  # this many (two programs of the 128-row tile a column tile, the second one ragged)
 
 
 def probe_row_tiles(o_proj: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, qkv: torch.Tensor,
                     norm: torch.Tensor, eps: float, qkv_bias: torch.Tensor | None = None) -> bool:
     """Whether the fused projections give each row the same bits on the fast path's row tiles (from
-    the row count) as inside one 64-row call, on these weights' device and dtype: a layer's four
-    projections (o_proj, gate_up, down, qkv: [out, in]) on 64 random rows, then on rows of calls of
-    1, 7 and 20 rows at two offsets, with the sums of h^2 in fixed point. On an H200 the tensor cores
+    the row count) as inside one call of ``PROBE_WHOLE`` rows (the 128-row tile), on these weights'
+    device and dtype: a layer's four projections (o_proj, gate_up, down, qkv: [out, in]) on random
+    rows, then on rows of calls of 1, 7, 20 and 64 rows at three offsets, with the sums of h^2 in
+    fixed point. On an H200 the tensor cores
     accumulate a row's products in K order whatever the tiles (``benchmarks/row_tile_bits.py``); a GPU
     that does not is found here. The result is kept for the device and dtype; a model's own weights
     compile the variants its steps use anyway. Not inside a CUDA graph's capture."""
     dev, dtype = o_proj.device, o_proj.dtype
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(64, o_proj.shape[1], generator=gen).to(dev, dtype)
-    res = torch.randn(64, o_proj.shape[0], generator=gen).to(dev, dtype)
+    x = torch.randn(PROBE_WHOLE, o_proj.shape[1], generator=gen).to(dev, dtype)
+    res = torch.randn(PROBE_WHOLE, o_proj.shape[0], generator=gen).to(dev, dtype)
 
     def layer(rows: slice) -> list[torch.Tensor]:
         h, hn, ss = linear_add_norm_triton(x[rows], o_proj, res[rows], norm, exact_sums=True)
@@ -56,9 +58,9 @@ def probe_row_tiles(o_proj: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
         out = linear_add_norm_triton(act, down, h, norm, exact_sums=True)
         return [h, hn, ss.T, act, q, *out[:2], out[2].T]  # (partial sums: rows last -> first)
 
-    whole = layer(slice(0, 64))
+    whole = layer(slice(0, PROBE_WHOLE))
     same = all(torch.equal(got, want[start:start + n])
-               for n in PROBE_ROWS for start in (0, 40)
+               for n in PROBE_ROWS for start in (0, 40, 120)
                for got, want in zip(layer(slice(start, start + n)), whole))
     _ROW_COUNT_TILES[(dev, dtype)] = same
     if not same:

@@ -2,8 +2,9 @@
 epilogues: the same signatures and semantics as ``kernels/fused_linear.py``.
 
 A decode step has one row a sequence, so a projection is a stream of its weight: one program owns
-BLOCK_N output columns of BLOCK_M rows (16, 32 or 64, from the row count) and walks K in BLOCK_K
-steps, in order, accumulating in float32 (no split-K, so no second reduction kernel)::
+BLOCK_N output columns of BLOCK_M rows (16, 32 or 64, from the row count; 128 above 64 rows, on a
+wider column tile: the batch-invariant set's prefill chunks) and walks K in BLOCK_K steps, in
+order, accumulating in float32 (no split-K, so no second reduction kernel)::
 
     grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))      program -> (column tile, row tile)
 
@@ -18,8 +19,10 @@ warp on the whole padded row tile). Around it:
                scaled by rsqrt(sum / K + eps): the RMSNorm of the input, folded out of the matmul.
     SILU_MUL:  the program streams the gate rows and the up rows of its columns (two
                accumulators) and writes silu(gate) * up, each rounded as the references round.
-    ADD_NORM:  h = out + residual is written, and hn = h * norm_w, and the program's partial sum
-               of h^2 over its columns to ss[program, row]: the next projection's SCALED input.
+    ADD_NORM:  h = out + residual is written, and hn = h * norm_w, and the partial sums of h^2
+               over each PART_N columns to ss[column group, row]: the next projection's SCALED
+               input. PART_N is the few-row column tile, whatever tile the program has, so the
+               partials are the same sums in a 128-row step as in a 1-row one.
     ADD:       h = out + residual alone.
 
 """
@@ -75,6 +78,11 @@ class RowLinearConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
+    part_n: int | None = None  # columns a partial sum of h^2 (ADD_NORM) covers; None: block_n
+
+    @property
+    def partial_columns(self) -> int:
+        return self.part_n or self.block_n
 
 
 def fused_rows(hidden: int) -> int:
@@ -84,7 +92,16 @@ def fused_rows(hidden: int) -> int:
 
 
 def row_tile(rows: int) -> int:
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else WIDE_ROW_TILE
+
+
+# Above 64 rows (the batch-invariant set's prefill chunks and long trees; the fast path sends such
+# steps to cuBLAS) a program owns 128 rows of a wider column tile: the 64-row tile read each
+# weight tile for 64 rows only and ran the 8B's 4K-token prefill 3.6x slower than cuBLAS (H200,
+# eaa4349, ``profile_step.py llama3-8b --batch 4 --context 4096 --prefill --exact``:
+# 827 against 230 ms for three steps). A row's products still accumulate in K order, and the
+# partial sums of h^2 keep the few-row column groups (``part_n``).
+WIDE_ROW_TILE = 128
 
 
 # The batch-invariant set (kernels/exact_set.py) runs every step through these kernels with one
@@ -105,7 +122,23 @@ def row_linear_config(n: int, k: int, weight_tiles: int = 1, block_m: int = 16, 
     tiles a step); K steps of 512 weight-tile bytes a row over the column tile (256 for 64-row
     tiles), 128 for a short K; as many stages of copies as fit ``SHARED_BUDGET``, at least two (a
     shorter K step where two stages of ``elem_bytes`` elements would not fit: float32). A function
-    of the shapes, the row tile and the element size alone: the batch-invariant set relies on it."""
+    of the shapes, the row tile and the element size alone: the batch-invariant set relies on it.
+    The 128-row tile (``WIDE_ROW_TILE``) takes 128 columns (64 with gate and up; fewer where two
+    stages of float32 copies would not fit), K steps of 64 (128 for a short K, as the few-row
+    tiles take) and eight warps, its partial sums of h^2 over the few-row tile's columns."""
+    if block_m >= WIDE_ROW_TILE:
+        part_n = row_linear_config(n, k, weight_tiles, 64, elem_bytes).block_n
+        block_n, block_k = 128 // weight_tiles, 128 if k < 1024 else 64
+
+        def stage() -> int:
+            return (block_m + weight_tiles * block_n) * block_k * elem_bytes
+
+        while 2 * stage() > SHARED_BUDGET and block_n > part_n:
+            block_n //= 2
+        while 2 * stage() > SHARED_BUDGET:
+            block_k //= 2
+        return RowLinearConfig(block_n, block_k, num_warps=8, num_stages=max(2, min(4, SHARED_BUDGET // stage())),
+                               part_n=part_n)
     block_n = 32 if weight_tiles == 2 else next((b for b in (16, 32) if triton.cdiv(n, b) <= 132), 64)
     block_k = 128 if k < 1024 else min(512, 16384 // (block_n * weight_tiles), 16384 // block_m)
     while 2 * (stage_bytes := (block_m + weight_tiles * block_n) * block_k * elem_bytes) > SHARED_BUDGET:
@@ -160,9 +193,11 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     add_norm = epilogue == EPILOGUE_ADD_NORM
     r2 = _contiguous_rows(residual, N) if residual is not None else out  # (out: never read)
+    part_n = cfg.partial_columns
+    assert cfg.block_n % part_n == 0, f"a column tile of {cfg.block_n} in partial sums of {part_n} columns"
     if add_norm:
         h = torch.empty(M, N, dtype=x.dtype, device=x.device)
-        ss_out = torch.empty(grid, M, dtype=torch.float32, device=x.device)
+        ss_out = torch.empty(triton.cdiv(N, part_n), M, dtype=torch.float32, device=x.device)
     else:
         h = ss_out = out  # never written by the kernel
     if M == 0 or N == 0:
@@ -178,8 +213,8 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
         SCALED=scaled, EPILOGUE=epilogue, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_P=block_p, PRECISION="ieee" if fp32 else "tf32",
         DOT_DTYPE=tl.float32 if fp32 or not x.is_cuda else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype],
-        EXACT_SUMS=exact_sums, LOG_P=block_p.bit_length() - 1,
-        LOG_N=cfg.block_n.bit_length() - 1, USE_GDC=pdl, GDC_EARLY=PDL_EARLY, PREFETCH_LINES=(
+        EXACT_SUMS=exact_sums, LOG_P=block_p.bit_length() - 1, PART_N=part_n,
+        LOG_N=part_n.bit_length() - 1, USE_GDC=pdl, GDC_EARLY=PDL_EARLY, PREFETCH_LINES=(
             L2_PREFETCH_STEPS * cfg.block_k * weight.element_size() // _LINE_BYTES if pdl else 0),
         LINE=_LINE_BYTES // weight.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(pdl))
@@ -189,12 +224,13 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
     return out.reshape(*lead, N), h, ss_out
 
 
-@triton.jit(do_not_specialize=["M", "P_IN"])  # 1 row compiles no other kernel than 7 (BLOCK_M: 16, 32 or 64)
+@triton.jit(do_not_specialize=["M", "P_IN"])  # 1 row compiles no other kernel than 7 (BLOCK_M: 16, 32, 64 or 128)
 def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_ptr, h_ptr, ss_out_ptr,
                        M, N, K, stride_x, stride_w, stride_r, eps, P_IN, SCALED: tl.constexpr, EPILOGUE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_P: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                       EXACT_SUMS: tl.constexpr, LOG_P: tl.constexpr, LOG_N: tl.constexpr, USE_GDC: tl.constexpr,
+                       EXACT_SUMS: tl.constexpr, LOG_P: tl.constexpr, PART_N: tl.constexpr, LOG_N: tl.constexpr,
+                       USE_GDC: tl.constexpr,
                        GDC_EARLY: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
     pn = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -250,13 +286,23 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
         r = tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_r + cols[None, :], mask=ok, other=0.0)
         h = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
         acc = h.to(tl.float32)  # ADD: out <- h
-        if EPILOGUE == 2:  # ADD_NORM: h to h_ptr; out <- hn = h * norm_w; the columns' sum of h^2
+        if EPILOGUE == 2:  # ADD_NORM: h to h_ptr; out <- hn = h * norm_w; each PART_N columns' sum of h^2
             tl.store(h_ptr + at, h, mask=ok)
             hf = tl.where(ok, acc, 0.0)
-            if EXACT_SUMS:
-                tl.store(ss_out_ptr + pn * M + rows, _order_free_sum(hf * hf, 1, LOG_N), mask=row_ok)
+            if BLOCK_N == PART_N:
+                if EXACT_SUMS:
+                    tl.store(ss_out_ptr + pn * M + rows, _order_free_sum(hf * hf, 1, LOG_N), mask=row_ok)
+                else:
+                    tl.store(ss_out_ptr + pn * M + rows, tl.sum(hf * hf, 1), mask=row_ok)
             else:
-                tl.store(ss_out_ptr + pn * M + rows, tl.sum(hf * hf, 1), mask=row_ok)
+                sq = tl.reshape(hf * hf, [BLOCK_M, BLOCK_N // PART_N, PART_N])
+                if EXACT_SUMS:
+                    parts = _order_free_sum(sq, 2, LOG_N)
+                else:
+                    parts = tl.sum(sq, 2)
+                group = pn * (BLOCK_N // PART_N) + tl.arange(0, BLOCK_N // PART_N)
+                tl.store(ss_out_ptr + group[None, :] * M + rows[:, None], parts,
+                         mask=row_ok[:, None] & (group * PART_N < N)[None, :])
             acc = hf * tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + at, acc.to(dtype), mask=ok)
 

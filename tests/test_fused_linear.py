@@ -26,7 +26,7 @@ from kernels.norm import rms_norm_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
-ROWS = [1, 3, 16, 17, 40, 70]  # row tiles of 16, 32 and 64; 70: two of 64
+ROWS = [1, 3, 16, 17, 40, 70]  # row tiles of 16, 32 and 64; 70: one of 128 (WIDE_ROW_TILE)
 SHAPES = [(96, 64), (80, 200)]  # (N, K)
 
 
@@ -98,7 +98,28 @@ def test_linear_add_norm_leaves_what_the_next_projection_needs(poisoned_empty, d
     torch.testing.assert_close(ss.sum(0), want_ss.sum(0), **TOL[dtype])
     # the partials add up to the rows' sum of the h it wrote, whatever the split
     torch.testing.assert_close(ss.sum(0), h.float().pow(2).sum(-1), atol=1e-3, rtol=1e-5)
-    assert ss.shape == (-(-n // row_linear_config(n, k).block_n), rows)  # one partial sum a column tile
+    part = row_linear_config(n, k).block_n  # one partial sum a few-row column tile, whatever the row tile
+    assert ss.shape == (-(-n // part), rows)
+    groups = torch.stack([h[:, j:j + part].float().pow(2).sum(-1) for j in range(0, n, part)])
+    torch.testing.assert_close(ss, groups, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_wide_row_tiles_chain_as_the_references_do(poisoned_empty, dtype):
+    """140 rows: two programs of 128 rows (WIDE_ROW_TILE) a column tile, the last one ragged,
+    through the three epilogues a layer chains."""
+    rows, n, k = 140, 96, 200
+    x, residual = row_view(rows, k, dtype, seed=21), row_view(rows, n, dtype, seed=22)
+    w, norm_w = randn(n, k, seed=23, dtype=dtype, scale=0.1), (1.0 + 0.1 * randn(n, seed=24)).to(dtype)
+    w_next = randn(2 * 40, n, seed=25, dtype=dtype, scale=0.1)
+    h, hn, ss = linear_add_norm_triton(x, w, residual, norm_w)
+    want_h, want_hn, want_ss = linear_add_norm_ref(*as_f32(x, w, residual, norm_w))
+    torch.testing.assert_close(h.float(), want_h, **TOL[dtype])
+    torch.testing.assert_close(ss.sum(0), want_ss.sum(0), **TOL[dtype])
+    torch.testing.assert_close(scaled_gate_up_silu_triton(hn, ss, 1e-5, w_next).float(),
+                               scaled_gate_up_silu_ref(*as_f32(hn), ss, 1e-5, w_next.float()), **TOL[dtype])
+    torch.testing.assert_close(scaled_linear_triton(hn, ss, 1e-5, w_next).float(),
+                               scaled_linear_ref(*as_f32(hn), ss, 1e-5, w_next.float()), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -139,7 +160,7 @@ def test_every_tile_matches(cfg):
 
 @pytest.mark.parametrize("n, k, tiles", [(6144, 4096, 1), (4096, 4096, 1), (14336, 4096, 2), (4096, 14336, 1),
                                          (960, 576, 1), (576, 576, 1), (1536, 576, 2), (576, 1536, 1)])
-@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 @pytest.mark.parametrize("elem_bytes", [2, 4])
 def test_tiles_fit_shared_memory_and_cover_the_sms(n, k, tiles, block_m, elem_bytes):
     """Llama-3-8B's and SmolLM2's projections, every row tile, bf16 and float32 (the float32 copies
@@ -153,8 +174,11 @@ def test_tiles_fit_shared_memory_and_cover_the_sms(n, k, tiles, block_m, elem_by
     assert cfg.num_stages * (block_m + tiles * cfg.block_n) * cfg.block_k * elem_bytes <= SHARED_BUDGET
     if elem_bytes == 2 and block_m < 64:  # bf16's tiles as the sweep chose them
         assert cfg == row_linear_config(n, k, tiles, block_m)
-    if k >= 4096 and tiles == 1:
+    if k >= 4096 and tiles == 1 and block_m < 128:
         assert 88 <= -(-n // cfg.block_n) <= 132
+    if block_m == 128:  # partial sums of h^2 over the few-row tile's columns
+        assert cfg.block_n % cfg.partial_columns == 0
+        assert cfg.partial_columns == row_linear_config(n, k, tiles, 16, elem_bytes).block_n
 
 
 def test_no_rows():
