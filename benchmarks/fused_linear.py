@@ -9,9 +9,13 @@ the one kernel with the elementwise work in its epilogue (``kernels/fused_linear
 
 so a layer's sum covers the same work both ways. Timed as ``gemm_shapes.py`` times (calls captured
 back to back in a CUDA graph, every call on a weight copy the previous calls did not touch, as
-layers' weights arrive cold). ``--sweep`` also times every tile of ``SWEEP`` for the fused kernel.
+layers' weights arrive cold). ``--sweep`` also times every tile of ``SWEEP`` for the fused kernel;
+above 64 rows (the 128-row tile of the batch-invariant set's prefill chunks) every tile of
+``WIDE_SWEEP`` instead, each checked bit for bit against the 64-row tile on the same rows (a tile
+that changes a row's bits cannot serve the batch-invariant set).
 
     python benchmarks/fused_linear.py --rows 1 --rows 16 --sweep --out fused.json
+    python benchmarks/fused_linear.py --rows 4096 --sweep --out fused_prefill.json
 """
 
 from __future__ import annotations
@@ -30,12 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.attention_kernel import time_us  # noqa: E402
 from benchmarks.decode_baseline import copy_bandwidth_gbs  # noqa: E402
 from benchmarks.gemm_shapes import SHAPES, _cycling, write_cases  # noqa: E402
-from kernels.fused_linear_triton import (RowLinearConfig, linear_add_norm_triton,  # noqa: E402
-                                         row_linear_config, scaled_gate_up_silu_triton, scaled_linear_triton)
+from kernels.fused_linear_triton import (WIDE_ROW_TILE, RowLinearConfig, linear_add_norm_triton,  # noqa: E402
+                                         row_linear_config, row_tile, scaled_gate_up_silu_triton,
+                                         scaled_linear_triton)
 from kernels.fused_triton import rms_norm_triton, silu_mul_triton  # noqa: E402
 
 SWEEP = [RowLinearConfig(n, k, w, s) for n in (16, 32, 64) for k in (128, 256, 512) for w in (4, 8) for s in (3, 4)
          if n * k <= 16384]
+WIDE_SWEEP = [RowLinearConfig(n, k, w, s) for n in (64, 128, 256) for k in (64, 128) for w in (4, 8) for s in (3, 4)
+              if n * k <= 16384]
 LM_HEADS = {"8b.lm_head": (128256, 4096), "smol.lm_head": (49152, 576)}
 EPS = 1e-5
 
@@ -45,26 +52,46 @@ def _pair(kind: str, m: int, n: int, k: int):
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     x, r, nw = torch.randn(m, k, **bf16), torch.randn(m, k, **bf16), torch.ones(k, **bf16)
     ss = torch.rand(k // 16, m, device="cuda")  # a producer's partial sums of h^2 (16-column programs)
+    # fused(w, cfg=None, block_m=None): the fused kernel (the exact set's fixed-point sums) on a tile
     if kind in ("qkv", "gate_up"):
         act = silu_mul_triton if kind == "gate_up" else (lambda t: t)
         fused = scaled_gate_up_silu_triton if kind == "gate_up" else scaled_linear_triton
         return (lambda w: act(F.linear(rms_norm_triton(x, nw, EPS, r)[0], w)),
-                lambda w, cfg=None: fused(x, ss, EPS, w, config=cfg))
+                lambda w, cfg=None, bm=None: fused(x, ss, EPS, w, config=cfg, block_m=bm, exact_sums=True))
     if kind in ("o", "down"):
         res, nw_out = torch.randn(m, n, **bf16), torch.ones(n, **bf16)
-        return lambda w: F.linear(x, w), lambda w, cfg=None: linear_add_norm_triton(x, w, res, nw_out, config=cfg)
-    return lambda w: F.linear(x, w), lambda w, cfg=None: scaled_linear_triton(x, None, EPS, w, config=cfg)
+        return lambda w: F.linear(x, w), lambda w, cfg=None, bm=None: linear_add_norm_triton(
+            x, w, res, nw_out, config=cfg, block_m=bm, exact_sums=True)[:2]
+    return lambda w: F.linear(x, w), lambda w, cfg=None, bm=None: scaled_linear_triton(x, None, EPS, w, config=cfg,
+                                                                                      block_m=bm)
 
 
-def _sweep(fused, ws) -> list:
-    """(us, tile) for every tile of SWEEP whose copies fit in shared memory."""
+def _sweep(fused, ws, rows: int, part_n: int) -> list:
+    """(us, tile[, same bits]) for every tile of SWEEP (WIDE_SWEEP above 64 rows: each also checked
+    bit for bit against the 64-row tile, its partial sums of h^2 over ``part_n`` columns) whose
+    copies fit in shared memory."""
     timed = []
-    for cfg in SWEEP:
+    wide = rows > 64
+    want = fused(ws[0], None, 64) if wide else None
+    for cfg in WIDE_SWEEP if wide else SWEEP:
+        if wide:
+            if cfg.block_n % part_n:
+                continue
+            cfg = dataclasses.replace(cfg, part_n=part_n)
         try:
-            timed.append((time_us(_cycling(lambda w, c=cfg: fused(w, c), ws)), list(dataclasses.astuple(cfg))))
+            us = time_us(_cycling(lambda w, c=cfg: fused(w, c), ws))
         except OutOfResources:
             continue
+        row = [us, list(dataclasses.astuple(cfg))]
+        if wide:
+            got = fused(ws[0], cfg, WIDE_ROW_TILE)
+            row.append(all(torch.equal(a, b) for a, b in zip(_outputs(got), _outputs(want))))
+        timed.append(tuple(row))
     return timed
+
+
+def _outputs(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
 
 
 def _kind(name: str) -> str:
@@ -84,13 +111,16 @@ def main() -> None:
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         floor = n * k * 2 / (bw * 1e9) * 1e6
         for m in args.rows:
+            if m > 64 and name in LM_HEADS:  # (a prefill chunk's LM head runs over its last rows alone)
+                continue
             separate, fused = _pair(_kind(name), m, n, k)
             gate_up = _kind(name) == "gate_up"
+            config = row_linear_config(n // 2 if gate_up else n, k, 1 + gate_up, row_tile(m))
             row = {"shape": name, "kind": _kind(name), "rows": m, "floor_us": round(floor, 2),
                    "separate_us": time_us(_cycling(separate, ws)), "fused_us": time_us(_cycling(fused, ws)),
-                   "config": list(dataclasses.astuple(row_linear_config(n // 2 if gate_up else n, k, 1 + gate_up)))}
+                   "config": list(dataclasses.astuple(config))}
             if args.sweep:
-                row["sweep_best"] = sorted(_sweep(fused, ws))[:4]
+                row["sweep_best"] = sorted(_sweep(fused, ws, m, config.partial_columns))[:4]
             results.append(row)
             print(f"{name:>14} rows {m:>3}: separate {row['separate_us']:7.1f} us  fused {row['fused_us']:7.1f} us"
                   f"  floor {floor:6.1f} us" + (f"  best {row['sweep_best'][:2]}" if args.sweep else ""), flush=True)
