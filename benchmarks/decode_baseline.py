@@ -150,6 +150,20 @@ def run_case(case: str, steps: int, bandwidth: float, device, kernels: str = "au
     return result
 
 
+def attention_tile(text: str) -> dict:
+    """ROWSxWARPS[xSTAGES] -> the overrides of kernels/attention_exact.py it names."""
+    parts = text.lower().split("x")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (2, 3) or values[0] not in (16, 32, 64, 128) or values[1] not in (2, 4, 8) \
+            or (len(values) == 3 and not 1 <= values[2] <= 5):
+        raise argparse.ArgumentTypeError(f"{text!r}: ROWSxWARPS or ROWSxWARPSxSTAGES (rows 16/32/64/128, warps 2/4/8, "
+                                         "stages 1-5)")
+    return dict(zip(("BLOCK_M", "NUM_WARPS", "NUM_STAGES"), values))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", action="append", required=True, help="GEOMETRY:BATCH:CONTEXT")
@@ -167,6 +181,10 @@ def main() -> None:
     ap.add_argument("--exact-attention-rows", type=int, action="append", default=[], choices=[16, 32, 64],
                     help="with --exact, also the batch-invariant set with its attention on tiles of this many query "
                          "rows (kernels/attention_exact.py BLOCK_M; a fixed tile too)")
+    ap.add_argument("--exact-attention-tile", type=attention_tile, action="append", default=[],
+                    help="with --exact, also the batch-invariant set with its attention on this tile: ROWSxWARPS or "
+                         "ROWSxWARPSxSTAGES (kernels/attention_exact.py BLOCK_M, NUM_WARPS, NUM_STAGES; 64x8: the "
+                         "64-row tile's two accumulators over eight warps instead of four)")
     ap.add_argument("--exact-chunk", type=int, action="append", default=[], choices=[128, 256, 512, 1024],
                     help="with --exact, also the batch-invariant set with its attention folding chunks of this many "
                          "keys (kernels/attention_exact.py CHUNK; any fixed chunk keeps the invariance)")
@@ -192,9 +210,11 @@ def main() -> None:
         variants += [("exact", True, None, {})]
         variants += [(f"exact/{t or 'rows'}", True, t, {}) for t in args.exact_row_tile]
         variants += [(f"exact/attn{m}", True, None, {"BLOCK_M": m}) for m in args.exact_attention_rows]
+        variants += [(f"exact/attn{'x'.join(map(str, t.values()))}", True, None, t) for t in args.exact_attention_tile]
         variants += [(f"exact/chunk{c}", True, None, {"CHUNK": c}) for c in args.exact_chunk]
         variants += [(f"exact/{r}", True, None, {"SPLIT_RULE": r}) for r in args.exact_split_rule]
-    shipped = {name: getattr(attention_exact, name) for name in ("BLOCK_M", "CHUNK", "SPLIT_RULE")}
+    shipped = {name: getattr(attention_exact, name)
+               for name in ("BLOCK_M", "CHUNK", "SPLIT_RULE", "NUM_WARPS", "NUM_STAGES")}
     baseline = None
     for case, kernels, linear, (label, exact, row_tile, attention) in [
             (c, k, m, v) for c in args.case for k in args.kernels or ["auto"] for m in args.linear or ["default"]
