@@ -21,9 +21,13 @@ the same way whatever the step around it:
   (``split``: flash-decoding, for a long sequence with few queries). Both give the same bits.
   In the split mode the one or two chunks holding tree tiles get one program per token, so
   the per-token gathers run side by side rather than one after another.
-* **One tile shape.** Every launch for a model uses the same ``BLOCK_M`` x ``BLOCK_N`` tiles and
-  warps (``BLOCK_M`` widened to the query heads of a KV head where they are more), so the same
-  matrix instructions compute every score and every partial sum.
+* **One tile shape, or tiles that agree.** Every launch for a model uses the same ``BLOCK_M`` x
+  ``BLOCK_N`` tiles and warps (``BLOCK_M`` widened to the query heads of a KV head where they are
+  more), except that a step of prompt-sized runs without a tree takes ``WIDE_TILE`` where
+  ``wide_tile_ok`` found that it gives every row the narrow tile's bits on this GPU: a row's
+  scores, its sum of weights and its weighted values are all matrix products, which the matrix
+  instructions add in K order whatever the row tile (the projections' evidence,
+  ``benchmarks/row_tile_bits.py``), and its maximum is exact in any order.
 
 Visibility is positional: a query sees the keys at positions up to its own (its ancestors in a
 tree). Outside a tree, a token's KV index must equal its position, as every causal step here
@@ -33,6 +37,7 @@ lays it out.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 import triton
@@ -42,6 +47,8 @@ from kernels.attention import unpack_mask
 from kernels.attention_triton import _DOT_DTYPES, LOG2E, _query_tile
 from kernels.metadata import AttentionMetadata
 from kernels.pdl import PDL_ALL, dependent, launch_options
+
+log = logging.getLogger(__name__)
 
 # Query rows per program (tokens x the query heads sharing a KV head), at least the group of query
 # heads: a function of the model alone. 16 (H200, 52a76bf, decode_baseline.py --exact-attention-rows
@@ -57,6 +64,62 @@ TAIL_CHUNKS = 2
 NUM_WARPS = 4
 NUM_STAGES = 3  # the next key tile's copies in flight while a tile is computed (kernel_resources.py --exact)
 MODES = ("auto", "fold", "split")
+TILES = ("auto", "narrow", "wide")
+
+# A prefill-sized step's tile (rows, warps, stages), where ``wide_tile_ok``: the 16-row tile reads
+# every key tile for four tokens of the 8B's query groups and made its 4K-token prefill chunks' attention
+# 4.4x the fast kernel's (H200, eaa4349, ``profile_step.py llama3-8b --prefill --exact``: 210.6
+# against 47.8 ms for three chunks). At four warps the 64-row tile's running and chunk accumulators
+# spill (255 registers, 288 stack bytes); at eight they fit (251, none: ``kernel_resources.py
+# --exact --causal --one-split --config 64,64,8,3``, sm_90). Not yet timed on a GPU.
+WIDE_TILE = (64, 8, 3)
+WIDE_QUERY_LEN = 64  # a step without a tree whose longest run of new tokens is at least this long takes it
+WIDE_PROBE_TOKENS = 600  # the probe's prompt: across a 512-key chunk's end
+_WIDE_OK: dict[tuple, bool] = {}  # (device, dtype, query heads a KV head, head_dim) -> the probe's verdict
+
+
+def probe_wide_tile(device: torch.device, dtype: torch.dtype, group: int, head_dim: int,
+                    chunk: int | None = None) -> bool:
+    """Whether ``WIDE_TILE`` gives every query row the bits of the narrow tile on this device and
+    dtype, for a KV head of ``group`` query heads of ``head_dim``: one random prompt of
+    ``WIDE_PROBE_TOKENS`` tokens attended in one launch on each tile, compared bit for bit. The
+    narrow tile's rows do not depend on the step, so equal bits here make the wide tile's rows
+    those of any step. Kept for the device, dtype and geometry. Not inside a CUDA graph's capture."""
+    gen = torch.Generator().manual_seed(2)
+    n, blocks, size = WIDE_PROBE_TOKENS, triton.cdiv(WIDE_PROBE_TOKENS, 16), 16
+    k, v = (torch.randn(blocks, size, 1, head_dim, generator=gen).to(device, dtype) for _ in range(2))
+    q = torch.randn(n, group, head_dim, generator=gen).to(device, dtype)
+
+    def ints(values) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=torch.int64, device=device)
+
+    meta = AttentionMetadata(query_start_loc=ints([0, n]), seq_lens=ints([n]), block_tables=ints([list(range(blocks))]),
+                             slot_mapping=ints(range(n)), positions=ints(range(n)), token_seq=ints([0] * n),
+                             token_q_idx=ints(range(n)), max_query_len=n, max_seq_len=n)
+    outs = [paged_attention_exact(q, k, v, meta, head_dim ** -0.5, "fold", chunk, tile=t) for t in ("narrow", "wide")]
+    same = torch.equal(*outs)
+    _WIDE_OK[(q.device, dtype, group, head_dim)] = same  # (the tensor's device: "cuda" names cuda:0 there)
+    if not same:
+        log.warning("the batch-invariant attention's %d-row tile changes a row's bits on %s (%s, %s): prefill "
+                    "steps keep the %d-row tile there (slower, as invariant)", WIDE_TILE[0], device,
+                    torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu", dtype,
+                    BLOCK_M)
+    return same
+
+
+def wide_tile_ok(q: torch.Tensor, group: int, chunk: int | None = None) -> bool:
+    """Whether prefill-sized steps of these queries may take ``WIDE_TILE``: on a GPU where the probe
+    found that it agrees with the narrow tile (probed here at first use when the engine did not probe
+    at start-up); never in Triton's interpreter, whose dots are no matrix instructions."""
+    if not q.is_cuda:
+        return False
+    key = (q.device, q.dtype, group, q.shape[-1])
+    if key not in _WIDE_OK:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the batch-invariant attention's tile probe has not run for {key}: run "
+                               "kernels.attention_exact.probe_wide_tile before capturing graphs")
+        probe_wide_tile(q.device, q.dtype, group, q.shape[-1], chunk)
+    return _WIDE_OK[key]
 
 
 def ancestor_table(mask: torch.Tensor) -> torch.Tensor:
@@ -113,22 +176,30 @@ def _mode(meta: AttentionMetadata, T: int, heads: int, kvh: int, head_dim: int, 
 
 def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float, mode: str = "auto",
-                          chunk: int | None = None) -> torch.Tensor:
+                          chunk: int | None = None, tile: str = "auto") -> torch.Tensor:
     """Attention of new queries [T, heads, head_dim] over their sequences' cached KV -> [T, heads, head_dim],
     each query's bits independent of the step around it.
 
     ``meta.custom_mask``, if any, must be the ancestor table (``prepare_attention_exact``).
     ``mode``: ``fold`` or ``split`` force a launch shape (tests); ``auto`` picks by size. ``chunk``:
     keys per fold chunk (default ``CHUNK``), a multiple of ``BLOCK_N``; the bits depend on it, so a
-    server keeps one for its model (``kernels.exact_set.fold_chunk``).
+    server keeps one for its model (``kernels.exact_set.fold_chunk``). ``tile``: ``narrow`` (the
+    ``BLOCK_M`` tile) or ``wide`` (``WIDE_TILE``) forces one (tests, the probe); ``auto`` takes the
+    wide one for a step without a tree whose longest run of new tokens is at least
+    ``WIDE_QUERY_LEN``, where ``wide_tile_ok``.
     """
     assert mode in MODES, mode
+    assert tile in TILES, tile
     chunk = chunk or CHUNK
     assert chunk % BLOCK_N == 0, f"a fold chunk of {chunk} keys is not a multiple of {BLOCK_N}"
     T, H, D = q.shape
     _, block_size, kvh, _ = k_cache.shape
     g = H // kvh
-    block_m = max(BLOCK_M, triton.next_power_of_2(g))
+    if tile == "auto":
+        tile = ("wide" if meta.custom_mask is None and meta.max_query_len >= WIDE_QUERY_LEN
+                and wide_tile_ok(q, g, chunk) else "narrow")
+    rows, warps, stages = WIDE_TILE if tile == "wide" else (BLOCK_M, NUM_WARPS, NUM_STAGES)
+    block_m = max(rows, triton.next_power_of_2(g))
     block_q = block_m // g
     out = torch.empty_like(q)
     if T == 0:
@@ -162,7 +233,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32), USE_GDC=pdl,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(pdl))
+        num_warps=warps, num_stages=stages, **launch_options(pdl))
     if split:
         _fold_chunks_kernel[(T, H)](part_m, part_l, part_acc, out, meta.positions,
                                     part_m.stride(0), part_m.stride(1), part_acc.stride(0), part_acc.stride(1),
@@ -186,17 +257,23 @@ def _fold(m, l, acc, m_c, l_c, acc_c):
 
 
 @triton.jit
-def _tile(acc, m_i, l_i, q, k, v, visible, active, scale_log2, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _tile(acc, m_i, l_i, q, k, v, visible, active, scale_log2, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+          DOT_DTYPE: tl.constexpr):
     """One key tile's online-softmax step for the rows in ``active`` (the others keep their state).
-    Scores stay raw; the running max is in scaled log2 units."""
+    Scores stay raw; the running max is in scaled log2 units. A row's sum of the tile's weights is
+    a matrix product with ones, as its weighted values are: the matrix instructions add a row's
+    terms in K order whatever the row tile, where ``tl.sum``'s order follows the tile's layout
+    (``WIDE_TILE`` relies on it), and the denominator sums the very rounded weights the numerator
+    multiplies."""
     s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)  # (M, N)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s * scale_log2 - m_safe[:, None])
+    p = tl.exp2(s * scale_log2 - m_safe[:, None]).to(DOT_DTYPE)
     alpha = tl.exp2(m_i - m_safe)
-    l_new = l_i * alpha + tl.sum(p, 1)
-    acc_new = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+    ones = tl.full([BLOCK_N, 16], 1.0, DOT_DTYPE)
+    l_new = l_i * alpha + tl.max(tl.dot(p, ones, input_precision=PRECISION), 1)  # (every column the row's sum)
+    acc_new = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=PRECISION)
     return (tl.where(active[:, None], acc_new, acc), tl.where(active, m_new, m_i), tl.where(active, l_new, l_i))
 
 
@@ -244,7 +321,7 @@ def _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, hi, b, t0, m_start, tail_sta
                              stride_kh, BLOCK_SIZE)
         visible = (keys[None, :] <= pos[:, None]) & row_ok[:, None]
         acc, m_i, l_i = _tile(acc, m_i, l_i, q, k, v, visible, row_ok & (pos >= start), scale_log2,
-                              PRECISION, DOT_DTYPE)
+                              BLOCK_N, PRECISION, DOT_DTYPE)
     if HAS_MASK:
         # Tiles holding tree positions: one gather per token, each column the key at that position
         # on the token's own path (a prefix key, or its ancestor at depth position - m_start).
@@ -263,7 +340,7 @@ def _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, hi, b, t0, m_start, tail_sta
                                 stride_kb, stride_ks, stride_kh, BLOCK_SIZE)
                 visible = ok[None, :] & tok_rows[:, None]
                 acc, m_i, l_i = _tile(acc, m_i, l_i, q, k, v, visible, tok_rows & (pos >= start), scale_log2,
-                                      PRECISION, DOT_DTYPE)
+                                      BLOCK_N, PRECISION, DOT_DTYPE)
     return m_i, l_i, acc
 
 

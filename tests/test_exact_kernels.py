@@ -345,3 +345,72 @@ def test_a_set_with_its_own_chunk_folds_as_the_module_chunk_does(monkeypatch):
     assert torch.equal(got, want)
     monkeypatch.setattr(attention_exact, "CHUNK", 512)
     assert not torch.equal(paged_attention_exact(q.to(DEVICE), cache.k, cache.v, meta, 0.125), want)
+
+
+@pytest.mark.parametrize("g, d, dtype", [(4, 32, torch.bfloat16), (3, 64, torch.float32)])
+def test_the_wide_tile_attends_as_the_reference_does(g, d, dtype):
+    """``WIDE_TILE`` forced on a 600-token prompt, whole and in a ragged chunk beside a decode
+    row: attention (against the reference); on a GPU where the probe says so, the narrow tile's
+    bits too (in Triton's interpreter a dot's rounding depends on the tile's shape)."""
+    from kernels import attention_exact
+
+    kvh = 2
+    gen = torch.Generator().manual_seed(21)
+    kv = torch.randn(2, 600, kvh, d, generator=gen).to(dtype)
+    other = torch.randn(2, 40, kvh, d, generator=gen).to(dtype)
+    q = torch.randn(600, kvh * g, d, generator=gen).to(dtype)
+    q_other = torch.randn(1, kvh * g, d, generator=gen).to(dtype)
+    cache = Cache([kv, other], seed=4)
+    chunks = [SeqChunk(list(range(600)), 0, cache.tables[0])]
+    meta = layout_step(chunks, BLOCK, torch.device(DEVICE), EXACT).meta
+    scale = d ** -0.5
+    wide = paged_attention_exact(q.to(DEVICE), cache.k, cache.v, meta, scale, "fold", tile="wide")
+    narrow = paged_attention_exact(q.to(DEVICE), cache.k, cache.v, meta, scale, "fold", tile="narrow")
+    ref_meta = layout_step(chunks, BLOCK, torch.device(DEVICE), REFERENCE).meta
+    want = paged_attention_ref(q.to(DEVICE), cache.k.nan_to_num(0.0), cache.v.nan_to_num(0.0), ref_meta, scale)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(wide.float(), want.float(), atol=tol, rtol=tol)
+    mixed = [SeqChunk([0], 39, cache.tables[1]), SeqChunk(list(range(130, 517)), 130, cache.tables[0])]
+    meta2 = layout_step(mixed, BLOCK, torch.device(DEVICE), EXACT).meta
+    part = paged_attention_exact(torch.cat([q_other, q[130:517]]).to(DEVICE), cache.k, cache.v, meta2, scale,
+                                 tile="wide")[1:]
+    torch.testing.assert_close(part.float(), want[130:517].float(), atol=tol, rtol=tol)
+    if DEVICE == "cuda":
+        assert attention_exact.probe_wide_tile(torch.device(DEVICE), dtype, g, d)  # (an H200 does)
+        assert torch.equal(wide, narrow) and torch.equal(part, narrow[130:517])
+
+
+def test_the_wide_tile_probe_sees_a_tile_that_changes_bits(monkeypatch, caplog):
+    """``probe_wide_tile`` against a wide tile broken on purpose (one output element nudged), and one
+    that agrees: the verdict, the warning, and what ``paged_attention_exact`` then picks."""
+    from kernels import attention_exact
+
+    real = attention_exact.paged_attention_exact
+
+    def nudged(q, k, v, meta, scale, mode="auto", chunk=None, tile="auto"):
+        out = real(q, k, v, meta, scale, mode, chunk, tile="narrow")
+        if tile == "wide":
+            out.view(-1)[7] = torch.nextafter(out.view(-1)[7].float(), torch.tensor(1e9)).to(out.dtype)
+        return out
+
+    monkeypatch.setattr(attention_exact, "_WIDE_OK", {})
+    monkeypatch.setattr(attention_exact, "WIDE_PROBE_TOKENS", 80)
+    monkeypatch.setattr(attention_exact, "paged_attention_exact", nudged)
+    assert not attention_exact.probe_wide_tile(torch.device(DEVICE), torch.float32, 4, 32)
+    assert "changes a row's bits" in caplog.text
+    monkeypatch.setattr(attention_exact, "paged_attention_exact",
+                        lambda q, k, v, meta, scale, mode="auto", chunk=None, tile="auto":
+                        real(q, k, v, meta, scale, mode, chunk, tile="narrow"))
+    assert attention_exact.probe_wide_tile(torch.device(DEVICE), torch.float32, 4, 32)
+    assert attention_exact._WIDE_OK == {(torch.zeros(1, device=DEVICE).device, torch.float32, 4, 32): True}
+
+
+def test_no_wide_tile_off_the_gpu():
+    """In Triton's interpreter a prefill step keeps the narrow tile, and nothing is probed."""
+    from kernels import attention_exact
+
+    if DEVICE == "cuda":
+        pytest.skip("the GPU's verdict is the probe's")
+    before = dict(attention_exact._WIDE_OK)
+    assert not attention_exact.wide_tile_ok(torch.zeros(1, 4, 32), 4)
+    assert attention_exact._WIDE_OK == before

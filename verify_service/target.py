@@ -46,9 +46,13 @@ class Target:
             chunk = fold_chunk(self.model_config.num_kv_heads, self.model_config.head_dim)
         kernels = select_kernels(self.device, cfg.kernels, exact=cfg.exact, exact_chunk=chunk)
         if kernels.name == "exact" and self.device.type == "cuda":  # before any step and any graph's capture
+            from kernels.attention_exact import WIDE_TILE, probe_wide_tile
             from kernels.exact_set import probe_layer
+            mc = self.model_config
             log.info("exact numerics: attention folds chunks of %d keys; the fast path's row tiles keep a row's "
-                     "bits on %s: %s", chunk, self.device, probe_layer(model.model.layers[0]))
+                     "bits on %s: %s; the attention's %d-row tile for prompts keeps them: %s", chunk, self.device,
+                     probe_layer(model.model.layers[0]), WIDE_TILE[0],
+                     probe_wide_tile(self.device, self.dtype, mc.num_heads // mc.num_kv_heads, mc.head_dim, chunk))
         graphs = not cfg.enforce_eager and (self.device.type == "cuda" and kernels.name in ("triton", "exact")
                                             or self.device.type == "cpu" and cfg.graphs_on_cpu)
         self.runner = ModelRunner(model, self.kv_cache, kernels, capture_layers, graphs, cfg.max_num_seqs)
