@@ -41,8 +41,8 @@ from kernels.fused_triton import rms_norm_triton, silu_mul_triton  # noqa: E402
 
 SWEEP = [RowLinearConfig(n, k, w, s) for n in (16, 32, 64) for k in (128, 256, 512) for w in (4, 8) for s in (3, 4)
          if n * k <= 16384]
-WIDE_SWEEP = [RowLinearConfig(n, k, w, s) for n in (64, 128, 256) for k in (64, 128) for w in (4, 8) for s in (3, 4)
-              if n * k <= 16384]
+WIDE_SWEEP = [RowLinearConfig(n, k, w, s, group_m=g) for n in (64, 128, 256) for k in (64, 128) for w in (4, 8)
+              for s in (3, 4) for g in (1, 8) if n * k <= 16384]
 LM_HEADS = {"8b.lm_head": (128256, 4096), "smol.lm_head": (49152, 576)}
 EPS = 1e-5
 

@@ -79,6 +79,7 @@ class RowLinearConfig:
     num_warps: int = 4
     num_stages: int = 4
     part_n: int | None = None  # columns a partial sum of h^2 (ADD_NORM) covers; None: block_n
+    group_m: int = 1  # > 1: programs ordered in groups of this many row tiles a column tile (L2 reuse)
 
     @property
     def partial_columns(self) -> int:
@@ -206,14 +207,15 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
     fp32 = x.dtype == torch.float32
     pdl = dependent(x)
     block_p = triton.next_power_of_2(ss.shape[0]) if scaled else 1  # the partial sums' tile
-    _row_linear_kernel[(grid, triton.cdiv(M, block_m))](
+    m_tiles = triton.cdiv(M, block_m)
+    _row_linear_kernel[(grid * m_tiles, 1) if cfg.group_m > 1 else (grid, m_tiles)](
         x2, weight, out, bias if bias is not None else weight, ss if scaled else out, r2,
         norm_weight if add_norm else weight, h, ss_out, M, N, K, x2.stride(0), weight.stride(0), r2.stride(0), eps,
         ss.shape[0] if scaled else 1,
         SCALED=scaled, EPILOGUE=epilogue, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_P=block_p, PRECISION="ieee" if fp32 else "tf32",
         DOT_DTYPE=tl.float32 if fp32 or not x.is_cuda else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype],
-        EXACT_SUMS=exact_sums, LOG_P=block_p.bit_length() - 1, PART_N=part_n,
+        EXACT_SUMS=exact_sums, LOG_P=block_p.bit_length() - 1, PART_N=part_n, GROUP_M=cfg.group_m,
         LOG_N=part_n.bit_length() - 1, USE_GDC=pdl, GDC_EARLY=PDL_EARLY, PREFETCH_LINES=(
             L2_PREFETCH_STEPS * cfg.block_k * weight.element_size() // _LINE_BYTES if pdl else 0),
         LINE=_LINE_BYTES // weight.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -229,11 +231,22 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
                        M, N, K, stride_x, stride_w, stride_r, eps, P_IN, SCALED: tl.constexpr, EPILOGUE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_P: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                       EXACT_SUMS: tl.constexpr, LOG_P: tl.constexpr, PART_N: tl.constexpr, LOG_N: tl.constexpr,
+                       EXACT_SUMS: tl.constexpr, LOG_P: tl.constexpr, PART_N: tl.constexpr, GROUP_M: tl.constexpr,
+                       LOG_N: tl.constexpr,
                        USE_GDC: tl.constexpr,
                        GDC_EARLY: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr):
-    pn = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if GROUP_M > 1:  # one launch axis: GROUP_M row tiles take each column tile in turn (its weights stay in L2)
+        pid = tl.program_id(0)
+        m_tiles = tl.cdiv(M, BLOCK_M)
+        width = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first_m = (pid // width) * GROUP_M
+        size_m = tl.minimum(m_tiles - first_m, GROUP_M)
+        pm = first_m + (pid % width) % size_m
+        pn = (pid % width) // size_m
+    else:
+        pn = tl.program_id(0)
+        pm = tl.program_id(1)
+    rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N

@@ -296,3 +296,29 @@ def test_exact_sums_pass_nan_through(poisoned_empty):
     ss[2, 1] = float("nan")
     out = scaled_linear_triton(h, ss, 1e-6, randn(32, 64, seed=2), exact_sums=True)
     assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+
+
+@pytest.mark.parametrize("kind", ["add_norm", "gate_up", "scaled"])
+def test_grouped_program_order_gives_the_same_bits(poisoned_empty, kind):
+    """``group_m``: the 128-row tile's programs ordered in groups of row tiles a column tile (one
+    launch axis; the last group short) compute every tile as the 2-D grid does, bit for bit."""
+    import dataclasses
+
+    rows, n, k = 300, 96, 200  # three row tiles of 128: groups of two, the second of one
+    x, residual = row_view(rows, k, torch.bfloat16, seed=31), row_view(rows, n, torch.bfloat16, seed=32)
+    w = randn(n, k, seed=33, dtype=torch.bfloat16, scale=0.1)
+    norm_w = (1.0 + 0.1 * randn(n, seed=34)).to(torch.bfloat16)
+    ss = torch.rand(7, rows, generator=torch.Generator().manual_seed(35)).to(DEVICE)
+    tiles = 2 if kind == "gate_up" else 1
+    plain = row_linear_config(n // tiles, k, tiles, 128)
+    grouped = dataclasses.replace(plain, group_m=2)
+
+    def run(cfg):
+        if kind == "add_norm":
+            return linear_add_norm_triton(x, w, residual, norm_w, config=cfg, exact_sums=True)
+        if kind == "gate_up":
+            return (scaled_gate_up_silu_triton(x, ss, 1e-5, w, config=cfg, exact_sums=True),)
+        return (scaled_linear_triton(x, ss, 1e-5, w, config=cfg, exact_sums=True),)
+
+    for got, want in zip(run(grouped), run(plain)):
+        assert torch.equal(got, want)
