@@ -15,7 +15,7 @@ above 64 rows (the 128-row tile of the batch-invariant set's prefill chunks) eve
 that changes a row's bits cannot serve the batch-invariant set).
 
     python benchmarks/fused_linear.py --rows 1 --rows 16 --sweep --out fused.json
-    python benchmarks/fused_linear.py --rows 4096 --sweep --out fused_prefill.json
+    python benchmarks/fused_linear.py --rows 4096 --sweep --geometry 8b --out fused_prefill.json
 """
 
 from __future__ import annotations
@@ -102,11 +102,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, action="append", required=True)
     ap.add_argument("--sweep", action="store_true", help="also time every tile of SWEEP for the fused kernel")
+    ap.add_argument("--geometry", choices=["8b", "smol"], action="append",
+                    help="only this geometry's shapes (default: both)")
     ap.add_argument("--out", default=None, help="JSON file for the results")
     args = ap.parse_args()
     bw = copy_bandwidth_gbs(torch.device("cuda"))
     results = []
     for name, (n, k) in {**SHAPES, **LM_HEADS}.items():
+        if args.geometry and name.split(".")[0] not in args.geometry:
+            continue
         copies = max(2, -(-256 * 2**20 // (n * k * 2)))  # > 2x the L2 of an H100/H200
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         floor = n * k * 2 / (bw * 1e9) * 1e6
