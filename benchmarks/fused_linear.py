@@ -132,6 +132,8 @@ def main() -> None:
     for m in args.rows:
         for prefix in ("8b.", "smol."):
             rows = [r for r in results if r["rows"] == m and r["shape"].startswith(prefix) and "lm_head" not in r["shape"]]
+            if not rows:
+                continue
             print(f"{prefix} layer at {m} rows: separate {sum(r['separate_us'] for r in rows):.1f} us, "
                   f"fused {sum(r['fused_us'] for r in rows):.1f} us, floor {sum(r['floor_us'] for r in rows):.1f} us")
     if args.out:
