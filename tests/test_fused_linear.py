@@ -322,3 +322,17 @@ def test_grouped_program_order_gives_the_same_bits(poisoned_empty, kind):
 
     for got, want in zip(run(grouped), run(plain)):
         assert torch.equal(got, want)
+
+
+def test_wide_tiles_partial_sums_cover_ragged_column_groups(poisoned_empty):
+    """200 float32 columns on the 128-row tile's 64-column tiles: the fourth tile's last column groups
+    lie past N and are not written (the partials' buffer holds 13 groups of 16, the few-row tile's),
+    the rest are the groups' sums of h^2."""
+    rows, n, k = 70, 200, 64
+    x, residual = row_view(rows, k, torch.float32, seed=41), row_view(rows, n, torch.float32, seed=42)
+    w, norm_w = randn(n, k, seed=43, scale=0.1), 1.0 + 0.1 * randn(n, seed=44)
+    h, hn, ss = linear_add_norm_triton(x, w, residual, norm_w)
+    part = row_linear_config(n, k).block_n
+    assert row_linear_config(n, k, 1, 128, 4).block_n == 64 and ss.shape == (-(-n // part), rows)
+    groups = torch.stack([h[:, j:j + part].pow(2).sum(-1) for j in range(0, n, part)])
+    torch.testing.assert_close(ss, groups, atol=1e-4, rtol=1e-5)
