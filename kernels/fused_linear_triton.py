@@ -8,6 +8,8 @@ order, accumulating in float32 (no split-K, so no second reduction kernel)::
 
     grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))      program -> (column tile, row tile)
 
+(or, with ``group_m``, one axis whose programs take ``group_m`` row tiles a column tile in turn).
+
 Every program reads its rows' whole input, so the engine takes this path while a step's input is
 small (``fused_rows``: 16 rows of a 4096-wide model, 32 of SmolLM2's 576) and the separate kernels
 (cuBLAS) above.
