@@ -93,6 +93,8 @@ def main() -> None:
                     help="spec: a tree every step; plain: draft attached, plain decoding; target: no draft; "
                          "backlog: the draft's extend after --steps plain steps")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--exact", action="store_true",
+                    help="the target on the batch-invariant kernels (--exact of the server); the draft keeps its own")
     ap.add_argument("--requests", type=int, default=0,
                     help="instead of steps: this many whole requests one after another (a --context-token "
                          "prompt, --steps new tokens each; the first a warm-up): their time against their steps' "
@@ -118,10 +120,10 @@ def main() -> None:
     spec = parse_config(args.config, head)
     # New tokens a sequence may take (chain-ab: 20 steps a round, up to 8 tokens a step) + tree room.
     args.max_tokens = 8 * (20 * args.steps + 5) if args.mode == "chain-ab" else 16 * args.steps
-    target = make_engine(args.model, args.batch, args.context, args.max_tokens + 128, device)
+    target = make_engine(args.model, args.batch, args.context, args.max_tokens + 128, device, exact=args.exact)
     if args.mode == "ab":
         return profile_ab(args, spec, target, make_engine(args.model, args.batch, args.context, 16 * args.steps + 128,
-                                                          device), sync)
+                                                          device, exact=args.exact), sync)
     if args.mode == "target":
         engine = Engine(target)
     else:
@@ -139,7 +141,7 @@ def main() -> None:
     for _ in range(5):
         engine.step()
     header = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "model": args.model,
-              "mode": args.mode, "chained": not args.unchained, "config": args.config, "batch": args.batch, "context": args.context}
+              "mode": args.mode, "exact": args.exact, "chained": not args.unchained, "config": args.config, "batch": args.batch, "context": args.context}
     if args.timeline:
         result = {**header, "host_ms_by_phase_unprofiled": host_phases(engine, args.steps, sync),
                   **timeline(engine, args.steps, sync)}
