@@ -118,3 +118,15 @@ def test_switch_ab_runs_each_variant_in_its_own_environment(tmp_path, monkeypatc
     assert [r["variant"] for r in result["runs"]] == ["base", "all", "base", "all"]
     with pytest.raises(SystemExit):
         switch_ab.main(["--variant", "x=PDL_ALL=1"])  # not an EAGLE3_ switch
+
+
+def test_exact_attention_tile_argument():
+    """``decode_baseline.py --exact-attention-tile``: ROWSxWARPS[xSTAGES] -> the overrides it names."""
+    import argparse
+
+    from benchmarks.decode_baseline import attention_tile
+    assert attention_tile("64x8") == {"BLOCK_M": 64, "NUM_WARPS": 8}
+    assert attention_tile("16X4x2") == {"BLOCK_M": 16, "NUM_WARPS": 4, "NUM_STAGES": 2}
+    for bad in ("64", "64x3", "48x4", "64x8x9", "axb", "64x8x2x1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            attention_tile(bad)
