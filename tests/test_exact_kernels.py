@@ -390,7 +390,7 @@ def test_the_wide_tile_probe_sees_a_tile_that_changes_bits(monkeypatch, caplog):
     def nudged(q, k, v, meta, scale, mode="auto", chunk=None, tile="auto"):
         out = real(q, k, v, meta, scale, mode, chunk, tile="narrow")
         if tile == "wide":
-            out.view(-1)[7] = torch.nextafter(out.view(-1)[7].float(), torch.tensor(1e9)).to(out.dtype)
+            out.view(-1)[7] = torch.nextafter(out.view(-1)[7].float(), torch.tensor(1e9, device=out.device)).to(out.dtype)
         return out
 
     monkeypatch.setattr(attention_exact, "_WIDE_OK", {})
