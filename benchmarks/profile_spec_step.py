@@ -56,6 +56,12 @@ class _AlwaysPlain:
     as adaptive speculation holding a plain decision does."""
 
     last_held = True
+    choice = 0
+    backlog_rows = 0  # set by the draft coordinator
+    chainable = False  # likewise
+
+    def detaches(self, batch, context) -> bool:
+        return False  # the draft stays attached: its cost on plain steps is what --mode plain/ab measure
 
     def choose_held(self, quick_key) -> bool:
         return True

@@ -130,3 +130,23 @@ def test_exact_attention_tile_argument():
     for bad in ("64", "64x3", "48x4", "64x8x9", "axb", "64x8x2x1"):
         with pytest.raises(argparse.ArgumentTypeError):
             attention_tile(bad)
+
+
+@pytest.mark.parametrize("mode", ["ab", "plain"])
+def test_profile_spec_step_decodes_plainly_with_the_draft_attached(tmp_path, mode):
+    """``profile_spec_step.py --mode ab|plain``: its always-plain policy is one the engine accepts
+    (it failed once the engine asked policies whether a request starts without the draft)."""
+    import json
+
+    from tiny_models import make_model_dir
+    model = make_model_dir(tmp_path / "t", "llama3", seed=1)
+    out = tmp_path / "out.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_spec_step.py"), str(model),
+                          "--head", "random", "--draft-vocab", "64", "--mode", mode, "--batch", "2",
+                          "--context", "16", "--steps", "2", "--kernel-rows", "2", "--stats-rows", "2",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result, _ = json.JSONDecoder().raw_decode(out.read_text())  # (--mode plain: the profiles follow it)
+    assert result["mode"] == mode and result["batch"] == 2
+    if mode == "ab":
+        assert set(result["step_ms_median"]) == {"target", "plain"} and result["plain_over_target"] > 0
