@@ -72,7 +72,7 @@ TILES = ("auto", "narrow", "wide")
 # against 47.8 ms for three chunks). At four warps the 64-row tile's running and chunk accumulators
 # spill (255 registers, 288 stack bytes); at eight they fit (228 registers with the row sums as
 # products, none spilled: ``kernel_resources.py --exact --causal --one-split --config 64,64,8,3``,
-# sm_90, ad377b5). Not yet timed on a GPU.
+# sm_90, ad377b5). With it and the row sums as products (H200, 503dc1b, the same profile): 126.5 ms.
 WIDE_TILE = (64, 8, 3)
 WIDE_QUERY_LEN = 64  # a step without a tree whose longest run of new tokens is at least this long takes it
 WIDE_PROBE_TOKENS = 600  # the probe's prompt: across a 512-key chunk's end
