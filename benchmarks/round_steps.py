@@ -99,6 +99,9 @@ def main() -> None:
                          "steps_ms": round(sum(ms for _, ms in kinds.values()), 1)})
             if policy:  # the round's choices (0: plain decoding), and its requests started without the draft
                 rows[-1]["decisions"] = {str(k): v for k, v in sorted((policy.decisions - before).items())}
+                detacher = engine.speculation.detacher  # (since start)
+                rows[-1]["requests"] = {"without_draft": detacher.detached_requests, "left_draft": detacher.left_requests,
+                                        "took_it_up_again": detacher.reattached_requests}
             print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu",

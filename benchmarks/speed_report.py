@@ -148,8 +148,11 @@ def engine_rows(engines: list[tuple[str, object]], prompts, batches, min_prompts
             row["gc"] = {"full_collections": collected[name][0], "ms": round(collected[name][1] * 1e3, 2)}  # all rounds
             policy = getattr(engine, "policy", None)
             if policy:  # this batch's decisions, and the policy's model against the steps it measured
+                detacher = engine.speculation.detacher
                 row["adaptive"] = {**policy.diagnostics(),
-                                   "decisions": {str(k): v for k, v in sorted(decisions[name].items())}}
+                                   "decisions": {str(k): v for k, v in sorted(decisions[name].items())},
+                                   "requests_without_draft": detacher.detached_requests,  # since start, all batches
+                                   "requests_left_draft": detacher.left_requests}
             rows.append({"batch": b, **row})
             print(json.dumps(rows[-1]), flush=True)
     pauses.remove()

@@ -498,6 +498,24 @@ def test_feed_buffer_takes_batched_rows_merged_per_sequence_in_order():
         buf.take()
 
 
+def test_feed_buffer_sends_the_rows_of_a_sequence_that_left_the_draft_and_came_back():
+    """A sequence that leaves the draft (``DraftCoordinator._leave``) has its waiting rows dropped; when
+    it takes the draft up again it is fed from its first position under the same id: those rows are
+    sent, the dropped ones not (counted as waiting only once it is back)."""
+    buf = FeedBuffer(max_rows=64)
+    step = lambda ids, starts: FeedRows(np.array(ids), np.array(starts), torch.tensor(starts, dtype=torch.float32)[:, None].expand(-1, 2),
+                                        np.array(starts) + 100)
+    buf.add([step([5, 9], [0, 0])])
+    buf.add([step([5, 9], [1, 1])])
+    buf.drop(9)  # left the draft: 5's rows still wait
+    assert buf.rows == 2 and buf.waiting(9) == 0
+    buf.add([step([5], [2]), feed(9, 0, 3)])  # back: every position again, from the first
+    assert buf.rows == 6 and buf.waiting(9) == 3
+    buf.drop(9), buf.add([feed(9, 0, 2)])  # left and came back once more before a take
+    got = [(f.seq_id, f.start, f.features[:, 0].tolist(), f.next_tokens.tolist()) for f in buf.take()]
+    assert got == [(5, 0, [0, 1, 2], [100, 101, 102]), (9, 0, [0, 0], [0, 1])]
+
+
 def test_feed_buffer_counts_a_stretch_of_the_same_plain_decodes_as_one_run():
     buf = FeedBuffer(max_rows=8, capacity=1000)
     step = lambda ids, start: FeedRows(list(ids), [start] * len(ids), torch.full((len(ids), 2), float(start)),
@@ -826,11 +844,18 @@ def test_trees_measured_slower_than_plain_steps_are_vetoed_at_their_batch_and_ab
 def test_a_request_starts_without_the_draft_where_trees_do_not_pay_at_its_batch():
     """Forward = 10 ms + 1 ms per extra token and sequence: a batch of one gains from a tree, a batch
     of 64 pays 64 ms a node and would lose; below ``detach_below`` of plain decoding's rate, or where
-    trees are vetoed, a starting request runs without the draft; ``detach_below`` 0 never detaches."""
+    trees are vetoed, or from a batch of ``leave_from`` where the global estimate picks plain decoding,
+    a starting request runs without the draft; ``detach_below`` and ``leave_from`` 0 never detach."""
     limits = TreeSettings("dynamic", 4, 3, 10)
     policy = AdaptivePolicy(table(1.0), limits)
     assert not policy.detaches(1, 100.0) and policy.detaches(64, 100.0)
-    assert not AdaptivePolicy(table(1.0), limits, PolicyConfig(detach_below=0.0)).detaches(64, 100.0)
+    assert not AdaptivePolicy(table(1.0), limits, PolicyConfig(detach_below=0.0, leave_from=0)).detaches(64, 100.0)
+    # Trees at 0.75-1.0 of plain decoding's rate at batch 64: the lower bound keeps the draft, the
+    # global estimate's pick (plain decoding) does not, from a batch of ``leave_from``.
+    near = AdaptivePolicy(table(0.016, base_ms=1.0), limits, PolicyConfig(leave_from=0))
+    assert near._global_pick(64, 100.0, 64)[0] == 0 and not near.detaches(64, 100.0)
+    near.cfg = PolicyConfig(leave_from=64)
+    assert near.detaches(64, 100.0) and not near.detaches(32, 100.0)
     cheap = AdaptivePolicy(table(0.001), limits)  # trees measured slower than plain steps at batch 8
     assert not cheap.detaches(8, 100.0)
     for _ in range(MIN_STEPS):
@@ -964,6 +989,86 @@ def test_the_count_of_requests_using_the_draft_follows_every_change(dirs):
     quiet = counts.index(0)  # every request started without the draft ...
     assert max(counts[quiet:]) >= 1 and engine.speculation.detacher.reattached_requests >= 1  # ... one took it up
     assert not any(kept[:quiet]) and any(kept)  # features kept only where a request speculates
+
+
+class LeaveAboveTwo(AdaptivePolicy):
+    """Requests start with the draft (no decision taken yet); plain decoding while more than two sequences
+    decode, where the running ones leave the draft (``leave_from`` 1); at two or fewer the largest tree,
+    where they take it up again."""
+
+    def __init__(self, cost, limits):
+        super().__init__(cost, limits, PolicyConfig(leave_from=1))
+
+    def detaches(self, batch, context):
+        return batch > 2 and self.decided > 0
+
+    def choose(self, batch, context, seq_ids, budgets, quick_key=None):
+        self.choice, self.last_held = (0 if batch > 2 else self.sizes[-1]), False
+        self.decisions[self.choice] += 1
+        self.decided += 1
+        return self.choice
+
+
+def test_running_requests_leave_the_draft_where_plain_decoding_is_chosen_and_take_it_up_again(dirs):
+    """Requests start with the draft; their prompts' rows wait in the feed buffer while plain
+    decoding is chosen, and at the first whole decision for it the running requests leave the draft:
+    rows dropped, draft state released, no features kept from then on. Once three have finished, the
+    two with ``REATTACH_MIN_TOKENS`` tokens left recompute every position and speculate: the draft gets
+    all their rows again, in order, under the same sequence ids (rows dropped when they left must not
+    hide the new ones), and the tokens are target-only decoding's."""
+    from verify_service.detacher import REATTACH_MIN_TOKENS
+    lengths = (9, 80, 14, 2, 70)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    want = [r.token_ids for r in Engine(target_for(dirs[0])).generate(PROMPTS, params)]
+    engine = eagle_engine(dirs, "dynamic", LeaveAboveTwo, table(1.0))
+    kept = []
+    real = engine.target.runner.step
+    engine.target.runner.step = lambda chunks, **kw: kept.append(kw.get("capture", True)) or real(chunks, **kw)
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    out = {i: [] for i in ids}
+    speculating = []
+    while engine.has_work:
+        for ev in engine.step():
+            out[ev.seq_id] += ev.token_ids
+        speculating.append(engine.speculation.speculating)
+    assert [out[i] for i in ids] == want
+    detacher = engine.speculation.detacher
+    # (the two-token request finished first; the longest prompt's first chunk, after the first decision,
+    # started without the draft)
+    assert detacher.left_requests == 3 and detacher.detached_requests == 1 and detacher.reattached_requests == 2
+    assert 0 in speculating and speculating[-2] >= 1 and not any(kept[speculating.index(0) + 1:][:5])
+    assert engine.speculation_totals().steps > 0 and engine.drafter.rows == {}
+    assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
+    assert engine.feed_buffer.rows == 0 and detacher.detached == 0
+    assert REATTACH_MIN_TOKENS < 70 - 14
+
+
+def test_a_request_that_started_alone_leaves_the_draft_when_the_batch_grows_where_trees_do_not_pay(dirs):
+    """The real policy: one request starts alone and keeps the draft (its trees break even); nine more
+    join, a batch of ten where a tree's nodes cost 3 ms a sequence: they start without the draft, and
+    at the policy's next whole decision for plain decoding the first one leaves it. The tokens are
+    target-only decoding's."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(10)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    sizes = dict(max_num_seqs=16, kv_cache_gib=0.02)
+    want = [r.token_ids for r in Engine(target_for(dirs[0], **sizes)).generate(prompts, params)]
+    table_only = PolicyConfig(cost_weight=0.0)
+    engine = eagle_engine(dirs, "dynamic", lambda cost, limits: AdaptivePolicy(cost, limits, table_only), table(3.0),
+                          **sizes)
+    first = engine.add_request(prompts[0], params)
+    out = {first: []}
+    for _ in range(3):
+        for ev in engine.step():
+            out[ev.seq_id] += ev.token_ids
+    assert engine.speculation.speculating == 1
+    ids = [first] + [engine.add_request(p, params) for p in prompts[1:]]
+    out.update({i: [] for i in ids[1:]})
+    for ev in engine.run_until_done():
+        out[ev.seq_id] += ev.token_ids
+    assert [out[i] for i in ids] == want
+    detacher = engine.speculation.detacher
+    assert detacher.detached_requests == 9 and detacher.left_requests == 1 and engine.speculation.speculating == 0
+    assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
 
 
 def test_a_recomputed_position_keeps_its_kv_and_gives_the_decode_steps_logits(dirs):

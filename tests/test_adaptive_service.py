@@ -45,7 +45,8 @@ def stats(**kw) -> VerifyStats:
 
 
 def test_choices_reach_get_metrics_and_prometheus():
-    s = stats(adaptive_speculation=True, adaptive_tree_nodes=4, adaptive_decisions={0: 3, 4: 2}, detached_requests=7)
+    s = stats(adaptive_speculation=True, adaptive_tree_nodes=4, adaptive_decisions={0: 3, 4: 2}, detached_requests=7,
+              left_draft_requests=5)
     reply = _to_dict(api_convert.server_metrics(s))
     assert reply["adaptive_speculation"] and reply["adaptive_tree_nodes"] == 4
     assert reply["adaptive_steps_by_tree_nodes"] == {0: 3, 4: 2}
@@ -54,6 +55,7 @@ def test_choices_reach_get_metrics_and_prometheus():
         == {"0": 3, "4": 2}
     assert fams["eagle3_verify_adaptive_tree_nodes"].samples[0].value == 4
     assert fams["eagle3_verify_requests_without_draft"].samples[0].value == 7
+    assert fams["eagle3_verify_requests_left_draft"].samples[0].value == 5
     assert "eagle3_verify_adaptive_decisions" not in {f.name for f in families(stats())}  # fixed tree: none
     assert not pb.ServerMetrics().adaptive_speculation and prometheus_client  # the field's default: off
 

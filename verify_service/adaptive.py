@@ -83,6 +83,8 @@ class PolicyConfig:
     veto_span: int = 4096  # decisions a veto of trees, measured slower than plain decoding, lasts (0: no veto)
     detach_below: float = 0.75  # a request starting where trees are modelled below this share of plain
     #                              decoding's tokens per ms (or vetoed) runs without the draft (0: never)
+    leave_from: int = 8  # from a batch of this many: where the global estimate picks plain decoding for the
+    #                      whole batch, requests run without the draft, and running ones leave it (0: never)
 
 
 def batch_key(n: int) -> int:
@@ -325,15 +327,29 @@ class AdaptivePolicy:
         batch 1 and scaled up, or from a machine's first few tree steps, every request of batch 1 or 4
         started without the draft on the H200, at 0.99x target-only where trees ran at 1.4-1.8x.)
 
+        From a batch of ``leave_from`` sequences, also where the global estimate, with the full
+        model's costs (``_global_pick``), picks plain decoding for the whole batch speculating: what
+        the policy would choose for requests without trees of their own (at batch 16 to 128 on an
+        H200, SmolLM2 and the shipped head, trees came to 0.75-1.0 of plain decoding's rate at their
+        lower bound, so requests kept the draft, were decoded plainly at every decision, and the
+        features and rows they kept cost 6-9% of target-only's tok/s). The same holds running
+        requests off it (``DraftCoordinator.plain_ahead``, ``Detacher.leave``).
+
         Such a request costs nothing for a draft it would not use: no target features kept for it,
         no rows buffered, no draft state (at batch 64 and 128 the rows of plain steps cost 1-12% of
         target-only's time on the H100s measured). Asked again as the batch changes
-        (``Detacher.due``): where it says no, such requests take the draft up again."""
+        (``Detacher.due``): where it says no, such requests take the draft up again (from a batch of
+        ``leave_from``, only where the global estimate picks trees: no request recomputes its
+        positions for the draft only to decode plainly and leave it again)."""
         ratio = self.cfg.detach_below
-        if not ratio or batch < 1:
+        if batch < 1:
             return False
-        if self.cfg.veto_span and self.realized.vetoed(batch, self._clock):
+        if (ratio or self.cfg.leave_from) and self.cfg.veto_span and self.realized.vetoed(batch, self._clock):
             return True
+        if self.cfg.leave_from and batch >= self.cfg.leave_from and not self._global_pick(batch, context, batch)[0]:
+            return True
+        if not ratio:
+            return False
         tokens = batch + batch * self._global.curve(self.sizes, self._levels)
         plain = batch / self.step_ms(batch, context, 0, batch)
         best = max(t / self.costs.lower_bound_ms(batch, context, m) for t, m in zip(tokens, self.sizes))

@@ -2,9 +2,11 @@
 
 A request whose first chunk starts where trees would not pay at the batch it joins runs without the
 draft, as target-only decoding runs: no features kept for it, no rows buffered, no draft state, no
-per-step decision. When the batch changes bucket (``batch_key``) the policy looks again; where trees
-now pay, such a request takes the draft up again: its next step recomputes every position it has
-(``Sequence.catch_up``, ``SeqChunk.write_from``: the draft's features, the KV left as it is).
+per-step decision. From a batch of ``PolicyConfig.leave_from`` sequences, running requests leave the
+draft too, at a decision for plain decoding where trees would not pay (``leave``). When the batch
+changes bucket (``batch_key``) the policy looks again; where trees now pay, such a request takes the
+draft up again: its next step recomputes every position it has (``Sequence.catch_up``,
+``SeqChunk.write_from``: the draft's features, the KV left as it is).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class Detacher:
     def __init__(self, policy: AdaptivePolicy, scheduler: Scheduler):
         self.policy, self.scheduler = policy, scheduler
         self.detached_requests = 0  # started where trees did not pay at their batch
+        self.left_requests = 0  # left the draft while running (``leave``)
         self.reattached_requests = 0  # of those, took the draft up again once the batch shrank
         self.detached = 0  # running ones still without it
         self._look: tuple[int, bool] | None = None  # (batch key, trees pay there) of the last look
@@ -45,6 +48,23 @@ class Detacher:
                 s.speculate, s.detached = False, True
             self.detached_requests += len(new)
             self.detached += len(new)
+
+    def leaves(self, batch: int, context: float) -> bool:
+        """Whether the running requests leave the draft now, plain decoding just chosen (a whole
+        decision, not a held one) for ``batch`` sequences at about ``context`` tokens: from a batch of
+        ``leave_from``, where a request starting now would run without it (``AdaptivePolicy.detaches``)."""
+        start = self.policy.cfg.leave_from
+        return bool(start) and batch >= start and self.policy.detaches(batch, context)
+
+    def leave(self, seqs: list, batch: int) -> None:
+        """``seqs`` (running, decoding, no tree of theirs pending; their draft state released by the
+        caller) run without the draft from now on, as requests started without it do. The batch's
+        look (``due``) is taken as done: no request takes the draft up again until the bucket changes."""
+        for s in seqs:
+            s.speculate, s.detached = False, True
+        self.detached += len(seqs)
+        self.left_requests += len(seqs)
+        self._look = (batch_key(batch), False)
 
     def due(self) -> bool:
         """Whether requests without the draft run where trees now pay: looked at once per batch

@@ -101,7 +101,19 @@ class DraftCoordinator:
             context = sum(s.num_tokens for s in seqs) / len(seqs)
             self._decided = self.policy.choose(len(seqs), context, [s.seq_id for s in ready],
                                                [s.tree_settings.node_budget for s in ready], quick)
+            if self._decided == 0 and self.detacher.leaves(len(seqs), context):
+                self._leave(ready, len(seqs))
         return self._decided == 0
+
+    def _leave(self, seqs: list[Sequence], batch: int) -> None:
+        """Running ``seqs`` leave the draft (``Detacher.leave``): their waiting rows, draft state and
+        estimates go, as a finished sequence's do; they stay live requests that asked for it."""
+        for s in seqs:
+            self.feed_buffer.drop(s.seq_id)
+            self.drafter.release(s.seq_id)
+            self.policy.release(s.seq_id)
+            self._asked.pop(s.seq_id, None)
+        self.detacher.leave(seqs, batch)
 
     def draft(self, feeds: dict[int, DraftFeed], rows: FeedRows | None = None) -> float:
         """Send the draft what became final (``feeds`` per sequence, ``rows`` for many; of live

@@ -109,7 +109,9 @@ class FeedBuffer:
         # ... and the sequence ids of the parts not counted yet, as [ids, parts]: consecutive steps of
         # plain decodes with the same sequences are one entry (a run of them, counted at once)
         self._uncounted: list[list] = []
-        self._dropped: set[int] = set()  # sequences whose waiting rows are never sent
+        # sequences whose waiting rows are never sent -> the parts then waiting (their rows in those
+        # are dropped; a request that left the draft and takes it up again adds rows in later parts)
+        self._dropped: dict[int, int] = {}
         self.rows = 0
 
     def add(self, feeds: list[DraftFeed | FeedRows]) -> list[DraftFeed]:
@@ -128,14 +130,21 @@ class FeedBuffer:
     def take(self) -> list[DraftFeed]:
         """Everything buffered, one feed per sequence (by sequence id, rows in order), emptied."""
         parts, dropped = self._parts, self._dropped
-        self._parts, self._per_seq, self._uncounted, self._dropped, self.rows = [], Counter(), [], set(), 0
+        self._parts, self._per_seq, self._uncounted, self._dropped, self.rows = [], Counter(), [], {}, 0
         if not parts:
             return []
         ids, starts, tokens = (np.concatenate([getattr(p, name) for p in parts]).astype(np.int64, copy=False)
                                for name in ("seq_ids", "starts", "next_tokens"))
         order = np.lexsort((starts, ids))  # by sequence, then position
-        if dropped:
-            order = order[~np.isin(ids[order], np.fromiter(dropped, np.int64, len(dropped)))]
+        if dropped:  # rows of a dropped sequence in the parts that waited when it was dropped
+            gone_ids = np.fromiter(dropped, np.int64, len(dropped))
+            before = np.fromiter(dropped.values(), np.int64, len(dropped))
+            sorter = np.argsort(gone_ids)
+            gone_ids, before = gone_ids[sorter], before[sorter]
+            at = np.minimum(np.searchsorted(gone_ids, ids), len(gone_ids) - 1)
+            part_of = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+            gone = (gone_ids[at] == ids) & (part_of < before[at])
+            order = order[~gone[order]]
         ids, starts, tokens = ids[order], starts[order], tokens[order]
         same = ids[1:] == ids[:-1]
         bad = np.flatnonzero(same & (starts[1:] != starts[:-1] + 1))
@@ -168,9 +177,9 @@ class FeedBuffer:
         waiting = self._per_seq.pop(seq_id, 0)
         if waiting:
             self.rows -= waiting
-            self._dropped.add(seq_id)
+            self._dropped[seq_id] = len(self._parts)
         if not self.rows:  # every waiting row was dropped: nothing to hold on to
-            self._parts, self._per_seq, self._uncounted, self._dropped = [], Counter(), [], set()
+            self._parts, self._per_seq, self._uncounted, self._dropped = [], Counter(), [], {}
 
     def waiting(self, seq_id: int) -> int:
         """Rows of ``seq_id`` waiting (dropped ones excluded)."""
@@ -191,7 +200,8 @@ class FeedBuffer:
     def _count(self) -> None:
         """Fold the parts added since the last count into the rows per sequence, at once (a step's
         record counted as it arrives cost a pass over its sequences every step; drops come a few at a
-        time). A dropped sequence's id never comes back (ids are not reused)."""
+        time). A dropped sequence's rows are counted before it is dropped; rows it adds later, after
+        leaving the draft and taking it up again, are counted afresh."""
         if self._uncounted:
             per_seq = self._per_seq
             for ids, times in self._uncounted:

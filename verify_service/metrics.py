@@ -112,4 +112,7 @@ def _adaptive(s: VerifyStats, core) -> list:
     detached = core.CounterMetricFamily("eagle3_verify_requests_without_draft",
                                         "Requests that started where trees did not pay at their batch: run "
                                         "without the draft", value=s.detached_requests)
-    return [decisions, current, detached]
+    left = core.CounterMetricFamily("eagle3_verify_requests_left_draft",
+                                    "Running requests that left the draft where plain decoding was chosen and "
+                                    "trees did not pay at their batch", value=s.left_draft_requests)
+    return [decisions, current, detached, left]

@@ -39,6 +39,7 @@ class VerifyStats:
     adaptive_tree_nodes: int = 0  # its latest choice: nodes per tree (0: plain decoding)
     adaptive_decisions: dict[int, int] = field(default_factory=dict)  # choice -> steps it was made for
     detached_requests: int = 0  # requests that started where trees did not pay: run without the draft
+    left_draft_requests: int = 0  # running requests that left the draft where plain decoding was chosen
     chained_steps: int = 0  # steps whose draft work went in behind acceptance on the device
     draft_compute_p50_us: float = 0.0  # the draft's own time per step, as it reports it
     draft_compute_p99_us: float = 0.0
@@ -89,4 +90,5 @@ def _adaptive(engine: Engine) -> dict:
     if policy is None:
         return {}
     return {"adaptive_speculation": True, "adaptive_tree_nodes": policy.choice,
-            "adaptive_decisions": dict(policy.decisions), "detached_requests": engine.speculation.detacher.detached_requests}
+            "adaptive_decisions": dict(policy.decisions), "detached_requests": engine.speculation.detacher.detached_requests,
+            "left_draft_requests": engine.speculation.detacher.left_requests}
