@@ -5,6 +5,7 @@ import json
 
 import prometheus_client
 import pytest
+import torch
 
 from cli import main as cli
 from client.eagle3_client import _to_dict
@@ -12,7 +13,7 @@ from common.sampling_params import SamplingParams
 from protos.eagle3.v1 import generation_pb2 as pb
 from services import Stack
 from tiny_eagle import make_eagle_dir
-from tiny_models import make_model_dir, target_for, tiny_config
+from tiny_models import TEST_DEVICE, make_model_dir, target_for, tiny_config
 from verify_service import api_convert, server_config
 from verify_service.engine import Engine
 from verify_service.metrics import families
@@ -81,6 +82,7 @@ def test_services_with_adaptive_speculation_keep_the_output_and_report_their_cho
         m = stack.client.metrics()
         assert m["adaptive_speculation"] and sum(m["adaptive_steps_by_tree_nodes"].values()) > 0
         assert set(m["adaptive_steps_by_tree_nodes"]) <= {0, 1, 2, 4, 8, 12}
-        assert json.loads(table.read_text())["meta"]["device"] == "cpu"  # measured at start-up, written
+        here = torch.cuda.get_device_name() if TEST_DEVICE.startswith("cuda") else "cpu"
+        assert json.loads(table.read_text())["meta"]["device"] == here  # measured at start-up, written
     finally:
         stack.close()

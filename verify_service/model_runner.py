@@ -58,6 +58,14 @@ class StepOutput:
     graph: "StepGraph | None" = None
 
 
+# Prompt pieces the warm-up runs beside full chunks (their attention launches few programs, so the keys
+# are split). 96 tokens: a piece long enough for the batch-invariant attention's prompt tile
+# (``kernels/attention_exact.py`` WIDE_QUERY_LEN) in such a launch; without it an exact-mode server
+# compiled that variant while serving, when prompts joined decoding requests past one key chunk
+# (SmolLM2, 16 and 64 concurrent requests, H200).
+WARM_PIECES = (96, 48, 12, 2)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, kernels: KernelSet,
                  capture_layers: tuple[int, ...] = (), cuda_graphs: bool = False, max_num_seqs: int = 1):
@@ -137,7 +145,7 @@ class ModelRunner:
             # Full chunks (T and T + 1 tokens, on both sides of a multiple of 16), and short ones (a
             # prompt's last piece) whose few programs make attention split the keys: each attention
             # tile shape, split or not.
-            for tokens in sorted({n - 1, n - 2, *(t for t in (48, 12, 2) if t < n - 2)}):
+            for tokens in sorted({n - 1, n - 2, *(t for t in WARM_PIECES if t < n - 2)}):
                 start = max(0, seq_len - tokens - 1)
                 table = [0] * (-(-(start + tokens + 1) // bs))
                 prefill = SeqChunk(np.zeros(tokens, np.int64), start, table, logits_rows=(tokens - 1,))
