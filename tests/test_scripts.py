@@ -150,3 +150,17 @@ def test_profile_spec_step_decodes_plainly_with_the_draft_attached(tmp_path, mod
     assert result["mode"] == mode and result["batch"] == 2
     if mode == "ab":
         assert set(result["step_ms_median"]) == {"target", "plain"} and result["plain_over_target"] > 0
+
+
+def test_warm_up_coverage_runs_its_serving_scenario_on_a_cpu(tmp_path):
+    """The warm-up coverage benchmark on a CPU: a tiny model, no compilation (the reference kernels),
+    every request served."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from benchmarks.warm_up_coverage import main
+    from tiny_models import make_model_dir
+
+    model = make_model_dir(tmp_path / "m", "llama3", seed=4)
+    report = main(["--model", str(model), "--device", "cpu", "--dtype", "float32", "--long", "90", "--waves", "1,2",
+                   "--pieces", "12,2", "--out", str(tmp_path / "r.json")])
+    assert report["compilations_after_warm_up"] == 0 and report["warm_pieces"] == [12, 2]
+    assert report["warm_up_s"] == 0.0 and (tmp_path / "r.json").exists()
