@@ -304,52 +304,21 @@ def test_warm_up_compiles_and_captures_without_changing_tokens(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles on a GPU")
-def test_exact_warm_up_covers_prompts_joining_decodes_past_a_key_chunk(tmp_path, monkeypatch):
+def test_exact_warm_up_covers_prompts_joining_decodes_past_a_key_chunk(tmp_path):
     """After the start-up warm-up an exact-mode engine compiles nothing while prompt pieces of 64
     tokens or more join sequences decoding past one key chunk: the attention's prompt tile in a
-    launch of few programs, split over the chunks (SmolLM2's attention geometry). Before the warm-up
-    ran a 96-token piece (``model_runner.WARM_PIECES``) this variant compiled while serving, a stall
-    of every stream (SmolLM2 on one H200, 16 and 64 concurrent requests, 018f487)."""
-    import logging
-
-    import triton.knobs
-
-    from kernels import attention_exact
-    from kernels.compile_watch import CompileWatch
+    launch of few programs, split over the chunks (SmolLM2's attention geometry; the scenario of
+    ``benchmarks/warm_up_coverage.py``). Before the warm-up ran a 96-token piece
+    (``model_runner.WARM_PIECES``) this variant compiled while serving, a stall of every stream
+    (SmolLM2 on one H200, 16 and 64 concurrent requests, 018f487)."""
+    from benchmarks.warm_up_coverage import main
 
     model_dir = make_model_dir(tmp_path / "m", "llama3", seed=4, std=0.3, hidden_size=576, num_attention_heads=9,
                                num_key_value_heads=3, num_hidden_layers=2)
-    target = target_for(model_dir, device="cuda", dtype="bfloat16", exact=True, max_model_len=4096, max_num_seqs=32,
-                        kv_cache_gib=0.5)
-    target.runner.warm_up(target.cfg.max_batch_tokens)
-    launches = set()
-    mode = attention_exact._mode
-
-    def recorded(meta, *args):
-        split = mode(meta, *args)
-        launches.add((meta.custom_mask is None and meta.max_query_len >= attention_exact.WIDE_QUERY_LEN, split))
-        return split
-
-    monkeypatch.setattr(attention_exact, "_mode", recorded)
-    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", None)  # (restored after the test)
-    watch = CompileWatch(logging.getLogger(__name__), "the warm-up")
-    assert watch.start()
-    engine = Engine(target)
-    rng = np.random.default_rng(0)
-    ids = lambda n: rng.integers(1, 96, n).tolist()  # noqa: E731
-    for n in (600, 700, 900):
-        engine.add_request(ids(n), SamplingParams(max_tokens=120, ignore_eos=True))
-    for _ in range(12):
-        engine.step()
-    for wave in (1, 3, 8):
-        for _ in range(wave):
-            engine.add_request(ids(int(rng.integers(64, 300))), SamplingParams(max_tokens=8, ignore_eos=True))
-        for _ in range(5):
-            engine.step()
-    while engine.has_work:
-        engine.step()
-    assert (True, True) in launches  # the prompt tile, split: what the warm-up must have compiled
-    assert watch.compilations == 0
+    report = main(["--model", str(model_dir), "--device", "cuda", "--dtype", "bfloat16", "--exact",
+                   "--waves", "1,3,8"])
+    assert {"prompt_tile": True, "split": True} in report["exact_attention_launches"]  # what the warm-up must compile
+    assert report["compilations_after_warm_up"] == 0
 
 
 @pytest.mark.gpu
