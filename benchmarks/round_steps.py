@@ -85,6 +85,7 @@ def main() -> None:
             log.clear()
             policy = getattr(engine, "policy", None)
             before = collections.Counter(policy.decisions) if policy else None
+            switched = collections.Counter(policy.switches) if policy else None
             t = time.perf_counter()
             for i in range(0, max(b, 16), b):
                 engine.generate(prompts[i:i + b], SamplingParams(max_tokens=args.max_tokens))
@@ -99,6 +100,7 @@ def main() -> None:
                          "steps_ms": round(sum(ms for _, ms in kinds.values()), 1)})
             if policy:  # the round's choices (0: plain decoding), and its requests started without the draft
                 rows[-1]["decisions"] = {str(k): v for k, v in sorted((policy.decisions - before).items())}
+                rows[-1]["switches"] = dict(sorted((policy.switches - switched).items()))
                 detacher = engine.speculation.detacher  # (since start)
                 rows[-1]["requests"] = {"without_draft": detacher.detached_requests, "left_draft": detacher.left_requests,
                                         "took_it_up_again": detacher.reattached_requests}

@@ -841,6 +841,28 @@ def test_trees_measured_slower_than_plain_steps_are_vetoed_at_their_batch_and_ab
     assert rates.vetoed(64, 109) and not rates.vetoed(64, 110) and "trees b16" not in rates.rates()
 
 
+def test_switches_between_plain_decoding_and_trees_are_counted_with_their_reason():
+    """Each decision that moves between plain decoding and trees is counted by direction, batch bucket
+    and reason: leaving trees on the sequence's own estimate while the global one still picks trees,
+    or on the global estimate too (``diagnostics()["switches"]``)."""
+    def policy_after(bad_trees: int) -> AdaptivePolicy:
+        policy = AdaptivePolicy(table(0.3), TreeSettings("chain", 4),
+                                PolicyConfig(probe_every=0, cost_weight=0.0, stay_margin=0.0))
+        seen(policy, accepted=4, times=20, nodes=4)
+        assert policy.choose(1, 100.0, [0], [4]) == 4
+        seen(policy, accepted=0, times=bad_trees, nodes=4)
+        return policy
+
+    own = policy_after(20)
+    global_trees = own._global_pick(1, 100.0, 1)[0]
+    assert own.choose(1, 100.0, [0], [4]) == 0 and global_trees > 0
+    assert own.diagnostics()["switches"] == {"plain -> trees b1: model": 1, "trees -> plain b1: sequences' estimates": 1}
+    both = policy_after(40)
+    assert both._global_pick(1, 100.0, 1)[0] == 0 and both.choose(1, 100.0, [0], [4]) == 0
+    assert both.switches == {"plain -> trees b1: model": 1, "trees -> plain b1: global estimate": 1}
+    assert both.choose(1, 100.0, [0], [4]) == 0 and sum(both.switches.values()) == 2  # no switch: plain again
+
+
 def test_a_request_starts_without_the_draft_where_trees_do_not_pay_at_its_batch():
     """Forward = 10 ms + 1 ms per extra token and sequence: a batch of one gains from a tree, a batch
     of 64 pays 64 ms a node and would lose; below ``detach_below`` of plain decoding's rate, or where

@@ -60,6 +60,7 @@ from common.tree_settings import TreeSettings, tree_sizes
 from runtime.tree import CandidateTree
 from verify_service.acceptance_estimate import Acceptance, accepted_within
 from verify_service.cost_table import CostGrid, CostTable, calibrate, describe
+from verify_service.learned_costs import batch_bucket
 from verify_service.realized_rates import RealizedRates
 from verify_service.step_costs import StepCosts
 
@@ -107,6 +108,7 @@ class AdaptivePolicy:
         self._seq: dict[int, Acceptance] = {}
         self.costs = StepCosts(table, config, self.sizes, self._levels)
         self.decisions: Counter[int] = Counter()  # steps per choice (0: plain decoding)
+        self.switches: Counter[str] = Counter()  # decisions between plain decoding and trees, and why (``_count_switch``)
         self.decided = 0  # decisions so far (the sum of ``decisions``)
         self._undecided = [0, 0]  # steps that took no decision (their requests without the draft), decided at the last
         self.realized = RealizedRates(span=config.veto_span)  # what trees delivered against plain steps
@@ -160,13 +162,31 @@ class AdaptivePolicy:
         if key != self._held[0] or self._held[2] >= self.cfg.hold_steps:
             self._held = [key, self.best(batch, context, seq_ids, budgets), 0]
         self._held[2] += 1
+        before = self.choice
         self.choice = self._probe(self._held[1], batch, context, len(seq_ids))
+        if (before == 0) != (self.choice == 0):
+            self._count_switch(batch, context, len(seq_ids), probe=self.choice != self._held[1])
         self.decisions[self.choice] += 1
         self.decided += 1
         plain = self.step_ms(batch, context, 0, len(seq_ids)) if self.choice == 0 and quick_key is not None else None
         self._quick = None if plain is None else (quick_key, self._version, plain)
         self.last_held = False
         return self.choice
+
+    def _count_switch(self, batch: int, context: float, speculating: int, probe: bool) -> None:
+        """A decision that moved between plain decoding and trees, counted by direction, batch bucket
+        and why (each switch costs: a plain step after trees is not launched ahead, a tree step after
+        plain ones is not chained and pays the draft's catch-up). To trees: the model's choice or a
+        probe. To plain decoding: a veto, the global estimate (it too picks plain decoding for the
+        batch), or the sequences' own estimates alone."""
+        if self.choice:
+            why = "probe" if probe else "model"
+        elif self.cfg.veto_span and self.realized.vetoed(batch, self._clock):
+            why = "veto"
+        else:
+            why = "sequences' estimates" if self._global_pick(batch, context, speculating)[0] else "global estimate"
+        to = "plain -> trees" if self.choice else "trees -> plain"
+        self.switches[f"{to} b{batch_bucket(batch)}: {why}"] += 1
 
     def choose_held(self, quick_key) -> bool:
         """Plain decoding again, without looking at the sequences: True (and counted as a decision)
@@ -410,6 +430,7 @@ class AdaptivePolicy:
     def diagnostics(self) -> dict:
         """What the policy learned and how its model compares with the steps measured (for benchmarks)."""
         return {"decisions": {str(k): v for k, v in sorted(self.decisions.items())}, "probes": self.probes,
+                "switches": dict(sorted(self.switches.items())),
                 "vetoes": self.vetoes, "realized": self.realized.rates(),
                 "probe_share_modelled": round(float(self._probe_ms / self._spent_ms), 4) if self._spent_ms else 0.0,
                 **self.costs.diagnostics()}
