@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.tree_settings import TreeSettings  # noqa: E402
-from verify_service.adaptive import AdaptivePolicy, PolicyConfig  # noqa: E402
+from verify_service.adaptive import AdaptivePolicy, PolicyConfig, policy_variant  # noqa: E402
 from verify_service.cost_table import CostTable  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "mt_bench.jsonl"
@@ -144,13 +144,6 @@ def replay(trace: dict, cfg: PolicyConfig, mode: str, costs: ReplayCosts, warm: 
     return tokens / ms, kinds
 
 
-def variant(text: str) -> PolicyConfig:
-    """``field=value[,field=value...]``: the default PolicyConfig with those fields changed."""
-    base = PolicyConfig()
-    fields = dict(part.split("=", 1) for part in text.split(","))
-    return replace(base, **{k: type(getattr(base, k))(v) for k, v in fields.items()})
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -176,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     base, _ = replay(trace, PolicyConfig(), "target", costs, 0, args.inside)
     fixed, _ = replay(trace, PolicyConfig(), "fixed", costs, 0, args.inside)
     print(f"fixed tree: {fixed / base:.3f}x target-only")
-    variants = [("defaults", PolicyConfig())] + [(v, variant(v)) for v in args.variant]
+    variants = [("defaults", PolicyConfig())] + [(v, policy_variant(v)) for v in args.variant]
     for name, cfg in variants:
         rate, kinds = replay(trace, cfg, "policy", costs, args.warm, args.inside)
         print(f"policy, {name}: {rate / base:.3f}x target-only ({rate / fixed:.3f} of the fixed tree)  {dict(kinds)}")

@@ -10,6 +10,8 @@ EAGLE-3 with the fixed tree (default: the device's), EAGLE-3 with adaptive specu
 measured first), transformers ``generate`` (left-padded batches) and its assisted generation where
 it applies: prompt lookup (``prompt_lookup_num_tokens``), which needs no second model, at batch 1
 (transformers assists one sequence at a time; SmolLM2-135M has no smaller sibling to assist it).
+``--adaptive-variant FIELD=VALUE[,...]`` adds an adaptive engine whose ``PolicyConfig`` has
+those fields changed, run in the same rounds (policy variants side by side on one machine).
 Each row says how many outputs equal the target-only ones. The three engines are loaded together and
 run in turn, ``--rounds`` times per batch size, their order rotated each round; each row's time is
 its median round, so a speed-up compares runs made minutes apart at most, not a whole report apart;
@@ -48,6 +50,7 @@ from kernels.compile_watch import CompileWatch  # noqa: E402
 from tools.evaluate import parse_config, run, summarize  # noqa: E402
 from tools.inprocess import build_engine  # noqa: E402
 from tools.train.data import load_prompts  # noqa: E402
+from verify_service.adaptive import policy_variant  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
 from verify_service.cost_table import CostGrid, calibrate  # noqa: E402
 
@@ -242,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--tree", default=None, help="TREE:DEPTH[:TOP_K[:NODES]] (default: the device's default tree)")
     ap.add_argument("--no-adaptive", action="store_true", help="skip the adaptive speculation rows")
+    ap.add_argument("--adaptive-variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                    help="one more adaptive engine, its PolicyConfig with these fields changed, in the same rounds")
     ap.add_argument("--profile-batch", type=int, default=None, help="after the rows, one more run of every "
                     "engine at this batch size under cProfile: OUT.profile.txt (where the host time goes)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every engine per batch size, in turn; "
@@ -256,6 +261,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    try:
+        variants = [(text, policy_variant(text)) for text in args.adaptive_variant]
+    except ValueError as exc:
+        ap.error(f"--adaptive-variant {exc}")
     batches = sorted(set(args.batch or [1, 4, 16, 64]))
     model = args.model or str(ensure_default_model(progress=False))
     tree = args.tree or _tree_text(default_tree(args.device.partition(":")[0]))
@@ -277,6 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
     engines = [("target-only", engine), (f"eagle3 {tree}", build_engine(cfg, spec))]
     if not args.no_adaptive:
         engines.append((f"eagle3 adaptive (limits {tree})", build_engine(cfg, spec, adaptive=True)))
+        engines += [(f"eagle3 adaptive ({text})", build_engine(cfg, spec, adaptive=True, policy_config=config))
+                    for text, config in variants]
     if args.device.startswith("cuda"):
         WATCH.start()  # every engine warmed up: from here a compilation is logged, and rows count theirs
     report["rounds"] = args.rounds
@@ -284,7 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
     report["throughput"] += engine_rows(engines, prompts, batches, args.min_prompts, params, args.rounds, reference,
                                         args.gc_freeze == "on", args.device)
     if not args.no_adaptive:
-        report["adaptive_decisions"] = {str(k): v for k, v in sorted(engines[-1][1].policy.decisions.items())}
+        first = engines[3 - bool(args.no_adaptive)][1]  # the default policy's engine
+        report["adaptive_decisions"] = {str(k): v for k, v in sorted(first.policy.decisions.items())}
     if args.profile_batch:
         b = args.profile_batch
         Path(args.out + ".profile.txt").write_text(

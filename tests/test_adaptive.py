@@ -841,6 +841,16 @@ def test_trees_measured_slower_than_plain_steps_are_vetoed_at_their_batch_and_ab
     assert rates.vetoed(64, 109) and not rates.vetoed(64, 110) and "trees b16" not in rates.rates()
 
 
+def test_a_policy_variant_changes_only_the_fields_it_names():
+    from verify_service.adaptive import policy_variant
+    v = policy_variant("stay_margin=0.5,hold_steps=4")
+    assert (v.stay_margin, v.hold_steps) == (0.5, 4) and type(v.hold_steps) is int
+    assert v.probe_every == PolicyConfig().probe_every
+    for bad in ("no_such_field=1", "stay_margin", "hold_steps=x"):
+        with pytest.raises(ValueError):
+            policy_variant(bad)
+
+
 def test_switches_between_plain_decoding_and_trees_are_counted_with_their_reason():
     """Each decision that moves between plain decoding and trees is counted by direction, batch bucket
     and reason: leaving trees on the sequence's own estimate while the global one still picks trees,

@@ -84,7 +84,8 @@ def test_speed_report_runs_small(tmp_path):
                                     "--min-prompts", "2", "--max-tokens", "5", "--tree", "chain:2", "--no-hf",
                                     "--verify-tokens", "1", "--verify-tokens", "3", "--verify-contexts", "16",
                                     "--verify-batches", "1", "--device", "cpu", "--dtype", "float32", "--rounds",
-                                    "2", "--profile-batch", "2", "--out", str(out)])
+                                    "2", "--profile-batch", "2", "--adaptive-variant", "stay_margin=0.5,hold_steps=4",
+                                    "--out", str(out)])
         assert gc.get_freeze_count() > 0  # the heap frozen after the warm-up, as the services freeze theirs
     finally:
         gc.unfreeze()  # (this test process's heap is not a service's)
@@ -97,7 +98,8 @@ def test_speed_report_runs_small(tmp_path):
                for r in report["throughput"])
     configs = {(r["batch"], r["config"]) for r in report["throughput"]}
     assert configs == {(b, c) for b in (1, 2) for c in ("target-only", "eagle3 chain:2",
-                                                         "eagle3 adaptive (limits chain:2)")}
+                                                         "eagle3 adaptive (limits chain:2)",
+                                                         "eagle3 adaptive (stay_margin=0.5,hold_steps=4)")}
     assert all(r["identical_outputs"] == r["prompts"] for r in report["throughput"])  # fp32: exact
     assert report["verify_cost"]["tokens"] == [1, 3] and report["hf"] == {"ran": False, "why": "--no-hf"}
     assert "eagle3 chain:2" in report["tau_per_depth"]

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +86,19 @@ class PolicyConfig:
     #                              decoding's tokens per ms (or vetoed) runs without the draft (0: never)
     leave_from: int = 8  # from a batch of this many: where the global estimate picks plain decoding for the
     #                      whole batch, requests run without the draft, and running ones leave it (0: never)
+
+
+def policy_variant(text: str) -> PolicyConfig:
+    """``field=value[,field=value...]``: the default PolicyConfig with those fields changed (benchmarks'
+    variants). An unknown field or a value of the wrong type raises ValueError."""
+    base = PolicyConfig()
+    changed = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        if not sep or not hasattr(base, name):
+            raise ValueError(f"{part!r}: not FIELD=VALUE with a PolicyConfig field")
+        changed[name] = type(getattr(base, name))(value)
+    return replace(base, **changed)
 
 
 def batch_key(n: int) -> int:
