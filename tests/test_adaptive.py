@@ -132,9 +132,32 @@ def test_on_trees_the_batch_pays_for_a_sequences_dip_leaves_them_only_by_the_sta
     off.choice = 5
     assert off.best(1, 1024, [2], [5]) == 0
     low = AdaptivePolicy(table(per_token_ms=1.0), limits, PolicyConfig(probe_every=0, stay_margin=0.2))
-    seen(low, accepted=0, seq_id=1, times=100)  # the global estimate: trees do not pay
+    seen(low, accepted=0, seq_id=1, times=100)  # the global estimate: trees do not pay, by far
     low.choice = 5
     assert low.best(1, 1024, [1], [5]) == 0
+
+
+def test_on_trees_the_global_estimate_picks_no_more_plain_decoding_leaves_them_only_by_stay_global():
+    """Where the global estimate too dips just below break-even, the policy on trees stays on them
+    unless plain decoding wins by ``stay_global`` (each switch costs a step not launched ahead, one not
+    chained and the draft's catch-up); with it off it leaves at once, as it does from plain decoding."""
+    limits = TreeSettings("chain", 5)
+
+    def policy(stay_global: float, dip: int) -> AdaptivePolicy:
+        p = AdaptivePolicy(table(per_token_ms=1.0), limits, PolicyConfig(probe_every=0, stay_global=stay_global))
+        seen(p, accepted=1, seq_id=1, times=40)
+        seen(p, accepted=0, seq_id=1, times=dip)  # the global estimate follows it down
+        return p
+
+    # just below break-even for the global estimate (sequence 2, with no trees of its own, is priced on it)
+    dip = next(k for k in range(1, 400) if policy(0.0, k)._global_pick(1, 1024, 1)[0] == 0)
+    on_trees = policy(0.1, dip)
+    assert on_trees.best(1, 1024, [2], [5]) == 0  # from plain decoding: no margin to stay by
+    on_trees.choice = 5
+    assert on_trees.best(1, 1024, [2], [5]) > 0
+    off = policy(0.0, dip)
+    off.choice = 5
+    assert off.best(1, 1024, [2], [5]) == 0
 
 
 def test_above_its_own_sizes_a_sequence_follows_the_global_gains():
@@ -1211,3 +1234,35 @@ def test_the_lower_bound_counts_draft_calls_that_taught_nothing_as_no_cost():
         policy.observe_draft(4, 3, 40.0)
     assert policy.costs.lower_bound_ms(4, 1024, 3) == pytest.approx(policy.costs.forward(4, 4, 1024))
     assert not policy.detaches(4, 1024)
+
+
+def test_a_batch_whose_requests_without_the_draft_are_ending_looks_at_no_policy():
+    """``Detacher.due`` asks the policy whether trees pay at a new batch bucket only where a running
+    request without the draft has the tokens left to take it up again (``REATTACH_MIN_TOKENS``): at
+    the tail of a batch whose requests end together, a look per shrinking key cost the host tens of
+    microseconds each, for nothing."""
+    from types import SimpleNamespace
+    from verify_service.detacher import REATTACH_MIN_TOKENS, Detacher
+
+    class Policy:
+        looks = 0
+
+        def detaches(self, batch, context):
+            self.looks += 1
+            return False  # trees pay: a request with tokens left would take the draft up again
+
+    def seq(left: int):
+        return SimpleNamespace(detached=True, prefilling=False, num_tokens=100, max_new_tokens=128,
+                               output_ids=[0] * (128 - left))
+
+    running = [seq(REATTACH_MIN_TOKENS - 1) for _ in range(17)]  # batch key 24
+    policy = Policy()
+    d = Detacher(policy, SimpleNamespace(running=running, waiting=[]))
+    d.detached = len(running)
+    assert not d.due() and policy.looks == 0
+    running.pop()  # batch 16: another key, still nothing to take up
+    assert not d.due() and policy.looks == 0
+    running[0] = seq(REATTACH_MIN_TOKENS)
+    del running[8:]  # batch 8: another key, and one request could come back
+    assert d.due() and policy.looks == 1
+    assert d.due() and policy.looks == 1  # the same key: the look holds

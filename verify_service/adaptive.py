@@ -76,6 +76,7 @@ class PolicyConfig:
     cost_weight: float = 0.05  # EWMA weight of one measured step in the learned costs (0: the table alone)
     margin: float = 0.02  # a tree must beat plain decoding by this fraction (noise in the estimates)
     stay_margin: float = 0.2  # on trees the global estimate picks, plain decoding must beat them by this (0: off)
+    stay_global: float = 0.1  # on trees it does not pick, plain decoding must beat them by this (0: leave at once)
     probe_every: int = 32  # decisions between probes of the next size up (0: never)
     probe_share: float = 0.03  # probes may cost at most this share of the steps' (modelled) time ...
     probe_window: int = 256  # ... over about this many recent decisions (an exponential window)
@@ -228,11 +229,18 @@ class AdaptivePolicy:
             return 0
         tokens = batch + self._accepted(seq_ids, budgets)  # [len(sizes)]
         pick = self._fastest(batch, context, len(seq_ids), tokens, self.cfg.margin)
-        if pick == 0 and self.choice and self.cfg.stay_margin and self._global_pick(batch, context, len(seq_ids))[0]:
-            # On trees, where the global estimate picks trees for this batch, the sequences' own dip
-            # leaves them only when plain decoding wins by ``stay_margin``: each switch costs a plain
-            # step not launched ahead and a tree step not chained, and a hard passage ends.
-            pick = self._fastest(batch, context, len(seq_ids), tokens, -self.cfg.stay_margin)
+        if pick == 0 and self.choice and (self.cfg.stay_margin or self.cfg.stay_global):
+            # On trees, plain decoding must win by a margin: each switch costs a plain step not
+            # launched ahead, then a tree step not chained and the draft's catch-up of the rows the
+            # plain steps left it. Where the global estimate picks trees for this batch, the
+            # sequences' own dip leaves them only by ``stay_margin`` (a hard passage ends); where it
+            # too picks plain decoding, by ``stay_global`` (at batch 4 on an H200, where trees ran within
+            # 3% of plain decoding, rounds that mixed plain stretches into trees ran 13% slower than
+            # target-only's, rounds of trees alone 3% faster; most of those switches were the global
+            # estimate's, which left trees at once).
+            stay = self.cfg.stay_margin if self._global_pick(batch, context, len(seq_ids))[0] else self.cfg.stay_global
+            if stay:
+                pick = self._fastest(batch, context, len(seq_ids), tokens, -stay)
         return pick
 
     def _fastest(self, batch: int, context: float, speculating: int, tokens, margin: float) -> int:

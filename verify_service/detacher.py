@@ -77,10 +77,19 @@ class Detacher:
         key = batch_key(batch)
         look = self._look
         if look is None or look[0] != key:
-            decoding = [s.num_tokens for s in sched.running if not s.prefilling]
-            context = sum(decoding) / len(decoding) if decoding else 0.0
-            look = self._look = (key, not self.policy.detaches(batch, context))
+            pays = False  # (no request could take the draft up again, as at the tail of a batch whose
+            #                requests end together: no look at the policy, tens of microseconds a key)
+            if self._could_reattach():
+                decoding = [s.num_tokens for s in sched.running if not s.prefilling]
+                context = sum(decoding) / len(decoding) if decoding else 0.0
+                pays = not self.policy.detaches(batch, context)
+            look = self._look = (key, pays)
         return look[1]
+
+    def _could_reattach(self) -> bool:
+        """Whether a running request without the draft has the tokens left to take it up again."""
+        return any(s.detached and s.max_new_tokens - len(s.output_ids) >= REATTACH_MIN_TOKENS
+                   for s in self.scheduler.running)
 
     def reattach(self, max_tokens: int) -> int:
         """Where trees now pay (``due``), requests without the draft take it up again: each
