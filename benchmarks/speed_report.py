@@ -12,6 +12,8 @@ it applies: prompt lookup (``prompt_lookup_num_tokens``), which needs no second 
 (transformers assists one sequence at a time; SmolLM2-135M has no smaller sibling to assist it).
 ``--adaptive-variant FIELD=VALUE[,...]`` adds an adaptive engine whose ``PolicyConfig`` has
 those fields changed, run in the same rounds (policy variants side by side on one machine).
+``--control`` adds a second target-only engine, paired with the first like the others: its speed-up
+is the pairing's own noise (how far from 1.0 an engine that does the same work reads).
 Each row says how many outputs equal the target-only ones. The three engines are loaded together and
 run in turn, ``--rounds`` times per batch size, their order rotated each round; each row's time is
 its median round, so a speed-up compares runs made minutes apart at most, not a whole report apart;
@@ -247,6 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-adaptive", action="store_true", help="skip the adaptive speculation rows")
     ap.add_argument("--adaptive-variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
                     help="one more adaptive engine, its PolicyConfig with these fields changed, in the same rounds")
+    ap.add_argument("--control", action="store_true",
+                    help="a second target-only engine in the same rounds: the pairing's own noise")
     ap.add_argument("--profile-batch", type=int, default=None, help="after the rows, one more run of every "
                     "engine at this batch size under cProfile: OUT.profile.txt (where the host time goes)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every engine per batch size, in turn; "
@@ -284,8 +288,12 @@ def main(argv: list[str] | None = None) -> dict:
     eos = engine.target.model_config.eos_token_ids
     report["verify_cost"] = _verify_cost(engine.target, args).to_json()  # before any request: see calibrate
     engines = [("target-only", engine), (f"eagle3 {tree}", build_engine(cfg, spec))]
+    if args.control:
+        engines.append(("target-only (control)", build_engine(cfg)))
+    adaptive = None  # the default policy's engine
     if not args.no_adaptive:
-        engines.append((f"eagle3 adaptive (limits {tree})", build_engine(cfg, spec, adaptive=True)))
+        adaptive = build_engine(cfg, spec, adaptive=True)
+        engines.append((f"eagle3 adaptive (limits {tree})", adaptive))
         engines += [(f"eagle3 adaptive ({text})", build_engine(cfg, spec, adaptive=True, policy_config=config))
                     for text, config in variants]
     if args.device.startswith("cuda"):
@@ -294,14 +302,13 @@ def main(argv: list[str] | None = None) -> dict:
     report["gc_freeze"] = args.gc_freeze
     report["throughput"] += engine_rows(engines, prompts, batches, args.min_prompts, params, args.rounds, reference,
                                         args.gc_freeze == "on", args.device)
-    if not args.no_adaptive:
-        first = engines[3 - bool(args.no_adaptive)][1]  # the default policy's engine
-        report["adaptive_decisions"] = {str(k): v for k, v in sorted(first.policy.decisions.items())}
+    if adaptive is not None:
+        report["adaptive_decisions"] = {str(k): v for k, v in sorted(adaptive.policy.decisions.items())}
     if args.profile_batch:
         b = args.profile_batch
         Path(args.out + ".profile.txt").write_text(
             "".join(profile_run(name, e, prompts[:max(b, args.min_prompts)], params, b) for name, e in engines))
-    del engine, engines
+    del engine, engines, adaptive
     report["tau_per_depth"] = tau_per_depth(report["throughput"])
     report["hf"] = _hf(args, model, prompts, batches, eos, reference, report)
     Path(args.out).write_text(json.dumps(report, indent=2))

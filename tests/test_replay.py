@@ -85,7 +85,7 @@ def test_speed_report_runs_small(tmp_path):
                                     "--verify-tokens", "1", "--verify-tokens", "3", "--verify-contexts", "16",
                                     "--verify-batches", "1", "--device", "cpu", "--dtype", "float32", "--rounds",
                                     "2", "--profile-batch", "2", "--adaptive-variant", "stay_margin=0.5,hold_steps=4",
-                                    "--out", str(out)])
+                                    "--control", "--out", str(out)])
         assert gc.get_freeze_count() > 0  # the heap frozen after the warm-up, as the services freeze theirs
     finally:
         gc.unfreeze()  # (this test process's heap is not a service's)
@@ -97,9 +97,12 @@ def test_speed_report_runs_small(tmp_path):
     assert all(("speedup_paired" in r) == ("speedup_best" in r) == (r["config"] != "target-only")
                for r in report["throughput"])
     configs = {(r["batch"], r["config"]) for r in report["throughput"]}
-    assert configs == {(b, c) for b in (1, 2) for c in ("target-only", "eagle3 chain:2",
+    assert configs == {(b, c) for b in (1, 2) for c in ("target-only", "eagle3 chain:2", "target-only (control)",
                                                          "eagle3 adaptive (limits chain:2)",
                                                          "eagle3 adaptive (stay_margin=0.5,hold_steps=4)")}
+    # the default policy's decisions since start: at least those of its own rows (not a variant's)
+    rows = [r["adaptive"]["decisions"] for r in report["throughput"] if r["config"] == "eagle3 adaptive (limits chain:2)"]
+    assert all(report["adaptive_decisions"].get(k, 0) >= sum(r.get(k, 0) for r in rows) for d in rows for k in d)
     assert all(r["identical_outputs"] == r["prompts"] for r in report["throughput"])  # fp32: exact
     assert report["verify_cost"]["tokens"] == [1, 3] and report["hf"] == {"ran": False, "why": "--no-hf"}
     assert "eagle3 chain:2" in report["tau_per_depth"]
