@@ -636,6 +636,9 @@ class ChaosPolicy(AdaptivePolicy):
         self.decisions[self.choice] += 1
         return self.choice
 
+    def detaches(self, batch, context):
+        return False  # every request keeps the draft: the random choices are what is tested
+
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
@@ -929,7 +932,7 @@ def test_a_request_starts_without_the_draft_only_where_even_the_trees_lowest_cos
     at batch 1 are not read at batch 4, nor a few steps' at batch 1; many steps at batch 4 are."""
     from verify_service.step_costs import EVIDENCE_STEPS
     policy = AdaptivePolicy(table(per_token_ms=0.02), TreeSettings("chain", 3), PolicyConfig(probe_every=0,
-                                                                                          cost_weight=1.0))
+                                                                                          cost_weight=1.0, leave_from=0))
     seen(policy, accepted=3, nodes=3)
 
     def dear_steps(batch, times):  # a draft call of 40 ms, a tree step 60 ms beyond its forward

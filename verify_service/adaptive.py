@@ -85,7 +85,7 @@ class PolicyConfig:
     veto_span: int = 4096  # decisions a veto of trees, measured slower than plain decoding, lasts (0: no veto)
     detach_below: float = 0.75  # a request starting where trees are modelled below this share of plain
     #                              decoding's tokens per ms (or vetoed) runs without the draft (0: never)
-    leave_from: int = 8  # from a batch of this many: where the global estimate picks plain decoding for the
+    leave_from: int = 4  # from a batch of this many: where the global estimate picks plain decoding for the
     #                      whole batch, requests run without the draft, and running ones leave it (0: never)
 
 
