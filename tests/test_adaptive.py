@@ -882,8 +882,8 @@ def test_switches_between_plain_decoding_and_trees_are_counted_with_their_reason
     and reason: leaving trees on the sequence's own estimate while the global one still picks trees,
     or on the global estimate too (``diagnostics()["switches"]``)."""
     def policy_after(bad_trees: int) -> AdaptivePolicy:
-        policy = AdaptivePolicy(table(0.3), TreeSettings("chain", 4),
-                                PolicyConfig(probe_every=0, cost_weight=0.0, stay_margin=0.0))
+        policy = AdaptivePolicy(table(0.3), TreeSettings("chain", 4),  # (every step decides: hold_steps 1)
+                                PolicyConfig(probe_every=0, cost_weight=0.0, stay_margin=0.0, hold_steps=1))
         seen(policy, accepted=4, times=20, nodes=4)
         assert policy.choose(1, 100.0, [0], [4]) == 4
         seen(policy, accepted=0, times=bad_trees, nodes=4)
@@ -943,6 +943,9 @@ def test_a_request_starts_without_the_draft_only_where_even_the_trees_lowest_cos
     dear_steps(1, EVIDENCE_STEPS - 1)
     assert policy.best(1, 1024, [0], [3]) == 0  # the model: trees lose at batch 1 ...
     assert not policy.detaches(1, 1024) and not policy.detaches(4, 1024)  # ... a few steps say so
+    # (requests running without the draft take it up again only where the full model picks trees:
+    # their catch-up recomputes every position)
+    assert not policy.trees_pay(1, 1024)
     dear_steps(1, 1)
     assert policy.detaches(1, 1024) and not policy.detaches(4, 1024)  # batch 1's costs are not batch 4's
     dear_steps(4, EVIDENCE_STEPS)
@@ -994,6 +997,9 @@ class DetachAboveTwo(AdaptivePolicy):
 
     def detaches(self, batch, context):
         return batch > 2
+
+    def trees_pay(self, batch, context):
+        return batch <= 2
 
     def choose(self, batch, context, seq_ids, budgets, quick_key=None):
         self.choice, self.last_held = self.sizes[-1], False
@@ -1059,6 +1065,9 @@ class LeaveAboveTwo(AdaptivePolicy):
 
     def detaches(self, batch, context):
         return batch > 2 and self.decided > 0
+
+    def trees_pay(self, batch, context):
+        return batch <= 2
 
     def choose(self, batch, context, seq_ids, budgets, quick_key=None):
         self.choice, self.last_held = (0 if batch > 2 else self.sizes[-1]), False
@@ -1250,9 +1259,9 @@ def test_a_batch_whose_requests_without_the_draft_are_ending_looks_at_no_policy(
     class Policy:
         looks = 0
 
-        def detaches(self, batch, context):
+        def trees_pay(self, batch, context):
             self.looks += 1
-            return False  # trees pay: a request with tokens left would take the draft up again
+            return True  # a request with tokens left would take the draft up again
 
     def seq(left: int):
         return SimpleNamespace(detached=True, prefilling=False, num_tokens=100, max_new_tokens=128,
@@ -1269,3 +1278,25 @@ def test_a_batch_whose_requests_without_the_draft_are_ending_looks_at_no_policy(
     del running[8:]  # batch 8: another key, and one request could come back
     assert d.due() and policy.looks == 1
     assert d.due() and policy.looks == 1  # the same key: the look holds
+
+
+def test_on_trees_a_decision_holds_its_steps_through_their_acceptance_from_plain_decoding_a_probe_ends_it():
+    """Held on trees, the acceptance of the trees it chose does not end a decision before its
+    ``hold_steps`` (at batch 1 every step verifies one: a whole decision a step cost the host twice
+    the held one); a new sequence's first tree does, and so, held on plain decoding, does a probe's."""
+    limits = TreeSettings("chain", 4)
+    policy = AdaptivePolicy(table(0.3), limits, PolicyConfig(probe_every=0, cost_weight=0.0, stay_margin=0.0,
+                                                             stay_global=0.0, hold_steps=4))
+    seen(policy, accepted=4, times=20, nodes=4)
+    assert policy.choose(1, 100.0, [0], [4]) == 4
+    version = policy._version
+    seen(policy, accepted=4, times=1, seq_id=7, nodes=4)  # held on trees: a new sequence's first tree ends it
+    assert policy._version != version
+    policy.release(7)
+    assert policy.choose(1, 100.0, [0], [4]) == 4
+    seen(policy, accepted=0, times=40, nodes=4)  # trees that accept nothing: plain decoding is best now
+    assert policy.best(1, 100.0, [0], [4]) == 0
+    assert [policy.choose(1, 100.0, [0], [4]) for _ in range(4)] == [4, 4, 4, 0]  # the hold runs out
+    version = policy._version
+    seen(policy, accepted=4, times=1, nodes=4)  # held on plain decoding: a (probe's) tree ends it
+    assert policy._version != version

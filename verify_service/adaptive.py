@@ -31,7 +31,8 @@ plain decoding in 83% of the steps where the fixed tree ran 1.47x target-only). 
 tree (the batch's trees pay), such probes come every ``probe_every / 4`` decisions and cost only their
 time beyond plain decoding's for the tokens the global estimate expects of them. A decision is reused
 for up to ``hold_steps`` steps while the batch, its context (to 256 tokens) and what was learned
-(acceptance, draft costs; not the per-step residuals) stay the same. A probe waits while
+(draft costs, a new sequence's first tree, from plain decoding a probe's tree; not the per-step
+residuals, nor the acceptance of trees the decision chose) stay the same. A probe waits while
 the probes' extra cost (modelled: the probe's step against the best one, and from plain decoding
 the draft's catch-up of the rows the plain steps left it, learned per row) would exceed
 ``probe_share`` of the steps' modelled time over about the last ``probe_window`` decisions: at a
@@ -135,7 +136,7 @@ class AdaptivePolicy:
         self._spent_ms = 0.0  # modelled cost of the chosen steps (recent ones: see _account) ...
         self._probe_ms = 0.0  # ... and what the probes added to it
         self._keep = 1.0 - 1.0 / max(config.probe_window, 1)
-        self._own_version = 0  # bumped by what moves the decision much: a tree's acceptance, a release ...
+        self._own_version = 0  # bumped by what moves the decision much: a probe's tree, a release ...
         self._held: list = [None, 0, 0]  # (batch, context / 256, speculating, budget, version), best, uses
         self._quick = None  # (caller's key, version, plain step's modelled ms) while plain decoding is held
         self.last_held = False  # the latest decision was a held plain one (choose_held)
@@ -378,10 +379,8 @@ class AdaptivePolicy:
 
         Such a request costs nothing for a draft it would not use: no target features kept for it,
         no rows buffered, no draft state (at batch 64 and 128 the rows of plain steps cost 1-12% of
-        target-only's time on the H100s measured). Asked again as the batch changes
-        (``Detacher.due``): where it says no, such requests take the draft up again (from a batch of
-        ``leave_from``, only where the global estimate picks trees: no request recomputes its
-        positions for the draft only to decode plainly and leave it again)."""
+        target-only's time on the H100s measured). As the batch changes, such requests take the
+        draft up again where trees pay (``trees_pay``), not merely where this says no."""
         ratio = self.cfg.detach_below
         if batch < 1:
             return False
@@ -395,6 +394,18 @@ class AdaptivePolicy:
         plain = batch / self.step_ms(batch, context, 0, batch)
         best = max(t / self.costs.lower_bound_ms(batch, context, m) for t, m in zip(tokens, self.sizes))
         return best < ratio * plain
+
+    def trees_pay(self, batch: int, context: float) -> bool:
+        """Whether requests running without the draft take it up again at ``batch`` sequences of about
+        ``context`` tokens (``Detacher.due``): no veto holds there, and the global estimate, with the
+        full model's costs (``_global_pick``), picks trees for the whole batch speculating. Each such
+        request recomputes every position it has for the draft, so the lower bound that lets a request
+        start with it (``detaches``) is not enough: at the tail of rounds of 4 requests on an H200,
+        requests took the draft up again at 3 on it, recomputed their positions and then decoded
+        plainly, 5% of the round's time."""
+        if self.cfg.veto_span and self.realized.vetoed(batch, self._clock):
+            return False
+        return self._global_pick(batch, context, batch)[0] > 0
 
     def settings(self, seq_settings: TreeSettings, nodes: int) -> TreeSettings:
         """A sequence's tree for a choice of ``nodes`` (> 0)."""
@@ -417,9 +428,15 @@ class AdaptivePolicy:
         if own is None:  # a sequence's own estimate starts from the global one, as its prior
             own = self._seq[seq_id] = Acceptance(self._global.curve(self.sizes, self._levels), self.cfg.seq_weight,
                                                  wider=self._global, shrink=self.cfg.seq_shrink)
+            self._own_version += 1
         own.update(acc)
         self._global.update(acc)
-        self._own_version += 1
+        if not self._held[1]:
+            # Held on plain decoding (this is a probe's tree): decide again at the next step. Held on
+            # trees, the decision stands out its ``hold_steps``: at batch 1 every step verifies a tree,
+            # and a whole decision after each one cost the host about 80 us a step against 40 held
+            # (``best`` and the curves; one CPU core), where a speculative step takes 1.4-1.8 ms.
+            self._own_version += 1
         j = len(acc) - 1
         self.costs.nodes[j] += self.cfg.cost_weight * (min(nodes, self.sizes[j]) - self.costs.nodes[j])
 

@@ -82,7 +82,7 @@ class Detacher:
             if self._could_reattach():
                 decoding = [s.num_tokens for s in sched.running if not s.prefilling]
                 context = sum(decoding) / len(decoding) if decoding else 0.0
-                pays = not self.policy.detaches(batch, context)
+                pays = self.policy.trees_pay(batch, context)
             look = self._look = (key, pays)
         return look[1]
 
