@@ -124,13 +124,7 @@ def test_on_trees_the_batch_pays_for_a_sequences_dip_leaves_them_only_by_the_sta
         return p
 
     dip = next(k for k in range(1, 60) if policy(0.0, k).best(1, 1024, [2], [5]) == 0)  # just below break-even
-    on_trees = policy(0.2, dip)
-    assert on_trees.best(1, 1024, [2], [5]) == 0  # from plain decoding: no margin to stay by
-    on_trees.choice = 5
-    assert on_trees.best(1, 1024, [2], [5]) > 0
-    off = policy(0.0, dip)
-    off.choice = 5
-    assert off.best(1, 1024, [2], [5]) == 0
+    stays_on_trees_only_by_the_margin(policy, 0.2, dip, seq_id=2)
     low = AdaptivePolicy(table(per_token_ms=1.0), limits, PolicyConfig(probe_every=0, stay_margin=0.2))
     seen(low, accepted=0, seq_id=1, times=100)  # the global estimate: trees do not pay, by far
     low.choice = 5
@@ -151,13 +145,20 @@ def test_on_trees_the_global_estimate_picks_no_more_plain_decoding_leaves_them_o
 
     # just below break-even for the global estimate (sequence 2, with no trees of its own, is priced on it)
     dip = next(k for k in range(1, 400) if policy(0.0, k)._global_pick(1, 1024, 1)[0] == 0)
-    on_trees = policy(0.1, dip)
-    assert on_trees.best(1, 1024, [2], [5]) == 0  # from plain decoding: no margin to stay by
+    stays_on_trees_only_by_the_margin(policy, 0.1, dip, seq_id=2)
+
+
+def stays_on_trees_only_by_the_margin(policy, margin: float, dip: int, seq_id: int) -> None:
+    """``policy(margin, dip)``: a chain-of-5 policy whose estimate for ``seq_id`` dipped just below
+    break-even. From plain decoding it decodes plainly; from trees it stays on them with ``margin``,
+    and leaves them with none."""
+    on_trees = policy(margin, dip)
+    assert on_trees.best(1, 1024, [seq_id], [5]) == 0  # from plain decoding: no margin to stay by
     on_trees.choice = 5
-    assert on_trees.best(1, 1024, [2], [5]) > 0
+    assert on_trees.best(1, 1024, [seq_id], [5]) > 0
     off = policy(0.0, dip)
     off.choice = 5
-    assert off.best(1, 1024, [2], [5]) == 0
+    assert off.best(1, 1024, [seq_id], [5]) == 0
 
 
 def test_above_its_own_sizes_a_sequence_follows_the_global_gains():
