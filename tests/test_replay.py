@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import plot, policy_replay, replay_gates, row_breakdown, speed_report
+from benchmarks import plot, policy_host_cost, policy_replay, replay_gates, row_breakdown, speed_report
 from benchmarks.record_acceptance import record, summary
 from draft_service.drafter import EagleDrafter
 from draft_service.spec_config import SpecConfig
@@ -169,3 +169,12 @@ def test_the_policy_replayed_at_batch_1_keeps_most_of_the_fixed_trees_gain_and_n
         fixed, _ = policy_replay.replay(t, PolicyConfig(), "fixed", costs, 0, inside)
         policy, kinds = policy_replay.replay(t, PolicyConfig(), "policy", costs, 1, inside)
         assert policy >= least_of_fixed * fixed and policy >= least_of_target * base, (fixed / base, policy / base, kinds)
+
+
+def test_policy_host_cost_runs_small(tmp_path):
+    out = tmp_path / "cost.json"
+    rows = policy_host_cost.main(["--batch", "1", "--batch", "2", "--steps", "50", "--variant", "hold_steps=1",
+                                  "--out", str(out)])
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["us_per_step"] > 0 for r in rows)
+    assert all(sum(r["decisions"].values()) == 250 for r in rows)  # 200 warm steps, 50 timed: one decision each
+    assert json.loads(out.read_text())["variant"] == "hold_steps=1"

@@ -19,11 +19,13 @@ def accepted_within(tree: CandidateTree, accepted: list[int], sizes) -> np.ndarr
 
     Best = highest cumulative draft log-prob; ties to the shallower, then the earlier node (the
     dynamic builder's order). A path stops at its first node outside the best m."""
+    if not accepted:  # (nothing accepted: no order needed, a quarter of the trees at batch 1)
+        return np.zeros(len(sizes))
     n = tree.num_nodes
     order = np.lexsort((np.arange(n), tree.depths, -tree.log_probs))  # last key is the primary one
     rank = np.empty(n, dtype=np.int64)
     rank[order] = np.arange(n)
-    worst = np.maximum.accumulate(rank[np.asarray(accepted, dtype=np.int64)]) if accepted else np.zeros(0)
+    worst = np.maximum.accumulate(rank[np.asarray(accepted, dtype=np.int64)])
     return (worst[None, :] < np.minimum(sizes, n)[:, None]).sum(axis=1).astype(np.float64)
 
 
@@ -40,27 +42,31 @@ class Acceptance:
         self.prior, self.weight = prior, weight
         self.wider = wider  # a sequence's: the global estimate, whose gains carry it above its own sizes
         self.shrink = shrink  # a sequence's: the global estimate weighs as much as this many of its trees
-        self._sum = np.zeros_like(prior)  # EWMA from zero ...
-        self._mass = np.zeros_like(prior)  # ... and the weight it has gathered: mean = sum / mass
-        self._trees = np.zeros_like(prior)  # trees seen per size
+        # Per size, as lists: an update is a few float operations per size, where numpy's cost per call
+        # made it 8 us (two updates per verified tree, on the host's critical path).
+        self._sum = [0.0] * len(prior)  # EWMA from zero ...
+        self._mass = [0.0] * len(prior)  # ... and the weight it has gathered: mean = sum / mass
+        self._trees = [0] * len(prior)  # trees seen per size
         self.seen = -1  # index of the largest size seen
         self.updates = 0
         self._curve: tuple | None = None  # (the wider one's updates, curve), until the next update
 
-    def update(self, acc: np.ndarray) -> None:
+    def update(self, acc: list[float]) -> None:
         """``acc``: what sizes 0..len(acc)-1 would have accepted in one tree."""
-        j, w = len(acc), self.weight
-        self._sum[:j] += w * (acc - self._sum[:j])
-        self._mass[:j] += w * (1.0 - self._mass[:j])
-        self._trees[:j] += 1
-        self.seen = max(self.seen, j - 1)
+        w, total, mass, trees = self.weight, self._sum, self._mass, self._trees
+        for k, a in enumerate(acc):
+            total[k] += w * (a - total[k])
+            mass[k] += w * (1.0 - mass[k])
+            trees[k] += 1
+        self.seen = max(self.seen, len(acc) - 1)
         self.updates += 1
         self._curve = None
 
     def trusted_reach(self, trees: int = 10) -> int:
         """Index of the largest size whose estimate holds at least the weight of ``trees`` trees (-1:
         none). The weight per size never grows with the size: every tree updates a prefix of sizes."""
-        return int(np.count_nonzero(self._mass >= 1.0 - (1.0 - self.weight) ** trees)) - 1
+        floor = 1.0 - (1.0 - self.weight) ** trees
+        return sum(m >= floor for m in self._mass) - 1
 
     def curve(self, sizes, levels: np.ndarray) -> np.ndarray:
         """[len(sizes)] expected accepted nodes, the guess above the largest size seen included."""
@@ -74,14 +80,14 @@ class Acceptance:
         if top < 0:
             return self.prior.copy()
         v = np.zeros_like(self.prior)
-        v[:top + 1] = np.maximum.accumulate(self._sum[:top + 1] / self._mass[:top + 1])
+        v[:top + 1] = np.maximum.accumulate(np.array(self._sum[:top + 1]) / np.array(self._mass[:top + 1]))
         wider = self.wider
         if self.shrink and wider is not None:
             # Shrunk toward the batch's estimate, which weighs as much as ``shrink`` of this sequence's
             # trees (a running mean holds about (2 - w) / w trees' worth): one tree that accepted
             # nothing does not say a sequence accepts nothing (MT-bench, batch 1: after three trees
             # that accepted at most one node together, the next accepted 1.67 on average).
-            n = np.minimum(self._trees[:top + 1], (2.0 - self.weight) / self.weight)
+            n = np.minimum(np.array(self._trees[:top + 1], dtype=np.float64), (2.0 - self.weight) / self.weight)
             g = wider.curve(s, levels)[:top + 1]
             v[:top + 1] = np.maximum.accumulate((n * v[:top + 1] + self.shrink * g) / (n + self.shrink))
         reach = wider.trusted_reach() if wider is not None else -1

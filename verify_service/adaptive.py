@@ -81,7 +81,8 @@ class PolicyConfig:
     probe_every: int = 32  # decisions between probes of the next size up (0: never)
     probe_share: float = 0.03  # probes may cost at most this share of the steps' (modelled) time ...
     probe_window: int = 256  # ... over about this many recent decisions (an exponential window)
-    hold_steps: int = 8  # a decision is reused this many steps while nothing but step times was learned
+    hold_steps: int = 8  # a decision is reused this many steps while nothing but step times (and, on
+    #                      trees, the acceptance of the trees it chose) was learned
     draft_prior_fraction: float = 0.15  # draft cost per level before one is measured, x a decode forward
     veto_span: int = 4096  # decisions a veto of trees, measured slower than plain decoding, lasts (0: no veto)
     detach_below: float = 0.75  # a request starting where trees are modelled below this share of plain
@@ -138,6 +139,7 @@ class AdaptivePolicy:
         self._keep = 1.0 - 1.0 / max(config.probe_window, 1)
         self._own_version = 0  # bumped by what moves the decision much: a probe's tree, a release ...
         self._held: list = [None, 0, 0]  # (batch, context / 256, speculating, budget, version), best, uses
+        self._held_ms: float | None = None
         self._quick = None  # (caller's key, version, plain step's modelled ms) while plain decoding is held
         self.last_held = False  # the latest decision was a held plain one (choose_held)
 
@@ -176,6 +178,7 @@ class AdaptivePolicy:
         key = (batch, int(context) >> 8, len(seq_ids), min(budgets, default=0), self._version)
         if key != self._held[0] or self._held[2] >= self.cfg.hold_steps:
             self._held = [key, self.best(batch, context, seq_ids, budgets), 0]
+            self._held_ms = None  # its step's modelled time, taken once per held decision (``_probe``)
         self._held[2] += 1
         before = self.choice
         self.choice = self._probe(self._held[1], batch, context, len(seq_ids))
@@ -293,7 +296,9 @@ class AdaptivePolicy:
     def _probe(self, best: int, batch: int, context: float, speculating: int) -> int:
         """``best``, or the next size up when a probe is due and the probes' budget allows it."""
         every = self.cfg.probe_every
-        best_ms = self.step_ms(batch, context, best, speculating) if speculating else 0.0
+        if self._held_ms is None:
+            self._held_ms = self.step_ms(batch, context, best, speculating) if speculating else 0.0
+        best_ms = self._held_ms
         self._since_probe += 1
         if not every or best == self.sizes[-1] or not speculating:
             self._account(best_ms)
@@ -429,8 +434,9 @@ class AdaptivePolicy:
             own = self._seq[seq_id] = Acceptance(self._global.curve(self.sizes, self._levels), self.cfg.seq_weight,
                                                  wider=self._global, shrink=self.cfg.seq_shrink)
             self._own_version += 1
-        own.update(acc)
-        self._global.update(acc)
+        values = acc.tolist()
+        own.update(values)
+        self._global.update(values)
         if not self._held[1]:
             # Held on plain decoding (this is a probe's tree): decide again at the next step. Held on
             # trees, the decision stands out its ``hold_steps``: at batch 1 every step verifies a tree,
