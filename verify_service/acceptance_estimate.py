@@ -19,7 +19,7 @@ def accepted_within(tree: CandidateTree, accepted: list[int], sizes) -> np.ndarr
 
     Best = highest cumulative draft log-prob; ties to the shallower, then the earlier node (the
     dynamic builder's order). A path stops at its first node outside the best m."""
-    if not accepted:  # (nothing accepted: no order needed, a quarter of the trees at batch 1)
+    if not accepted:  # (no order needed: 22% of the trees at batch 1 on MT-bench, the shipped head)
         return np.zeros(len(sizes))
     n = tree.num_nodes
     order = np.lexsort((np.arange(n), tree.depths, -tree.log_probs))  # last key is the primary one
