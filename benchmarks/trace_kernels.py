@@ -6,7 +6,10 @@ span, busy time and kernel count, then the kernels by total time::
     python benchmarks/trace_kernels.py T.json --parts 1    # all of it
 
 With PDL (dependent launches) a kernel starts before the one ahead of it ends: a negative gap, and
-its duration includes its wait.
+its duration includes its wait. So the last table splits the window's span instead: each kernel is
+charged the time from the latest end before it (or its own start, if later) to its own end, the
+device's idle time before its start apart. Those charges and the idle time sum to the span: where
+a step's time goes, overlaps counted once.
 """
 
 from __future__ import annotations
@@ -30,16 +33,38 @@ def main() -> None:
     if not window:
         return
     t0 = end = window[0]["ts"]
-    totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for e in window:
-        name = e["name"][:args.width]
-        print(f"{e['ts'] - t0:9.1f} {e['dur']:7.1f} gap {e['ts'] - end:6.1f}  {name}")
+        print(f"{e['ts'] - t0:9.1f} {e['dur']:7.1f} gap {e['ts'] - end:6.1f}  {e['name'][:args.width]}")
         end = e["ts"] + e["dur"]
-        totals[name][0] += 1
-        totals[name][1] += e["dur"]
-    print(f"span {end - t0:.1f} us, busy {sum(e['dur'] for e in window):.1f} us, {len(window)} kernels")
-    for name, (count, us) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
-        print(f"{count:4d} {us:8.1f}  {name}")
+    totals, idle, span = critical_path(window, args.width)
+    print(f"span {span:.1f} us, busy {sum(e['dur'] for e in window):.1f} us, {len(window)} kernels, "
+          f"idle {idle:.1f} us")
+    print(" calls  duration  charged  name (by charged time: the span, overlaps counted once)")
+    for name, (count, us, charged) in sorted(totals.items(), key=lambda kv: -kv[1][2]):
+        print(f"{count:6d} {us:9.1f} {charged:8.1f}  {name}")
+
+
+def critical_path(window: list[dict], width: int = 70) -> tuple[dict[str, list], float, float]:
+    """Kernels (trace events sorted by start) -> ({name: [calls, summed duration, charged us]}, idle
+    us, span us). A kernel is charged from the latest end before it (its own start, if the device
+    was idle until then) to its own end, nothing if it ends before that; idle time is charged to no
+    kernel. Charges and idle time sum to the span."""
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0])
+    if not window:
+        return totals, 0.0, 0.0
+    frontier, idle = window[0]["ts"], 0.0
+    for e in window:
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        row = totals[e["name"][:width]]
+        row[0] += 1
+        row[1] += e["dur"]
+        if start > frontier:
+            idle += start - frontier
+            frontier = start
+        if stop > frontier:
+            row[2] += stop - frontier
+            frontier = stop
+    return totals, idle, frontier - window[0]["ts"]
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ took 0.799 ms with shares of at least four tiles, against 0.768 with one.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 
 import torch
 import triton
@@ -87,6 +89,19 @@ def prepare_attention_triton(meta: AttentionMetadata) -> AttentionMetadata:
     return dataclasses.replace(meta, custom_mask=pack_mask(meta.custom_mask))
 
 
+# EAGLE3_ATTN_PREFETCH=N (tiles; 0 off): before its wait on the kernel before it (a dependent launch,
+# kernels/pdl.py), each program of a launch of at most two programs an SM asks L2 for its first N
+# tiles of keys and values that the step does not write (those before the step's first new token:
+# RoPE's kernel, just before, writes the new ones), so its reads start warm while RoPE runs. Speed
+# only: no result changes a bit. On an H200 (benchmarks/switch_ab.py, two rounds, every launch
+# prefetching; results/attention/attn_prefetch_ab_h200.json), step ms with 0 / 1 / 2 / 4 / 8 tiles:
+# SmolLM2 batch 1 at 512 keys 0.754 / 0.745 / 0.727 / 0.720 / 0.723; Llama-3-8B geometry batch 1
+# at 4K 4.531 / 4.501 / 4.495 / 4.531 / 4.512, but at 32K (392 programs) 5.572 / 5.565 / 5.589 /
+# 5.664 / 5.891 and batch 64 at 4K (512) 12.95 / 12.98 / 12.98 / 13.10 / 13.31: launches that
+# fill the GPU lose by it.
+ATTN_PREFETCH_TILES = int(os.environ.get("EAGLE3_ATTN_PREFETCH", "2"))
+assert ATTN_PREFETCH_TILES in (0, 1, 2, 4, 8), "EAGLE3_ATTN_PREFETCH: 0, 1, 2, 4 or 8 tiles"
+_LINE_BYTES = 128
 MAX_SPLITS = 64  # key splits of one launch at most
 SPLIT_TILES = 4  # key tiles a split at least, in the host's split count (a capacity's, in a graph)
 TAIL_N = tl.constexpr(32)  # keys a masked tile
@@ -104,6 +119,11 @@ def _num_splits(programs: int, max_seq_len: int, block_n: int, slots: int) -> in
     ``max_seq_len``): each sequence divides its own length among the splits, in the kernel."""
     cap = max(1, min(triton.cdiv(max_seq_len, SPLIT_TILES * block_n), MAX_SPLITS))
     return max(1, min(slots // programs, cap))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _programs_per_sm(n_regs: int, shared_bytes: int, num_warps: int, props) -> int:
@@ -191,7 +211,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                      PRECISION="ieee" if q.dtype == torch.float32 else "tf32", RAGGED=meta.ragged,
                      BLOCK_B=triton.next_power_of_2(meta.num_seqs) if meta.ragged else 1,
                      DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32),
-                     USE_GDC=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                     USE_GDC=pdl, PREFETCH_TILES=0, ROW_LINES=max(1, D * k_cache.element_size() // _LINE_BYTES),
+                     LINE=_LINE_BYTES // k_cache.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def launch(grid, part, lse, used, splits, warmup=False):
         run = _attention_kernel.warmup if warmup else _attention_kernel[grid]
@@ -223,6 +244,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     part, lse, used = partials(splits) if splits > 1 else (out, out, out)  # one split: written directly, normalised
     programs = triton.cdiv(meta.max_query_len, block_q) + meta.num_seqs if meta.ragged else meta.num_seqs * q_tiles
+    if pdl and not meta.ragged and ATTN_PREFETCH_TILES and programs * kvh * splits <= 2 * _sm_count(q.device):
+        constants["PREFETCH_TILES"] = ATTN_PREFETCH_TILES
     launch((programs, kvh, splits), part, lse, used, splits)
     if splits > 1:
         _combine_kernel[(T, H)](part, lse, used, out, splits, part.stride(0), part.stride(1), part.stride(2),
@@ -303,6 +326,24 @@ def _attend_keys(acc, m_i, l_i, q, lo, hi, b, t, qi, row_ok, m_start, first_kv, 
 
 
 @triton.jit
+def _prefetch_kv(k_cache_ptr, v_cache_ptr, tables_ptr, b, kvh, lo, hi, stride_kb, stride_ks, stride_kh, stride_bt,
+                 KEYS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROW_LINES: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the 128-byte lines of keys [lo, hi) (at most ``KEYS``) of one KV head, keys and
+    values (prefetch.global.L2: nothing loaded into registers). Keys out of the range ask for the
+    sequence's first block's lines again (a valid address, no branch)."""
+    keys = lo + tl.arange(0, KEYS)
+    ok = keys < hi
+    block = tl.load(tables_ptr + b * stride_bt + keys // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+    block = tl.where(ok, block, tl.load(tables_ptr + b * stride_bt).to(tl.int64))
+    addr = block * stride_kb + (tl.where(ok, keys, 0) % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+    lines = addr[:, None] + (tl.arange(0, ROW_LINES) * LINE)[None, :]  # (KEYS, ROW_LINES)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [k_cache_ptr + lines],
+                              dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [v_cache_ptr + lines],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _query_tile(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh, G: tl.constexpr, BLOCK_Q: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     """A program's query rows: row r is token qi = tile * BLOCK_Q + r // G of the sequence's new
@@ -333,7 +374,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, used_pt
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
                       PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, RAGGED: tl.constexpr,
-                      BLOCK_B: tl.constexpr, USE_GDC: tl.constexpr):
+                      BLOCK_B: tl.constexpr, USE_GDC: tl.constexpr, PREFETCH_TILES: tl.constexpr,
+                      ROW_LINES: tl.constexpr, LINE: tl.constexpr):
     # The step's metadata (query starts, lengths, the mask's start) is read before the wait: it is
     # written before the step's first kernel, never by the kernel just before this one (RoPE's,
     # which writes q and the new keys), and that one's programs let this launch only after their own
@@ -361,6 +403,11 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, used_pt
     seq_len = tl.load(seq_lens_ptr + b)
     if HAS_MASK:
         m_start = tl.load(mask_start_ptr + b)
+    if PREFETCH_TILES > 0:  # (not ragged) keys before the step's new ones: no kernel of the step writes them
+        pf_lo = split * tl.maximum(tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N), 1) * BLOCK_N
+        pf_hi = tl.minimum(pf_lo + PREFETCH_TILES * BLOCK_N, seq_len - q_len)
+        _prefetch_kv(k_cache_ptr, v_cache_ptr, tables_ptr, b, kvh, pf_lo, pf_hi, stride_kb, stride_ks, stride_kh,
+                     stride_bt, PREFETCH_TILES * BLOCK_N, BLOCK_SIZE, ROW_LINES, LINE)
     if USE_GDC:  # launched dependent (kernels/pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

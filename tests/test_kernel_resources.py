@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import triton
 
-from kernels.attention_triton import _programs_per_sm, attention_config
+from kernels.attention_triton import ATTN_PREFETCH_TILES, _programs_per_sm, attention_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -37,7 +37,8 @@ def compiled(tmp_path, *args: str) -> dict:
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton carries no ptxas for NVIDIA targets")
 def test_the_llama8b_tree_tile_keeps_copies_in_flight_without_spilling(tmp_path):
     cfg = attention_config(64, 4, 128, 2, tree=True)  # a 64-token tree step
-    row = compiled(tmp_path, "--config", f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}")
+    row = compiled(tmp_path, "--prefetch", str(ATTN_PREFETCH_TILES),  # (as a dependent launch asks L2 first)
+                   "--config", f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}")
     assert cfg.num_stages >= 3 and row["in_flight"] >= 2, row  # the next tile's two copy groups pending
     assert row["stack_bytes"] == 0, row
 
@@ -54,7 +55,8 @@ def test_the_llama8b_decode_tile_fits_four_programs_an_sm_without_spilling(tmp_p
     stages (72 KB of shared memory: 3 programs an SM) took 298 us a layer, with 2 stages (39 KB: 4) 249
     us, the time to read the KV once (``benchmarks/results/attention/h200_decode_batch64.json``)."""
     cfg = attention_config(1, 4, 128, 2)
-    row = compiled(tmp_path, "--causal", "--config", f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}")
+    row = compiled(tmp_path, "--causal", "--prefetch", str(ATTN_PREFETCH_TILES),
+                   "--config", f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}")
     assert _programs_per_sm(row["registers"], row["shared_bytes"], cfg.num_warps, HOPPER) >= 4, row
     assert row["stack_bytes"] == 0, row
 

@@ -178,3 +178,15 @@ def test_policy_host_cost_runs_small(tmp_path):
     assert [r["batch"] for r in rows] == [1, 2] and all(r["us_per_step"] > 0 for r in rows)
     assert all(sum(r["decisions"].values()) == 250 for r in rows)  # 200 warm steps, 50 timed: one decision each
     assert json.loads(out.read_text())["variant"] == "hold_steps=1"
+
+
+def test_trace_kernels_charges_the_span_once():
+    from benchmarks.trace_kernels import critical_path
+    events = [{"name": "a", "ts": 0.0, "dur": 10.0},
+              {"name": "b", "ts": 6.0, "dur": 10.0},  # dependent launch: starts inside a, charged 10 -> 16
+              {"name": "c", "ts": 7.0, "dur": 2.0},  # ends inside b: charged nothing
+              {"name": "a", "ts": 20.0, "dur": 5.0}]  # 4 us idle before it
+    totals, idle, span = critical_path(events)
+    assert span == 25.0 and idle == 4.0
+    assert {k: v[2] for k, v in totals.items()} == {"a": 15.0, "b": 6.0, "c": 0.0}
+    assert totals["a"][:2] == [2, 15.0] and sum(v[2] for v in totals.values()) + idle == span
