@@ -27,6 +27,7 @@ class Detacher:
         self.reattached_requests = 0  # of those, took the draft up again once the batch shrank
         self.detached = 0  # running ones still without it
         self._look: tuple[int, bool] | None = None  # (batch key, trees pay there) of the last look
+        self._look_batch = -1  # the batch size ``due`` last answered for from ``_look`` (-1: none)
 
     def released(self) -> None:
         """A request without the draft finished or was cancelled."""
@@ -64,7 +65,7 @@ class Detacher:
             s.speculate, s.detached = False, True
         self.detached += len(seqs)
         self.left_requests += len(seqs)
-        self._look = (batch_key(batch), False)
+        self._look, self._look_batch = (batch_key(batch), False), -1
 
     def due(self) -> bool:
         """Whether requests without the draft run where trees now pay: looked at once per batch
@@ -74,6 +75,8 @@ class Detacher:
             return False
         sched = self.scheduler
         batch = len(sched.running) + len(sched.waiting)
+        if batch == self._look_batch:  # (asked every plain step: the same batch, the same answer)
+            return self._look[1]
         key = batch_key(batch)
         look = self._look
         if look is None or look[0] != key:
@@ -84,6 +87,7 @@ class Detacher:
                 context = sum(decoding) / len(decoding) if decoding else 0.0
                 pays = self.policy.trees_pay(batch, context)
             look = self._look = (key, pays)
+        self._look_batch = batch
         return look[1]
 
     def _could_reattach(self) -> bool:
@@ -112,5 +116,5 @@ class Detacher:
             self.detached -= 1
             self.reattached_requests += 1
         if not left:  # none left that could: plain steps go ahead again until the batch changes
-            self._look = (self._look[0], False)
+            self._look, self._look_batch = (self._look[0], False), -1
         return tokens

@@ -122,8 +122,9 @@ class DraftCoordinator:
         Returns the seconds the call for trees took (0: none was made)."""
         decided, self._decided = self._decided, None
         if not feeds and rows is None and not self.speculating:  # no request uses the draft: nothing to do
-            if self.policy is not None:
-                self.policy.backlog_rows = self.feed_buffer.rows
+            policy = self.policy  # (the backlog told only when it changed: a host-bound plain step's microseconds)
+            if policy is not None and policy.backlog_rows != self.feed_buffer.rows:
+                policy.backlog_rows = self.feed_buffer.rows
             return 0.0
         live: list[DraftFeed | FeedRows] = [f for f in feeds.values() if f.seq_id in self.sequences]
         if rows is not None and len(rows):

@@ -271,8 +271,14 @@ class Engine:
             fed = rows.build(out.captured, out.query_start_loc) if rows is not None else None
             draft_s = self.speculation.draft(feeds, fed)
         if self.policy is not None and decode_only:
-            self._observe(plan, cached if len(plain) == len(plan) else None, events, bool(trees), tree_nodes,
-                          (time.perf_counter() - t0 - draft_s) * 1e3, draft_s * 1e3, launched_ahead, from_chain)
+            steps = 1
+            if not tree_nodes and not self.speculation.speculating:  # no request uses the draft: one step in
+                self._unused_steps += 1                                # PLAIN_COST_SAMPLE tells, for them all
+                steps = 0 if self._unused_steps % PLAIN_COST_SAMPLE else PLAIN_COST_SAMPLE
+            if steps:
+                self._observe(plan, cached if len(plain) == len(plan) else None, events, bool(trees), tree_nodes,
+                              (time.perf_counter() - t0 - draft_s) * 1e3, draft_s * 1e3, launched_ahead, from_chain,
+                              steps)
         return events
 
     def _commit_decodes(self, due, host: list[int], rows: StepRows | None) -> list[TokenEvent]:
@@ -305,16 +311,11 @@ class Engine:
             events.append(self._commit(v.seq, v.tokens))
 
     def _observe(self, plan, cached: int | None, events: list[TokenEvent], trees: bool, tree_nodes: int, ms: float,
-                 draft_ms: float, launched_ahead: bool, from_chain: bool) -> None:
+                 draft_ms: float, launched_ahead: bool, from_chain: bool, steps: int) -> None:
         """What a step of decodes and trees only (no prefill) tells the policy: its tokens against its
         time (``ms``, the draft call's ``draft_ms`` apart), and its cost by kind. ``cached``: the plan's
-        cached positions summed, where the step counted them (None: counted here)."""
-        steps = 1
-        if not tree_nodes and not self.speculation.speculating:
-            self._unused_steps += 1
-            if self._unused_steps % PLAIN_COST_SAMPLE:
-                return
-            steps = PLAIN_COST_SAMPLE  # (it stands for the steps skipped: the policy's clock counts them)
+        cached positions summed, where the step counted them (None: counted here). ``steps``: the steps
+        it stands for (a sampled plain step stands for those skipped: the policy's clock counts them)."""
         committed = sum(len(e.token_ids) for e in events) if trees else len(events)  # (plain: one each)
         self.policy.observe_realized(len(plan), committed, ms, draft_ms, trees, steps)
         if tree_nodes or launched_ahead and not self.policy.last_held:
