@@ -22,11 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.speed_report import batch_prompts  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from hub.default_model import ensure_default_model  # noqa: E402
 from tools.evaluate import parse_config  # noqa: E402
 from tools.inprocess import build_engine  # noqa: E402
-from tools.train.data import load_prompts  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
 from verify_service.engine import Engine  # noqa: E402
 
@@ -73,7 +73,7 @@ def main() -> None:
     engines = {"target-only": build_engine(cfg), "adaptive": build_engine(cfg, spec, adaptive=True)}
     if args.tree_engine:
         engines["tree"] = build_engine(cfg, spec)
-    texts = load_prompts(str(PROMPTS), max(*batches, 16))
+    texts, _ = batch_prompts(str(PROMPTS), max(*batches, 16))
     prompts = [engines["target-only"].target.encode(messages=[{"role": "user", "content": t}]) for t in texts]
     log: list = []
     timed_steps(log, torch.cuda.synchronize if cuda and args.sync == "on" else (lambda: None))

@@ -39,14 +39,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.speed_report import DEFAULT_PROMPTS, _tree_text, profile_run, prompt_ids  # noqa: E402
+from benchmarks.speed_report import DEFAULT_PROMPTS, _tree_text, batch_prompts, profile_run, prompt_ids  # noqa: E402
 from benchmarks.step_timeline import STEP, analyse, patched  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from common.tree_settings import default_tree  # noqa: E402
 from hub.default_model import ensure_default_model  # noqa: E402
 from tools.evaluate import parse_config, run  # noqa: E402
 from tools.inprocess import build_engine  # noqa: E402
-from tools.train.data import load_prompts  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
 
 KINDS = ("prefill", "plain ahead", "plain", "tree", "chained")
@@ -176,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     builders = {"target-only": lambda: build_engine(cfg), "fixed tree": lambda: build_engine(cfg, spec),
                 "adaptive": lambda: build_engine(cfg, spec, adaptive=True)}
     engines = [(name, builders[name]()) for name in wanted]
-    texts = load_prompts(str(DEFAULT_PROMPTS), max(max(batches), args.min_prompts))
+    texts, _ = batch_prompts(str(DEFAULT_PROMPTS), max(max(batches), args.min_prompts))
     prompts = prompt_ids(engines[0][1], texts)
     params = SamplingParams(max_tokens=args.max_tokens)
     for _, engine in engines:

@@ -99,6 +99,14 @@ class RoundProbe:
         self.counts = {k: after.get(k, 0) - self._before.get(k, 0) for k in self.COUNTERS}
 
 
+def batch_prompts(path: str, n: int) -> tuple[list[str], int]:
+    """``n`` first turns of the prompt file: all of them, repeated in order as many times as it takes
+    when the file holds fewer (MT-bench has 80: a batch of 128 is 128 requests in flight, not 80).
+    Returns the prompts and how many of them are distinct."""
+    texts = load_prompts(path)
+    return [texts[i % len(texts)] for i in range(n)], min(n, len(texts))
+
+
 def engine_rows(engines: list[tuple[str, object]], prompts, batches, min_prompts: int, params, rounds: int,
                 reference, gc_freeze: bool = True, device: str = "cpu") -> list[dict]:
     """One row per engine and batch size. The engines run in turn ``rounds`` times per batch size (the
@@ -273,14 +281,15 @@ def main(argv: list[str] | None = None) -> dict:
     model = args.model or str(ensure_default_model(progress=False))
     tree = args.tree or _tree_text(default_tree(args.device.partition(":")[0]))
     spec = parse_config(tree, args.head)
-    texts = load_prompts(args.prompts, max(max(batches), args.min_prompts))
+    texts, distinct = batch_prompts(args.prompts, max(max(batches), args.min_prompts))
     longest = max(args.verify_contexts or [6144]) + max(args.verify_tokens or [64]) + 1
     cfg = EngineConfig(model, device=args.device, dtype=args.dtype, max_model_len=max(4096, longest),
                        max_num_seqs=max(batches))
     params = SamplingParams(max_tokens=args.max_tokens)
     report = {"kind": "speed_report", "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "model": Path(model).name, "head": args.head, "dtype": args.dtype,
-              "prompts": f"{Path(args.prompts).name}, first turns, chat template", "max_tokens": args.max_tokens,
+              "prompts": f"{Path(args.prompts).name}, first turns, chat template",
+              "distinct_prompts": distinct, "max_tokens": args.max_tokens,
               "tree": tree, "batches": batches, "throughput": []}
     reference: dict[int, tuple] = {}
     engine = build_engine(cfg)

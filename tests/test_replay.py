@@ -190,3 +190,12 @@ def test_trace_kernels_charges_the_span_once():
     assert span == 25.0 and idle == 4.0
     assert {k: v[2] for k, v in totals.items()} == {"a": 15.0, "b": 6.0, "c": 0.0}
     assert totals["a"][:2] == [2, 15.0] and sum(v[2] for v in totals.values()) + idle == span
+
+
+def test_batch_prompts_repeat_the_file_to_fill_the_batch(tmp_path):
+    """A batch larger than the prompt file (128 against MT-bench's 80) still puts that many requests in
+    flight: the prompts repeat in order."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"turns": [f"q{i}"]}) + "\n" for i in range(3)))
+    assert speed_report.batch_prompts(str(path), 2) == (["q0", "q1"], 2)
+    assert speed_report.batch_prompts(str(path), 7) == (["q0", "q1", "q2", "q0", "q1", "q2", "q0"], 3)
