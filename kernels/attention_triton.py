@@ -134,6 +134,13 @@ def _num_splits(programs: int, max_seq_len: int, block_n: int, slots: int) -> in
     return max(1, min(slots // programs, cap))
 
 
+def prefetch_tiles(programs: int, sms: int, tiles: int = ATTN_PREFETCH_TILES) -> int:
+    """Key tiles each program of a dependent launch of ``programs`` asks L2 for before its wait, on a
+    GPU of ``sms`` SMs: ``tiles`` where the launch holds at most two programs an SM, else none (a
+    launch that fills the GPU lost by it: ``EAGLE3_ATTN_PREFETCH`` above)."""
+    return tiles if programs <= 2 * sms else 0
+
+
 def fold_counters(device: torch.device, programs: int) -> torch.Tensor | None:
     """The device's fold counters (all zero between launches), or None where a launch of ``programs``
     query tiles x KV heads cannot fold: too many, or the buffer not made yet while a graph captures."""
@@ -271,8 +278,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     part, lse, used = partials(splits) if splits > 1 else (out, out, out)  # one split: written directly, normalised
     programs = triton.cdiv(meta.max_query_len, block_q) + meta.num_seqs if meta.ragged else meta.num_seqs * q_tiles
-    if pdl and not meta.ragged and ATTN_PREFETCH_TILES and programs * kvh * splits <= 2 * _sm_count(q.device):
-        constants["PREFETCH_TILES"] = ATTN_PREFETCH_TILES
+    if pdl and not meta.ragged:
+        constants["PREFETCH_TILES"] = prefetch_tiles(programs * kvh * splits, _sm_count(q.device))
     # (decode-sized tiles only: a 64 x 64 tree tile with the fold spills, 255 registers and 40 bytes of stack)
     counters = fold_counters(q.device, programs * kvh) if splits > 1 and FOLD_SPLITS and cfg.block_m <= 16 else None
     launch((programs, kvh, splits), part, lse, used, splits, final=out, counters=counters)

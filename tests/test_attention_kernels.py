@@ -299,3 +299,12 @@ def test_folded_splits_match_the_combine(monkeypatch, splits):
         torch.testing.assert_close(folded, want, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(folded, combined, atol=1e-6, rtol=1e-6)
         assert int(at._fold_counters[torch.device(DEVICE)].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("programs, want", [(8 * 17, 2), (3 * 2, 2), (8 * 33, 2), (8 * 49, 0), (64 * 8, 0)])
+def test_only_launches_of_at_most_two_programs_an_sm_prefetch(programs, want):
+    """On a 132-SM H200: the 8B decode at 4K (8 KV heads x 17 splits) and SmolLM2's (3 x 2) prefetch;
+    the 8B at 32K (8 x 49) and batch 64 (512 programs), which lost by it, do not."""
+    from kernels.attention_triton import prefetch_tiles
+    assert prefetch_tiles(programs, 132, tiles=2) == want
+    assert prefetch_tiles(programs, 132, tiles=0) == 0  # EAGLE3_ATTN_PREFETCH=0
