@@ -54,7 +54,7 @@ def compile_config(block_m: int, block_n: int, warps: int, stages: int, group: i
     const = dict(G=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
                  BLOCK_D=head_dim, BLOCK_SIZE=16, HAS_MASK=masked, SPLIT=split, PRECISION="tf32",
                  DOT_DTYPE=tl.bfloat16)
-    const.update(CHUNK=attention_exact.CHUNK, USE_GDC=False) if exact else const.update(
+    const.update(CHUNK=attention_exact.CHUNK, USE_GDC=False, FOLD=fold and split) if exact else const.update(
         EVEN_D=True, RAGGED=False, BLOCK_B=1, USE_GDC=False, PREFETCH_TILES=prefetch, FOLD=fold and split,
         ROW_LINES=max(1, head_dim * 2 // 128), LINE=64)
     out_type = "*bf16" if exact else "*fp32"  # (the exact kernel writes bf16 outputs, its partials float32)
@@ -92,7 +92,8 @@ def main() -> None:
                     help="the batch-invariant kernel (--exact); --config M,N its fixed tiles, W,S its launch's")
     ap.add_argument("--prefetch", type=int, default=0,
                     help="key tiles asked of L2 before the wait (EAGLE3_ATTN_PREFETCH; not with --exact)")
-    ap.add_argument("--fold", action="store_true", help="the splits folded in the kernel (EAGLE3_ATTN_FOLD)")
+    ap.add_argument("--fold", action="store_true",
+                    help="the splits folded in the kernel (EAGLE3_ATTN_FOLD; with --exact, EAGLE3_EXACT_FOLD)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
