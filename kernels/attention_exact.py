@@ -18,8 +18,7 @@ the same way whatever the step around it:
   boundaries. Each chunk's online softmax gives (m, l, acc); the chunks are folded left to
   right, with one helper, whether one program walks them in turn (``fold``: many programs
   already) or each chunk has its own program and a second kernel folds their partials
-  (``split``: flash-decoding, for a long sequence with few queries; with ``EXACT_FOLD`` the program
-  that stores a row's last chunk folds it instead). All give the same bits.
+  (``split``: flash-decoding, for a long sequence with few queries). Both give the same bits.
   In the split mode the one or two chunks holding tree tiles get one program per token, so
   the per-token gathers run side by side rather than one after another.
 * **One tile shape, or tiles that agree.** Every launch for a model uses the same ``BLOCK_M`` x
@@ -39,14 +38,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.attention import unpack_mask
-from kernels.attention_triton import _DOT_DTYPES, LOG2E, _query_tile, fold_counters
+from kernels.attention_triton import _DOT_DTYPES, LOG2E, _query_tile
 from kernels.metadata import AttentionMetadata
 from kernels.pdl import PDL_ALL, dependent, launch_options
 
@@ -66,14 +64,6 @@ TAIL_CHUNKS = 2
 NUM_WARPS = 4
 NUM_STAGES = 3  # the next key tile's copies in flight while a tile is computed (kernel_resources.py --exact)
 MODES = ("auto", "fold", "split")
-# EAGLE3_EXACT_FOLD=1 (off by default: not yet timed on a GPU): the split launch folds its chunks
-# itself, without ``_fold_chunks_kernel``. A program counts each row it stored a chunk's partial for
-# (a chunk at or before the row's position: one of the ``pos // CHUNK + 1`` that row folds) on that
-# row's int32 counter, atomically (acquire-release at GPU scope, after a barrier of its threads);
-# the program that brings a row to its count folds the row's chunks left to right with ``_fold``,
-# as the fold kernel does (the same bits), writes it and zeroes the counter. The counters are
-# ``attention_triton.fold_counters``' (one buffer a device; every launch leaves them zero).
-EXACT_FOLD = os.environ.get("EAGLE3_EXACT_FOLD", "0") == "1"
 TILES = ("auto", "narrow", "wide")
 
 # A prefill-sized step's tile (rows, warps, stages), where ``wide_tile_ok``: the 16-row tile reads
@@ -233,22 +223,19 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     mask_start = meta.mask_start if has_mask else meta.seq_lens
     per_token = TAIL_CHUNKS * block_q if split and has_mask else 0  # programs of the tree chunks, per token
     pdl = dependent(q, PDL_ALL)  # (speed only: the bits are the same either way)
-    counters = fold_counters(q.device, T * H) if split and EXACT_FOLD else None
     _exact_attention_kernel[(meta.num_seqs * q_tiles, kvh, chunks + per_token)](
         q, k_cache, v_cache, out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, meta.positions,
-        meta.block_tables, table, mask_start, counters if counters is not None else meta.seq_lens,
-        out.stride(0), out.stride(1), H, scale * LOG2E,
+        meta.block_tables, table, mask_start, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         table.stride(0) if has_mask else 0, table.shape[1] if has_mask else 0,
         part_m.stride(0) if split else 0, part_m.stride(1) if split else 0, part_acc.stride(0) if split else 0,
         part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_tiles, chunks,
         G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, HEAD_DIM=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
-        FOLD=counters is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32), USE_GDC=pdl,
         num_warps=warps, num_stages=stages, **launch_options(pdl))
-    if split and counters is None:
+    if split:
         _fold_chunks_kernel[(T, H)](part_m, part_l, part_acc, out, meta.positions,
                                     part_m.stride(0), part_m.stride(1), part_acc.stride(0), part_acc.stride(1),
                                     part_acc.stride(2), out.stride(0), out.stride(1),
@@ -361,14 +348,13 @@ def _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, hi, b, t0, m_start, tail_sta
 @triton.jit(do_not_specialize=["stride_bt", "stride_tab", "tab_cols", "stride_mc", "stride_mt", "stride_ac",
                                "stride_at", "q_tiles", "chunks"])  # step-dependent (attention_triton.py)
 def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-                            qsl_ptr, seq_lens_ptr, pos_ptr, tables_ptr, table_ptr, mask_start_ptr, counter_ptr,
-                            stride_ot, stride_oh, heads, scale_log2,
+                            qsl_ptr, seq_lens_ptr, pos_ptr, tables_ptr, table_ptr, mask_start_ptr, scale_log2,
                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_tab, tab_cols,
                             stride_mc, stride_mt, stride_ac, stride_at, stride_ah, q_tiles, chunks,
                             G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                            USE_GDC: tl.constexpr, FOLD: tl.constexpr):
+                            USE_GDC: tl.constexpr):
     if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load and any early return
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -419,30 +405,6 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
         tl.store(part_l_ptr + at, l_c, mask=row_ok)
         tl.store(part_acc_ptr + c * stride_ac + t[:, None] * stride_at + head[:, None] * stride_ah + d[None, :],
                  acc_c, mask=row_ok[:, None] & d_ok[None, :])
-        if FOLD:  # rows this chunk completes are folded here (EXACT_FOLD)
-            counted = row_ok & (pos >= lo)  # (a row before the chunk stored a partial no fold reads)
-            tl.debug_barrier()  # (every thread's partials stored before the counts' release)
-            slot = counter_ptr + t * heads + head
-            arrived = tl.atomic_add(slot, tl.full([BLOCK_M], 1, tl.int32), mask=counted, sem="acq_rel", scope="gpu")
-            row_chunks = pos // CHUNK + 1
-            last = counted & (arrived == row_chunks - 1)
-            if tl.max(last.to(tl.int32), 0) > 0:
-                tl.debug_barrier()  # (the acquires before any thread reads another program's partials)
-                tl.atomic_xchg(slot, tl.zeros([BLOCK_M], tl.int32), mask=last, sem="relaxed", scope="gpu")
-                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                l_i = tl.zeros([BLOCK_M], tl.float32)
-                acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-                for cc in range(0, tl.max(tl.where(last, row_chunks, 0), 0)):
-                    mine = last & (cc < row_chunks)  # (a row past its chunks: m -inf, l 0: left as it was)
-                    at = cc * stride_mc + t * stride_mt + head
-                    m_c = tl.load(part_m_ptr + at, mask=mine, other=float("-inf"), cache_modifier=".cg")
-                    l_c = tl.load(part_l_ptr + at, mask=mine, other=0.0, cache_modifier=".cg")
-                    acc_c = tl.load(part_acc_ptr + cc * stride_ac + t[:, None] * stride_at + head[:, None] * stride_ah
-                                    + d[None, :], mask=mine[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-                    m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c)
-                o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-                tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                         o.to(out_ptr.dtype.element_ty), mask=last[:, None] & d_ok[None, :])
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)

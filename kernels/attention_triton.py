@@ -25,9 +25,6 @@ its normalised partial output and log-sum-exp; ``_combine_kernel`` merges them::
 
     out = sum_s 2^(lse_s - lse_max) * o_s / sum_s 2^(lse_s - lse_max)      (lse in base 2)
 
-(With ``EAGLE3_ATTN_FOLD=1``, off by default, a decode-sized launch merges them itself: the last
-program of each query tile to finish, counted by an atomic counter, folds the tile's partials.)
-
 A graphed step's split count comes from its bucket's capacity, not from its sequences' lengths, so
 a short sequence uses only the first ``used = ceil(seq_len / keys_per_split)`` splits: the programs
 past them exit at once, the first split's programs write ``used`` for their tokens, and the combine
@@ -105,16 +102,6 @@ def prepare_attention_triton(meta: AttentionMetadata) -> AttentionMetadata:
 ATTN_PREFETCH_TILES = int(os.environ.get("EAGLE3_ATTN_PREFETCH", "2"))
 assert ATTN_PREFETCH_TILES in (0, 1, 2, 4, 8), "EAGLE3_ATTN_PREFETCH: 0, 1, 2, 4 or 8 tiles"
 _LINE_BYTES = 128
-# EAGLE3_ATTN_FOLD=1 (off by default: not yet timed on a GPU): a launch of several key splits folds
-# them itself, without ``_combine_kernel``: each program counts itself in after storing its partial
-# (one int32 counter per query tile and KV head, atomic, acquire-release at GPU scope), and the
-# tile's last program merges the ``used`` partials in split order (the combine's arithmetic, split
-# by split) into the output, then zeroes its counter for the next launch. The counters are one
-# buffer per device, zeroed once, outside any graph capture: attention launches on a device run
-# one after another (one stream; a graph's warm-up on its side stream is waited for both ways).
-FOLD_SPLITS = os.environ.get("EAGLE3_ATTN_FOLD", "0") == "1"
-FOLD_COUNTERS = 1 << 16  # query tiles x KV heads of one launch at most (more: the combine kernel)
-_fold_counters: dict[torch.device, torch.Tensor] = {}
 MAX_SPLITS = 64  # key splits of one launch at most
 SPLIT_TILES = 4  # key tiles a split at least, in the host's split count (a capacity's, in a graph)
 TAIL_N = tl.constexpr(32)  # keys a masked tile
@@ -139,17 +126,6 @@ def prefetch_tiles(programs: int, sms: int, tiles: int = ATTN_PREFETCH_TILES) ->
     GPU of ``sms`` SMs: ``tiles`` where the launch holds at most two programs an SM, else none (a
     launch that fills the GPU lost by it: ``EAGLE3_ATTN_PREFETCH`` above)."""
     return tiles if programs <= 2 * sms else 0
-
-
-def fold_counters(device: torch.device, programs: int) -> torch.Tensor | None:
-    """The device's fold counters (all zero between launches), or None where a launch of ``programs``
-    query tiles x KV heads cannot fold: too many, or the buffer not made yet while a graph captures."""
-    buf = _fold_counters.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _fold_counters[device] = torch.zeros(FOLD_COUNTERS, dtype=torch.int32, device=device)
-    return buf if programs <= buf.numel() else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -245,19 +221,16 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                      USE_GDC=pdl, PREFETCH_TILES=0, ROW_LINES=max(1, D * k_cache.element_size() // _LINE_BYTES),
                      LINE=_LINE_BYTES // k_cache.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    def launch(grid, part, lse, used, splits, warmup=False, final=None, counters=None):
+    def launch(grid, part, lse, used, splits, warmup=False):
         run = _attention_kernel.warmup if warmup else _attention_kernel[grid]
         extra = {"grid": grid} if warmup else {}
-        fold = counters is not None
-        final = final if fold else part
         return run(
             q, k_cache, v_cache, part, lse, used, meta.query_start_loc, meta.seq_lens, meta.block_tables, mask, mask_start,
-            final, counters if fold else used,
             scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.block_tables.stride(0), mask.stride(0) if has_mask else 0, mask.shape[1] if has_mask else 0,
             part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
-            lse.stride(0) if splits > 1 else 0, lse.stride(-2) if splits > 1 else 0, final.stride(-3), final.stride(-2),
-            q_tiles, splits, meta.num_seqs, SPLIT=splits > 1, FOLD=fold, **constants, **extra,
+            lse.stride(0) if splits > 1 else 0, lse.stride(-2) if splits > 1 else 0,
+            q_tiles, splits, meta.num_seqs, SPLIT=splits > 1, **constants, **extra,
             **({} if warmup else launch_options(pdl)))
 
     def partials(splits):
@@ -280,10 +253,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     programs = triton.cdiv(meta.max_query_len, block_q) + meta.num_seqs if meta.ragged else meta.num_seqs * q_tiles
     if pdl and not meta.ragged:
         constants["PREFETCH_TILES"] = prefetch_tiles(programs * kvh * splits, _sm_count(q.device))
-    # (decode-sized tiles only: a 64 x 64 tree tile with the fold spills, 255 registers and 40 bytes of stack)
-    counters = fold_counters(q.device, programs * kvh) if splits > 1 and FOLD_SPLITS and cfg.block_m <= 16 else None
-    launch((programs, kvh, splits), part, lse, used, splits, final=out, counters=counters)
-    if splits > 1 and counters is None:
+    launch((programs, kvh, splits), part, lse, used, splits)
+    if splits > 1:
         _combine_kernel[(T, H)](part, lse, used, out, splits, part.stride(0), part.stride(1), part.stride(2),
                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), D,
                                 BLOCK_S=16, BLOCK_D=triton.next_power_of_2(D), USE_GDC=pdl, **launch_options(pdl))
@@ -403,12 +374,12 @@ def _query_tile(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh, G: tl.co
 @triton.jit(do_not_specialize=["stride_bt", "stride_mask", "mask_words", "stride_os", "stride_ls", "q_tiles",
                                "splits", "num_seqs"])
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, used_ptr, qsl_ptr, seq_lens_ptr, tables_ptr,
-                      mask_ptr, mask_start_ptr, final_ptr, counter_ptr, scale_log2, stride_qt, stride_qh, stride_kb,
-                      stride_ks, stride_kh, stride_bt, stride_mask, mask_words, stride_os, stride_ot, stride_oh,
-                      stride_ls, stride_lt, stride_ft, stride_fh, q_tiles, splits, num_seqs,
+                      mask_ptr, mask_start_ptr, scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                      stride_bt, stride_mask, mask_words, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                      q_tiles, splits, num_seqs,
                       G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr, EVEN_D: tl.constexpr,
+                      HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr,
                       PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, RAGGED: tl.constexpr,
                       BLOCK_B: tl.constexpr, USE_GDC: tl.constexpr, PREFETCH_TILES: tl.constexpr,
                       ROW_LINES: tl.constexpr, LINE: tl.constexpr):
@@ -459,7 +430,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, used_pt
     first_kv = seq_len - q_len  # KV index of the sequence's first new token
     qi, head, row_ok, t, d, d_ok, q = _query_tile(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh,
                                                   G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
-    if SPLIT and not FOLD:
+    if SPLIT:
         if split == 0:  # every KV head's program writes the same count
             tl.store(used_ptr + t, used, mask=row_ok)
     if HAS_MASK:
@@ -495,39 +466,6 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, used_pt
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(lse_ptr + split * stride_ls + t * stride_lt + head, lse, mask=row_ok)
-        if FOLD:  # the tile's last program to count itself in merges every split's partial
-            tl.debug_barrier()  # (every thread's stores issued before the count's release)
-            slot = counter_ptr + tl.program_id(0) * tl.num_programs(1) + kvh
-            if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == used - 1:
-                tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-                _fold_splits(out_ptr, lse_ptr, final_ptr, used, t, head, row_ok, d, d_ok, stride_os, stride_ot,
-                             stride_oh, stride_ls, stride_lt, stride_ft, stride_fh, BLOCK_M, BLOCK_D)
-
-
-@triton.jit
-def _fold_splits(part_ptr, lse_ptr, final_ptr, used, t, head, row_ok, d, d_ok, stride_ps, stride_pt, stride_ph,
-                 stride_ls, stride_lt, stride_ft, stride_fh, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``_combine_kernel``'s merge of a tile's rows, split by split in order (a deterministic sum): the
-    partials read past L1 (``.cg``: other SMs wrote them)."""
-    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, used):
-        lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + head, mask=row_ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        top = tl.maximum(top, lse)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    ok = row_ok[:, None] & d_ok[None, :]
-    for s in range(0, used):
-        lse = tl.load(lse_ptr + s * stride_ls + t * stride_lt + head, mask=row_ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        w = tl.where(lse != float("-inf"), tl.exp2(lse - top), 0.0)
-        part = tl.load(part_ptr + s * stride_ps + t[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :],
-                       mask=ok, other=0.0, cache_modifier=".cg")
-        acc += part * w[:, None]
-        total += w
-    o = acc / total[:, None]
-    tl.store(final_ptr + t[:, None] * stride_ft + head[:, None] * stride_fh + d[None, :],
-             o.to(final_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["splits", "stride_ps", "stride_ls"])

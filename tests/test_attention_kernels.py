@@ -277,30 +277,6 @@ def test_short_sequences_in_a_launch_of_many_splits(splits):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("splits", [3, 40])
-def test_folded_splits_match_the_combine(monkeypatch, splits):
-    """EAGLE3_ATTN_FOLD: the last program of each query tile merges the splits in the kernel, with no
-    combine launch; the result is the combine's (the reference's, within rounding), and every counter
-    is zero again for the next launch."""
-    from kernels import attention_triton as at
-    kvh, g, d = 2, 2, 32
-    cases = [(5, 1, None, None), (130, 1, None, None), (700, 1, None, None), (333, 1, None, None)]
-    k_cache, v_cache, chunks = build(cases, kvh, d, torch.float32, seed=13)
-    q = torch.randn(len(cases), kvh * g, d, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    meta = layout_step(chunks, BLOCK, torch.device(DEVICE), TRITON_SET).meta
-    want = paged_attention_ref(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0),
-                               layout_step(chunks, BLOCK, torch.device(DEVICE), REFERENCE).meta, d ** -0.5)
-    cfg = at.AttentionConfig(16, 16, splits=splits)
-    combined = paged_attention_triton(q, k_cache, v_cache, meta, d ** -0.5, cfg)
-    monkeypatch.setattr(at, "FOLD_SPLITS", True)
-    monkeypatch.setattr(at, "_combine_kernel", None)  # a combine launch would fail
-    for _ in range(2):  # the second launch finds the counters zeroed by the first
-        folded = paged_attention_triton(q, k_cache, v_cache, meta, d ** -0.5, cfg)
-        torch.testing.assert_close(folded, want, atol=2e-5, rtol=2e-5)
-        torch.testing.assert_close(folded, combined, atol=1e-6, rtol=1e-6)
-        assert int(at._fold_counters[torch.device(DEVICE)].abs().sum()) == 0
-
-
 @pytest.mark.parametrize("programs, want", [(8 * 17, 2), (3 * 2, 2), (8 * 33, 2), (8 * 49, 0), (64 * 8, 0)])
 def test_only_launches_of_at_most_two_programs_an_sm_prefetch(programs, want):
     """On a 132-SM H200: the 8B decode at 4K (8 KV heads x 17 splits) and SmolLM2's (3 x 2) prefetch;

@@ -414,33 +414,3 @@ def test_no_wide_tile_off_the_gpu():
     before = dict(attention_exact._WIDE_OK)
     assert not attention_exact.wide_tile_ok(torch.zeros(1, 4, 32), 4)
     assert attention_exact._WIDE_OK == before
-
-
-@pytest.mark.parametrize("prefix", [60, 700])  # one chunk, and a tree across a chunk's end (512)
-def test_the_split_launch_folding_in_the_kernel_gives_the_fold_kernels_bits(prefix, monkeypatch):
-    """EAGLE3_EXACT_FOLD: each row's chunks are folded by the program that stored its last one, with
-    no fold launch, bit for bit as the fold kernel folds them, for a tree step beside a decode and
-    for decode steps; every counter is zero again after each launch."""
-    from kernels import attention_exact as ex
-    from kernels.attention_triton import _fold_counters
-    kvh, g, d, dtype = 2, 3, 64, torch.bfloat16
-    kv, q, compacted, other = scenario(prefix, kvh, g, d, dtype, seed=prefix)
-    depths = [0, 1, 1, 2, 2, 2, 3, 3]
-    tree = Cache([kv, other], seed=1)
-    step = [SeqChunk(list(range(8)), prefix, tree.tables[0], positions=[prefix + x for x in depths],
-                     custom_mask=tree_mask(TREE), mask_start=prefix),
-            SeqChunk([0], 299, tree.tables[1])]
-    decode = [SeqChunk([0], 299, tree.tables[1]), SeqChunk([0], prefix + 3, tree.tables[0])]
-    q_other = torch.randn(1, kvh * g, d, generator=torch.Generator().manual_seed(9)).to(dtype)
-    # A prompt chunk across the first chunk's end (positions 500..519): the second chunk's program
-    # stores partials for rows before it too, which no fold reads and no count may take.
-    spans = [SeqChunk(list(range(20)), 500, tree.tables[0])] if prefix == 700 else []
-    q_span = torch.randn(20, kvh * g, d, generator=torch.Generator().manual_seed(8)).to(dtype)
-    cases = [(step, torch.cat([q, q_other])), (decode, torch.cat([q_other, q[:1]]))] + [(spans, q_span)] * bool(spans)
-    want = [attend(tree, chunks, qq, "split") for chunks, qq in cases]
-    monkeypatch.setattr(ex, "EXACT_FOLD", True)
-    monkeypatch.setattr(ex, "_fold_chunks_kernel", None)  # a fold launch would fail
-    for (chunks, qq), w in zip(cases, want):
-        for _ in range(2):  # the second launch finds the counters zeroed by the first
-            assert torch.equal(attend(tree, chunks, qq, "split"), w)
-            assert int(_fold_counters[torch.device(DEVICE)].abs().sum()) == 0

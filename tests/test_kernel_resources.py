@@ -69,14 +69,3 @@ def test_the_exact_decode_attention_keeps_copies_in_flight(tmp_path):
     row = compiled(tmp_path, "--exact", "--causal", "--config",
                    f"{ex.BLOCK_M},{ex.BLOCK_N},{ex.NUM_WARPS},{ex.NUM_STAGES}")
     assert row["in_flight"] >= 2, row
-
-
-@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton carries no ptxas for NVIDIA targets")
-def test_the_decode_tile_that_folds_its_splits_still_fits_four_programs_an_sm(tmp_path):
-    """EAGLE3_ATTN_FOLD's variant of the decode tile (the merge after the main loop): no spill, and the
-    four programs an SM that hide the key copies' latency (126 registers a thread with Triton 3.6)."""
-    cfg = attention_config(1, 4, 128, 2)
-    row = compiled(tmp_path, "--causal", "--fold", "--prefetch", str(ATTN_PREFETCH_TILES),
-                   "--config", f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}")
-    assert _programs_per_sm(row["registers"], row["shared_bytes"], cfg.num_warps, HOPPER) >= 4, row
-    assert row["stack_bytes"] == 0, row
