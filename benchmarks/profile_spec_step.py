@@ -14,8 +14,9 @@ speculation does when trees do not pay: features captured and buffered, the draf
 when its buffer fills); ``--mode target`` is the same engine without a draft. Side by side they
 show what a plain step costs because a draft is attached. ``--mode backlog`` times the draft
 extending what ``--steps`` plain steps left waiting (what a tree after a plain stretch pays first).
-``--mode ab`` loads both plain engines (target-only, and draft attached) in one process and
-alternates them, 10 steps at a time for ``--steps`` rounds: their median step times side by side.
+``--mode ab`` loads three plain engines (target-only; draft attached; a draft that every request
+starts without, as adaptive speculation runs large batches) in one process and alternates them,
+10 steps at a time for ``--steps`` rounds: their median step times side by side.
 ``--mode chain-ab`` alternates one speculative engine between the draft chained behind acceptance
 and the draft called after the step's sync, the same way.
 ``--timeline``: the host phases of ``--steps`` steps against the device's busy and idle time
@@ -85,6 +86,13 @@ class _AlwaysPlain:
         pass
 
 
+class _Detached(_AlwaysPlain):
+    """Every request starts without the draft: what adaptive speculation runs at large batches."""
+
+    def detaches(self, batch, context) -> bool:
+        return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", help="smollm2, llama3-8b (random weights) or a model directory")
@@ -128,8 +136,9 @@ def main() -> None:
     args.max_tokens = 8 * (20 * args.steps + 5) if args.mode == "chain-ab" else 16 * args.steps
     target = make_engine(args.model, args.batch, args.context, args.max_tokens + 128, device, exact=args.exact)
     if args.mode == "ab":
-        return profile_ab(args, spec, target, make_engine(args.model, args.batch, args.context, 16 * args.steps + 128,
-                                                          device, exact=args.exact), sync)
+        more = [make_engine(args.model, args.batch, args.context, 16 * args.steps + 128, device, exact=args.exact)
+                for _ in range(2)]
+        return profile_ab(args, spec, target, *more, sync)
     if args.mode == "target":
         engine = Engine(target)
     else:
@@ -206,18 +215,21 @@ def prefilled(engine: Engine, args) -> None:
         engine.step()
 
 
-def profile_ab(args, spec, target_a, target_b, sync) -> None:
-    """Target-only and draft-attached plain decoding, same prompts, alternated in one process."""
-    drafter = EagleDrafter.from_checkpoint(spec, target_b.model_config, target_b.model.model.embed_tokens.weight,
-                                           args.batch, target_b.max_model_len, "auto")
-    engines = {"target": Engine(target_a), "plain": Engine(target_b, drafter, spec.settings, _AlwaysPlain())}
+def profile_ab(args, spec, target_a, target_b, target_c, sync) -> None:
+    """Target-only, draft-attached plain decoding and a draft no request uses, same prompts,
+    alternated in one process."""
+    def drafter(target):
+        return EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
+                                            args.batch, target.max_model_len, "auto")
+    engines = {"target": Engine(target_a), "plain": Engine(target_b, drafter(target_b), spec.settings, _AlwaysPlain()),
+               "detached": Engine(target_c, drafter(target_c), spec.settings, _Detached())}
     for engine in engines.values():
         prefilled(engine, args)
         for _ in range(5):
             engine.step()
     times = {name: [] for name in engines}
     for r in range(args.steps):
-        for name in (("target", "plain") if r % 2 == 0 else ("plain", "target")):
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
             sync()
             t = time.perf_counter()
             for _ in range(10):
@@ -227,6 +239,7 @@ def profile_ab(args, spec, target_a, target_b, sync) -> None:
     med = {name: round(statistics.median(v), 4) for name, v in times.items()}
     result = {"mode": "ab", "model": args.model, "batch": args.batch, "context": args.context,
               "step_ms_median": med, "plain_over_target": round(med["plain"] / med["target"], 4),
+              "detached_over_target": round(med["detached"] / med["target"], 4),
               "step_ms": {name: [round(x, 4) for x in v] for name, v in times.items()}}
     print(json.dumps(result))
     if args.out:

@@ -749,7 +749,7 @@ class HeldPlainThenTrees(AdaptivePolicy):
     """Plain decoding for the first 40 decisions, every other one held (``choose_held``: the decision the
     real policy repeats without looking at the sequences), then the largest tree. Both kinds of plain
     decision are taken before the step's tokens are read, and the next step launched at once
-    (``Engine._decode_ahead_ok``)."""
+    (``Engine._decode_ahead``)."""
 
     def choose_held(self, quick_key):
         n = sum(self.decisions.values())

@@ -71,3 +71,34 @@ def test_cancelled_and_arriving_requests_between_steps_launched_ahead(model_dir)
     assert got == want and len(got[1][0]) == 4 and ahead.decode_steps_ahead > 5
     assert first == want_first + 1
     assert ahead.target.blocks.num_used_blocks == 0
+
+
+def test_steps_go_on_being_launched_ahead_as_requests_finish(model_dir):
+    """A request reaching its length limit is left out of the step launched ahead, and one that a
+    stop token finished is skipped by it: after every decode step with requests left, the next step
+    is already launched (when requests finished, it once waited for the host), and the tokens are
+    the engine's without decoding ahead."""
+    free_run = engine(model_dir, False).generate([PROMPTS[0]], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    ps = [SamplingParams(max_tokens=20, stop_token_ids=(free_run.token_ids[6],)),
+          SamplingParams(max_tokens=5, ignore_eos=True), SamplingParams(max_tokens=9, ignore_eos=True),
+          SamplingParams(max_tokens=14, ignore_eos=True)]
+    runs = {}
+    for ahead in (True, False):
+        eng = engine(model_dir, ahead)
+        first = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, ps)][0]
+        out, waited, decode_steps = {}, [], 0
+        while eng.has_work:
+            decoding = not eng.scheduler.waiting and all(not s.prefilling for s in eng.scheduler.running)
+            for e in eng.step():
+                out[e.seq_id] = out.get(e.seq_id, []) + e.token_ids
+            if decoding:
+                decode_steps += 1
+                if eng.has_work and eng._ahead_decode is None:
+                    waited.append(decode_steps)
+        runs[ahead] = out
+        assert eng.target.blocks.num_used_blocks == 0
+        if ahead:
+            assert waited == [] and decode_steps >= 13, (waited, decode_steps)
+    assert runs[True] == runs[False]
+    stopped = runs[True][first]
+    assert len(stopped) < 20 and stopped[-1] == free_run.token_ids[6]  # the stop token came mid-run

@@ -149,7 +149,8 @@ def test_profile_spec_step_decodes_plainly_with_the_draft_attached(tmp_path, mod
     result, _ = json.JSONDecoder().raw_decode(out.read_text())  # (--mode plain: the profiles follow it)
     assert result["mode"] == mode and result["batch"] == 2
     if mode == "ab":
-        assert set(result["step_ms_median"]) == {"target", "plain"} and result["plain_over_target"] > 0
+        assert set(result["step_ms_median"]) == {"target", "plain", "detached"}
+        assert result["plain_over_target"] > 0 and result["detached_over_target"] > 0
 
 
 def test_warm_up_coverage_runs_its_serving_scenario_on_a_cpu(tmp_path):

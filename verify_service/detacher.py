@@ -70,7 +70,7 @@ class Detacher:
     def due(self) -> bool:
         """Whether requests without the draft run where trees now pay: looked at once per batch
         bucket (``batch_key``; at batch 128 a look is a few tens of microseconds), so that a plain
-        step is launched ahead (``Engine._decode_ahead_ok``) unless they may take the draft up again."""
+        step is launched ahead (``Engine._decode_ahead``) unless they may take the draft up again."""
         if not self.detached:
             return False
         sched = self.scheduler

@@ -254,10 +254,10 @@ class Engine:
             chained = self.speculation.draft_on_device(pending)
             deferred = self._attach(deferred)
             host = self._readback.wait(ticket).tolist()
-        elif sampled is not None and not trees and len(due) == len(plan) and self._decode_ahead_ok(due):
+        elif sampled is not None and not trees and len(due) == len(plain) and (going := self._decode_ahead(due)):
             # The copy of this step's tokens goes first: the next step, queued behind it, is not waited for.
             ticket = self._readback.start(sampled)
-            self._ahead_decode = self._launch_decode(due, sampled)
+            self._ahead_decode = self._launch_decode([due[j] for j in going], take_rows(sampled, going, increasing=True))
             host = self._readback.wait(ticket).tolist()
         else:
             deferred = self._attach(deferred)
@@ -331,17 +331,22 @@ class Engine:
         if deferred is not None:
             self.speculation.attach(deferred.collect(), whole=True)
 
-    def _decode_ahead_ok(self, due) -> bool:
-        """Whether the next step may be launched now, before this decode step's tokens are read: every
-        sequence decoding one token and due another after it (none at its length limit: the next
-        step's KV stays within what it reserved), no request waiting to start, and the next step
-        plain decoding too (no draft, or the policy chooses plain decoding: ``plain_ahead``, last, as
-        it takes the policy's decision)."""
+    def _decode_ahead(self, due) -> list[int]:
+        """Which of ``due`` (positions in it, increasing) the next step, launched now before this decode
+        step's tokens are read, decodes: each sequence that this step's token does not bring to its
+        length limit (the next step's KV stays within what it reserved; one that its token finishes
+        otherwise, at a stop token, computes one row for nothing). None (an empty list) unless every
+        sequence decodes one token, no request waits to start, and the next step decodes plainly too
+        (no draft, or the policy chooses plain decoding: ``plain_ahead``, last, as it takes the
+        policy's decision)."""
+        if not self.decode_ahead or self.scheduler.waiting or any(n != 1 for _, _, _, n in due):
+            return []
+        going = [j for j, (_, seq, _, _) in enumerate(due) if len(seq.output_ids) + 1 < seq.max_new_tokens]
         spec = self.speculation
-        return self.decode_ahead and not self.scheduler.waiting and all(
-            n == 1 and len(seq.output_ids) + 1 < seq.max_new_tokens for _, seq, _, n in due) and (
-            spec is None or not (spec.detacher and spec.detacher.due()) and
-            spec.plain_ahead([seq for _, seq, _, _ in due] if spec.speculating else []))
+        if not going or spec is not None and (spec.detacher and spec.detacher.due() or not spec.plain_ahead(
+                [due[j][1] for j in going] if spec.speculating else [])):
+            return []
+        return going
 
     def _feeds_draft(self, seqs) -> bool:
         """Whether any of ``seqs`` (an iterable, read only when some request uses the draft) feeds the
