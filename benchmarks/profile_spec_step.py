@@ -92,6 +92,9 @@ class _Detached(_AlwaysPlain):
     def detaches(self, batch, context) -> bool:
         return True
 
+    def trees_pay(self, batch, context) -> bool:
+        return False  # (asked as the batch changes: none takes the draft up again)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -1253,7 +1253,8 @@ def test_a_batch_whose_requests_without_the_draft_are_ending_looks_at_no_policy(
     """``Detacher.due`` asks the policy whether trees pay at a new batch bucket only where a running
     request without the draft has the tokens left to take it up again (``REATTACH_MIN_TOKENS``): at
     the tail of a batch whose requests end together, a look per shrinking key cost the host tens of
-    microseconds each, for nothing."""
+    microseconds each, for nothing. Once none has, none looks again until a request leaves the draft
+    or starts without it."""
     from types import SimpleNamespace
     from verify_service.detacher import REATTACH_MIN_TOKENS, Detacher
 
@@ -1275,7 +1276,15 @@ def test_a_batch_whose_requests_without_the_draft_are_ending_looks_at_no_policy(
     assert not d.due() and policy.looks == 0
     running.pop()  # batch 16: another key, still nothing to take up
     assert not d.due() and policy.looks == 0
-    running[0] = seq(REATTACH_MIN_TOKENS)
+    # Tokens left only shrink: the running requests are not looked over again until one leaves the
+    # draft (or starts without it) ...
+    running[1] = seq(REATTACH_MIN_TOKENS)  # (not a state serving reaches)
+    del running[12:]  # batch 12: another key
+    assert not d.due() and policy.looks == 0
+    left = seq(REATTACH_MIN_TOKENS)
+    left.detached = False
+    running[0] = left
+    d.leave([left], len(running))  # ... as this one does
     del running[8:]  # batch 8: another key, and one request could come back
     assert d.due() and policy.looks == 1
     assert d.due() and policy.looks == 1  # the same key: the look holds

@@ -15,6 +15,8 @@ the batch and the context (weights read once, KV read per token of context) and 
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import logging
 import statistics
@@ -36,10 +38,12 @@ def interp1(xs, ys, x: float):
     """Piecewise-linear ys(x) through the points (xs ascending), extrapolated linearly from the end
     pairs; a single point is a constant. ``ys`` may carry more axes after the first: each is
     interpolated alike."""
-    ys = np.asarray(ys, dtype=np.float64)
+    if not isinstance(ys, np.ndarray) or ys.dtype != np.float64:
+        ys = np.asarray(ys, dtype=np.float64)
     if len(xs) == 1:
         return ys[0]
-    i = int(np.clip(np.searchsorted(xs, x) - 1, 0, len(xs) - 2))
+    # (numpy's searchsorted and clip on one scalar cost microseconds: asked as a batch changes, per step)
+    i = min(max(bisect.bisect_left(xs, x) - 1, 0), len(xs) - 2)
     x0, x1 = xs[i], xs[i + 1]
     return ys[i] + (ys[i + 1] - ys[i]) * ((x - x0) / (x1 - x0))
 
@@ -67,7 +71,7 @@ class CostTable:
         # Floor: extrapolating downwards may not make a step free.
         return max(float(interp1(self.tokens, interp1(self.batches, plane, batch), tokens)), self._floor)
 
-    @property
+    @functools.cached_property
     def _floor(self) -> float:
         return 0.05 * float(np.min(self.ms))
 

@@ -28,6 +28,9 @@ class Detacher:
         self.detached = 0  # running ones still without it
         self._look: tuple[int, bool] | None = None  # (batch key, trees pay there) of the last look
         self._look_batch = -1  # the batch size ``due`` last answered for from ``_look`` (-1: none)
+        # False once no request without the draft had the tokens left to take it up again: tokens left
+        # only shrink, so it stays False until a request leaves or starts without the draft.
+        self._reattachable = True
 
     def released(self) -> None:
         """A request without the draft finished or was cancelled."""
@@ -49,6 +52,7 @@ class Detacher:
                 s.speculate, s.detached = False, True
             self.detached_requests += len(new)
             self.detached += len(new)
+            self._reattachable = True
 
     def leaves(self, batch: int, context: float) -> bool:
         """Whether the running requests leave the draft now, plain decoding just chosen (a whole
@@ -65,6 +69,7 @@ class Detacher:
             s.speculate, s.detached = False, True
         self.detached += len(seqs)
         self.left_requests += len(seqs)
+        self._reattachable = True
         self._look, self._look_batch = (batch_key(batch), False), -1
 
     def due(self) -> bool:
@@ -92,8 +97,10 @@ class Detacher:
 
     def _could_reattach(self) -> bool:
         """Whether a running request without the draft has the tokens left to take it up again."""
-        return any(s.detached and s.max_new_tokens - len(s.output_ids) >= REATTACH_MIN_TOKENS
-                   for s in self.scheduler.running)
+        if self._reattachable:
+            self._reattachable = any(s.detached and s.max_new_tokens - len(s.output_ids) >= REATTACH_MIN_TOKENS
+                                     for s in self.scheduler.running)
+        return self._reattachable
 
     def reattach(self, max_tokens: int) -> int:
         """Where trees now pay (``due``), requests without the draft take it up again: each
