@@ -58,6 +58,9 @@ class KernelSet:
     proposal_layout: Callable  # a whole proposal's KV slots, positions and lengths from its rows and tables
     name: str
     fused_rows: Callable = fused_linear.no_fused_rows
+    # The fused [q; k; v] projection with RoPE and the KV write in its epilogue (``scaled_qkv_rope``),
+    # for the steps that take the fused projections; None: scaled_linear, then rope_write_kv.
+    scaled_qkv_rope: Callable | None = None
 
 
 REFERENCE = KernelSet(

@@ -17,6 +17,9 @@ P in order, they are the row's sum; the references give P = 1):
                                                                    (norm_w None: h alone)
     scaled_linear(hn, ss, eps, w, bias)        = rsqrt(sum(ss) / K + eps) * (hn @ w.T) + bias
     scaled_gate_up_silu(hn, ss, eps, w)        = silu(gate) * up of scaled_linear(hn, ss, eps, w)
+    scaled_qkv_rope(hn, ss, eps, w, bias, ...) = scaled_linear of the fused [q; k; v] weight, then
+                                                 RoPE on q and k and k, v into the paged cache
+                                                 (``rope_write_kv``): returns rotated q
 
 ``ss=None`` leaves the input unscaled (an input already normed). ``kernels/fused_linear_triton.py``
 runs each as one kernel.
@@ -28,6 +31,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels.norm import silu_mul_ref
+from kernels.rope import rope_write_kv_ref
+
+
+def rope_epilogue_fits(head_dim: int) -> bool:
+    """Whether ``scaled_qkv_rope`` takes heads of ``head_dim`` in one kernel: a column tile (at least
+    16, ``tl.dot``'s smallest) must hold whole rotation pairs (i, i + d/2) of one head."""
+    return head_dim % 16 == 0
 
 
 def no_fused_rows(hidden: int) -> int:
@@ -61,3 +71,17 @@ def scaled_gate_up_silu_ref(x: torch.Tensor, ss: torch.Tensor | None, eps: float
                             weight: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for ``scaled_linear(x, ss, eps, weight)`` = [gate | up]: [rows, N / 2]."""
     return silu_mul_ref(scaled_linear_ref(x, ss, eps, weight))
+
+
+def scaled_qkv_rope_ref(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
+                        bias: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """``scaled_linear`` of the fused [q; k; v] ``weight`` (its output rounded to x.dtype), then
+    ``rope_write_kv``: RoPE on q [rows, heads, head_dim] and k, k and v into the paged cache at
+    ``slot_mapping`` (a negative slot: not written). Returns rotated q [rows, heads, head_dim]."""
+    qkv = scaled_linear_ref(x, ss, eps, weight, bias)
+    T = qkv.shape[0]
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return rope_write_kv_ref(q.view(T, heads, head_dim), k.view(T, kv_heads, head_dim),
+                             v.view(T, kv_heads, head_dim), positions, cos, sin, k_cache, v_cache, slot_mapping)

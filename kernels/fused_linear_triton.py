@@ -26,6 +26,11 @@ warp on the whole padded row tile). Around it:
                input. PART_N is the few-row column tile, whatever tile the program has, so the
                partials are the same sums in a 128-row step as in a 1-row one.
     ADD:       h = out + residual alone.
+    ROPE_KV:   the fused [q; k; v] projection (``scaled_qkv_rope``): each program of the q and k
+               columns owns pairs of columns (i, i + d/2) of one head, BLOCK_N / 2 of each, so its
+               epilogue rotates them (RoPE, from the output rounded as the projection's), writes q
+               to a contiguous [rows, heads * d] output and k into the paged cache; the v columns'
+               programs write v into the cache. No separate RoPE and KV-write launch.
 
 """
 
@@ -38,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fused_linear import rope_epilogue_fits
 from kernels.pdl import PDL_EARLY, dependent, launch_options
 
 MAX_ROWS = 16  # tl.dot's smallest row tile: fused_rows' floor
@@ -53,7 +59,7 @@ MAX_FUSED_ROWS = int(os.environ.get("EAGLE3_MAX_FUSED_ROWS", "64"))
 assert MAX_FUSED_ROWS in (16, 32, 64), "EAGLE3_MAX_FUSED_ROWS: 16, 32 or 64"
 SHARED_BUDGET = 200 * 1024  # bytes of a program's pipelined copies (an H100/H200 SM has 227 KB)
 
-EPILOGUE_NONE, EPILOGUE_SILU_MUL, EPILOGUE_ADD_NORM, EPILOGUE_ADD = 0, 1, 2, 3
+EPILOGUE_NONE, EPILOGUE_SILU_MUL, EPILOGUE_ADD_NORM, EPILOGUE_ADD, EPILOGUE_ROPE_KV = 0, 1, 2, 3, 4
 
 # The projections launch dependent on the kernel before (``kernels/pdl.py``): the launch and the
 # programs' start overlap that kernel's end, and each program waits for its outputs before reading
@@ -163,6 +169,21 @@ def scaled_gate_up_silu_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: fl
                    exact_sums=exact_sums)[0]
 
 
+def scaled_qkv_rope_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: float, weight: torch.Tensor,
+                           bias: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           heads: int, kv_heads: int, head_dim: int, config: RowLinearConfig | None = None,
+                           block_m: int | None = None) -> torch.Tensor:
+    """``scaled_qkv_rope_ref`` in one kernel (``ROPE_KV`` above): rotated q [rows, heads, head_dim],
+    k and v in the cache. ``head_dim`` a multiple of 16 (``rope_epilogue_fits``)."""
+    assert rope_epilogue_fits(head_dim), f"head_dim {head_dim}: RoPE in the epilogue needs a multiple of 16"
+    assert positions.is_contiguous() and slot_mapping.is_contiguous(), "positions and slots: contiguous [rows]"
+    assert weight.shape[0] == (heads + 2 * kv_heads) * head_dim, "a fused [q; k; v] weight"
+    rope = (positions, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads, head_dim)
+    q = _launch(EPILOGUE_ROPE_KV, x, weight, bias=bias, ss=ss, eps=eps, config=config, block_m=block_m, rope=rope)[0]
+    return q.view(-1, heads, head_dim)
+
+
 def linear_add_norm_triton(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                            norm_weight: torch.Tensor | None, config: RowLinearConfig | None = None,
                            block_m: int | None = None, exact_sums: bool = False
@@ -180,11 +201,12 @@ def _contiguous_rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, ss=None, eps: float = 0.0,
             residual=None, norm_weight=None, config: RowLinearConfig | None = None, block_m: int | None = None,
-            exact_sums: bool = False):
+            exact_sums: bool = False, rope: tuple | None = None):
     """(out, h, ss_out); h and ss_out only for ADD_NORM (out is then hn). ``block_m``: the row tile
     whatever the row count (the batch-invariant set's), else chosen from it. ``exact_sums``: the
     sums of h^2 (a program's columns, the row's partials) in fixed point, the same bits whatever
-    the order and the tile (``_order_free_sum``)."""
+    the order and the tile (``_order_free_sum``). ``rope``: ROPE_KV's (positions, cos, sin, k_cache,
+    v_cache, slot_mapping, heads, kv_heads, head_dim); out is then q alone, [rows, heads * head_dim]."""
     K = weight.shape[1]
     N = weight.shape[0] // 2 if epilogue == EPILOGUE_SILU_MUL else weight.shape[0]
     assert x.shape[-1] == K, f"input of width {x.shape[-1]} for a weight {tuple(weight.shape)}"
@@ -192,8 +214,12 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
     M = x2.shape[0]
     block_m = block_m or row_tile(M)
     cfg = config or row_linear_config(N, K, 2 if epilogue == EPILOGUE_SILU_MUL else 1, block_m, x.element_size())
+    if rope is not None:  # a column tile within one head (tiles then never straddle q, k and v)
+        head_dim = rope[8]
+        while head_dim % cfg.block_n:
+            cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2)
     grid = triton.cdiv(N, cfg.block_n)
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, N if rope is None else rope[6] * rope[8], dtype=x.dtype, device=x.device)
     add_norm = epilogue == EPILOGUE_ADD_NORM
     r2 = _contiguous_rows(residual, N) if residual is not None else out  # (out: never read)
     part_n = cfg.partial_columns
@@ -204,16 +230,25 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
     else:
         h = ss_out = out  # never written by the kernel
     if M == 0 or N == 0:
-        return out.reshape(*x.shape[:-1], N), h, ss_out
+        return out.reshape(*x.shape[:-1], out.shape[1]), h, ss_out
     scaled = ss is not None
     fp32 = x.dtype == torch.float32
     pdl = dependent(x)
     block_p = triton.next_power_of_2(ss.shape[0]) if scaled else 1  # the partial sums' tile
     m_tiles = triton.cdiv(M, block_m)
+    if rope is not None:
+        positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads, head_dim = rope
+        rope_args = (positions, cos, sin, slots, k_cache, v_cache, cos.stride(0), sin.stride(0), *k_cache.stride()[:3],
+                     *v_cache.stride()[:3], k_cache.shape[1])
+        rope_constants = dict(HEAD_DIM=head_dim, Q_TILES=heads * head_dim // cfg.block_n,
+                              ROT_TILES=(heads + kv_heads) * head_dim // cfg.block_n)
+    else:
+        rope_args = (out, out, out, out, out, out, 0, 0, 0, 0, 0, 0, 0, 0, 1)  # (never read)
+        rope_constants = dict(HEAD_DIM=16, Q_TILES=0, ROT_TILES=0)
     _row_linear_kernel[(grid * m_tiles, 1) if cfg.group_m > 1 else (grid, m_tiles)](
         x2, weight, out, bias if bias is not None else weight, ss if scaled else out, r2,
-        norm_weight if add_norm else weight, h, ss_out, M, N, K, x2.stride(0), weight.stride(0), r2.stride(0), eps,
-        ss.shape[0] if scaled else 1,
+        norm_weight if add_norm else weight, h, ss_out, *rope_args, M, N, K, x2.stride(0), weight.stride(0),
+        r2.stride(0), eps, ss.shape[0] if scaled else 1, **rope_constants,
         SCALED=scaled, EPILOGUE=epilogue, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_P=block_p, PRECISION="ieee" if fp32 else "tf32",
         DOT_DTYPE=tl.float32 if fp32 or not x.is_cuda else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x.dtype],
@@ -225,12 +260,15 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
     lead = x.shape[:-1]
     if add_norm:
         return h.reshape(*lead, N), out.reshape(*lead, N), ss_out
-    return out.reshape(*lead, N), h, ss_out
+    return out.reshape(*lead, out.shape[1]), h, ss_out
 
 
 @triton.jit(do_not_specialize=["M", "P_IN"])  # 1 row compiles no other kernel than 7 (BLOCK_M: 16, 32, 64 or 128)
 def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_ptr, h_ptr, ss_out_ptr,
-                       M, N, K, stride_x, stride_w, stride_r, eps, P_IN, SCALED: tl.constexpr, EPILOGUE: tl.constexpr,
+                       pos_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos, stride_sin,
+                       stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, block_size,
+                       M, N, K, stride_x, stride_w, stride_r, eps, P_IN, HEAD_DIM: tl.constexpr, Q_TILES: tl.constexpr,
+                       ROT_TILES: tl.constexpr, SCALED: tl.constexpr, EPILOGUE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_P: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
                        EXACT_SUMS: tl.constexpr, LOG_P: tl.constexpr, PART_N: tl.constexpr, GROUP_M: tl.constexpr,
@@ -251,6 +289,12 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
     rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EPILOGUE == 4:  # ROPE_KV: a q or k tile owns columns t*HALF + [0, HALF) of its head and each one's pair + d/2
+        HALF: tl.constexpr = BLOCK_N // 2
+        j = tl.arange(0, BLOCK_N)
+        paired = (pn // (HEAD_DIM // BLOCK_N)) * HEAD_DIM + (pn % (HEAD_DIM // BLOCK_N)) * HALF + j % HALF \
+            + (j // HALF) * (HEAD_DIM // 2)
+        cols = tl.where(pn < ROT_TILES, paired, cols)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
@@ -297,7 +341,7 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
     if EPILOGUE == 1:  # silu(gate) * up from the rounded projections, in float32, rounded once
         g = acc.to(dtype).to(tl.float32)
         acc = g / (1.0 + tl.exp(-g)) * acc_up.to(dtype).to(tl.float32)
-    if EPILOGUE >= 2:  # h = out + residual
+    if EPILOGUE == 2 or EPILOGUE == 3:  # h = out + residual
         r = tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_r + cols[None, :], mask=ok, other=0.0)
         h = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
         acc = h.to(tl.float32)  # ADD: out <- h
@@ -319,7 +363,51 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
                 tl.store(ss_out_ptr + group[None, :] * M + rows[:, None], parts,
                          mask=row_ok[:, None] & (group * PART_N < N)[None, :])
             acc = hf * tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + at, acc.to(dtype), mask=ok)
+    if EPILOGUE == 4:
+        _rope_kv_epilogue(acc.to(dtype).to(tl.float32), rows, row_ok, cols, col_ok, pn, N, out_ptr, pos_ptr, cos_ptr,
+                          sin_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos, stride_sin, stride_kcb, stride_kcs, stride_kch,
+                          stride_vcb, stride_vcs, stride_vch, block_size, HEAD_DIM, Q_TILES, ROT_TILES, BLOCK_M,
+                          BLOCK_N)
+    else:
+        tl.store(out_ptr + at, acc.to(dtype), mask=ok)
+
+
+@triton.jit
+def _rope_kv_epilogue(x, rows, row_ok, cols, col_ok, pn, N, q_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr,
+                      stride_cos, stride_sin, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                      block_size, HEAD_DIM: tl.constexpr, Q_TILES: tl.constexpr, ROT_TILES: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """ROPE_KV's epilogue on ``x`` (float32 of the rounded projection, [BLOCK_M, BLOCK_N], columns
+    ``cols``): rotate a q or k tile's pairs as ``rope_write_kv`` does (x1*cos - x2*sin, x2*cos + x1*sin
+    in float32), then q into the [rows, Q_TILES * BLOCK_N] output, k and v into the cache slot (a
+    negative slot: not written; rounded to the projection's dtype, then the cache's)."""
+    dtype = q_ptr.dtype.element_ty
+    slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    blk = slot // block_size
+    off = slot % block_size
+    write = row_ok & (slot >= 0)
+    if pn < ROT_TILES:
+        HALF: tl.constexpr = BLOCK_N // 2
+        pos = tl.load(pos_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        freq = (pn % (HEAD_DIM // BLOCK_N)) * HALF + tl.arange(0, HALF)
+        c = tl.load(cos_ptr + pos[:, None] * stride_cos + freq[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos[:, None] * stride_sin + freq[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.permute(tl.reshape(x, [BLOCK_M, 2, HALF]), [0, 2, 1]))
+        y = tl.reshape(tl.permute(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), [0, 2, 1]), [BLOCK_M, BLOCK_N])
+        # (masks of the full tile, by column: the interpreter mishandled a scalar or a broadcast mask)
+        q_cols = Q_TILES * BLOCK_N
+        in_q = cols < q_cols
+        q_dst = q_ptr + rows.to(tl.int64)[:, None] * q_cols + tl.where(in_q, cols, 0)[None, :]
+        tl.store(q_dst, y.to(dtype), mask=row_ok[:, None] & in_q[None, :])
+        kc = tl.where(in_q, 0, cols - q_cols)
+        k_dst = kc_ptr + blk[:, None] * stride_kcb + off[:, None] * stride_kcs + (kc // HEAD_DIM)[None, :] * stride_kch \
+            + (kc % HEAD_DIM)[None, :]
+        tl.store(k_dst, y.to(dtype).to(kc_ptr.dtype.element_ty), mask=write[:, None] & (cols >= q_cols)[None, :])
+    else:
+        vc = cols - ROT_TILES * BLOCK_N
+        dst = vc_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + (vc // HEAD_DIM)[None, :] * stride_vch \
+            + (vc % HEAD_DIM)[None, :]
+        tl.store(dst, x.to(dtype).to(vc_ptr.dtype.element_ty), mask=write[:, None] & col_ok[None, :])
 
 
 _LINE_BYTES = 128

@@ -7,7 +7,7 @@ import dataclasses
 from kernels import REFERENCE
 from kernels.attention_triton import paged_attention_triton, prepare_attention_triton, write_kv_triton
 from kernels.fused_linear_triton import (fused_rows, linear_add_norm_triton, scaled_gate_up_silu_triton,
-                                         scaled_linear_triton)
+                                         scaled_linear_triton, scaled_qkv_rope_triton)
 from kernels.fused_triton import rms_norm_triton, rope_write_kv_triton, silu_mul_triton
 from kernels.draft_rows_triton import (extend_layout_triton, level_input_triton, pack_rows_triton,
                                        proposal_layout_triton)
@@ -27,6 +27,7 @@ TRITON = dataclasses.replace(
     scaled_gate_up_silu=scaled_gate_up_silu_triton,
     linear_add_norm=linear_add_norm_triton,
     fused_rows=fused_rows,
+    scaled_qkv_rope=scaled_qkv_rope_triton,
     rope_write_kv=rope_write_kv_triton,
     draft_topk=draft_topk_triton,
     greedy_accept=greedy_accept_triton,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import KernelSet
+from kernels.fused_linear import rope_epilogue_fits
 from kernels.metadata import AttentionMetadata
 from runtime.kv_cache import PagedKVCache
 
@@ -89,6 +90,24 @@ class Attention(nn.Module):
         q = ctx.kernels.rope_write_kv(q, k, v, ctx.meta.positions, ctx.cos, ctx.sin, k_cache, v_cache,
                                       ctx.meta.slot_mapping)
         return ctx.kernels.paged_attention(q, k_cache, v_cache, ctx.meta, self.scale).reshape(T, -1)
+
+    @property
+    def rope_in_projection(self) -> bool:
+        """Whether the fused projection can rotate q and k and write the KV itself (``project_attend``):
+        no per-head q/k norm between the projection and RoPE, and heads its column tiles split whole."""
+        return not hasattr(self, "q_norm") and rope_epilogue_fits(self.head_dim)
+
+    def project_attend(self, hn: torch.Tensor, ss: torch.Tensor | None, eps: float, ctx: StepContext) -> torch.Tensor:
+        """A few-row step's fused q/k/v projection of ``hn`` (scaled by ``ss``: ``scaled_linear``) and
+        ``attend``: with the kernel set's ``scaled_qkv_rope`` where it applies, one kernel projects,
+        rotates and writes the KV (no RoPE launch of its own), and attention reads its q."""
+        k = ctx.kernels
+        if k.scaled_qkv_rope is None or not self.rope_in_projection:
+            return self.attend(k.scaled_linear(hn, ss, eps, self.qkv_weight, self.qkv_bias), ctx)
+        k_cache, v_cache = ctx.kv_cache.layer(self.layer_idx)
+        q = k.scaled_qkv_rope(hn, ss, eps, self.qkv_weight, self.qkv_bias, ctx.meta.positions, ctx.cos, ctx.sin,
+                              k_cache, v_cache, ctx.meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+        return k.paged_attention(q, k_cache, v_cache, ctx.meta, self.scale).reshape(q.shape[0], -1)
 
 
 class MLP(nn.Module):

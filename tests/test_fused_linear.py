@@ -204,10 +204,11 @@ def test_the_sets_pick_their_fused_entries(monkeypatch):
     assert exact.fused_rows(4096) >= 1 << 30 and exact.scaled_linear.__wrapped__ is scaled_linear_triton
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_a_decode_step_through_the_fused_layers_matches_the_references(tmp_path, family):
-    """The target's few-row path (every norm but the first and last in a projection's epilogue) gives
-    the logits and the captured layer inputs of the separate reference kernels."""
+    """The target's few-row path (every norm but the first and last in a projection's epilogue; RoPE
+    and the KV write in the q/k/v projection's, except under Qwen3's per-head q/k norms) gives the
+    logits, the captured layer inputs and the KV cache of the separate reference kernels."""
     import dataclasses
 
     from runtime.step_layout import SeqChunk, layout_step
@@ -227,7 +228,13 @@ def test_a_decode_step_through_the_fused_layers_matches_the_references(tmp_path,
         calls.append(1)
         return target.runner.kernels.linear_add_norm(*args, **kwargs)
 
-    fused = dataclasses.replace(target.runner.kernels, linear_add_norm=counted)
+    rope_calls = []
+
+    def counted_rope(*args, **kwargs):
+        rope_calls.append(1)
+        return target.runner.kernels.scaled_qkv_rope(*args, **kwargs)
+
+    fused = dataclasses.replace(target.runner.kernels, linear_add_norm=counted, scaled_qkv_rope=counted_rope)
     layers = target.model_config.num_layers
     capture = (0, layers // 2, layers - 1)
     saved = target.kv_cache.data.clone()
@@ -237,10 +244,13 @@ def test_a_decode_step_through_the_fused_layers_matches_the_references(tmp_path,
             target.kv_cache.data.copy_(saved)
             step = layout_step(chunks, target.kv_cache.block_size, target.device, kernels)
             out = target.model(step.input_ids, step.meta, target.kv_cache, kernels, capture)
-            outs[name] = (target.model.compute_logits(out.hidden), out.captured)
+            outs[name] = (target.model.compute_logits(out.hidden), out.captured, target.kv_cache.data.clone())
     assert len(calls) == 2 * layers - 1  # o_proj in every layer, down in all but the last
+    # q/k/v projected, rotated and written to the cache in one kernel a layer (Qwen3: its q/k norms between)
+    assert len(rope_calls) == (0 if family == "qwen3" else layers)
     torch.testing.assert_close(outs["fused"][0], outs["reference"][0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(outs["fused"][1], outs["reference"][1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs["fused"][2], outs["reference"][2], atol=1e-4, rtol=1e-4, equal_nan=True)
     assert torch.isfinite(outs["fused"][0]).all()
 
 
@@ -336,3 +346,56 @@ def test_wide_tiles_partial_sums_cover_ragged_column_groups(poisoned_empty):
     assert row_linear_config(n, k, 1, 128, 4).block_n == 64 and ss.shape == (-(-n // part), rows)
     groups = torch.stack([h[:, j:j + part].pow(2).sum(-1) for j in range(0, n, part)])
     torch.testing.assert_close(ss, groups, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 17])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, with_bias",
+                         [(4, 2, 32, False), (3, 1, 64, True), (2, 2, 16, False)])
+def test_qkv_projection_with_rope_and_kv_write_in_its_epilogue(poisoned_empty, dtype, rows, heads, kv_heads,
+                                                               head_dim, with_bias):
+    """``scaled_qkv_rope_triton``: rotated q, and k and v in the cache slots (a negative slot: none
+    written), what ``scaled_linear_triton`` then ``rope_write_kv_triton`` give (bit for bit through
+    the interpreter and in bfloat16; in float32 on an H200 the compiler contracts the rotation's
+    multiply-adds differently in the two kernels: within a few ulp), and the reference's within
+    rounding; cache entries of other slots stay as they were."""
+    from kernels.fused_linear import scaled_qkv_rope_ref
+    from kernels.fused_linear_triton import scaled_qkv_rope_triton
+    from kernels.fused_triton import rope_write_kv_triton
+    from common.config import RopeScaling
+    from runtime.rope import rope_tables
+
+    k_in = 96
+    n = (heads + 2 * kv_heads) * head_dim
+    h = row_view(rows, k_in, dtype, seed=rows)
+    w = randn(n, k_in, seed=3, dtype=dtype, scale=0.1)
+    bias = randn(n, seed=4, dtype=dtype) if with_bias else None
+    ss = partial_sums(h, 3)
+    cos, sin = rope_tables(head_dim, 10000.0, RopeScaling(), 64, torch.device(DEVICE))
+    positions = torch.randint(0, 64, (rows,), generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+    block = 4
+    slots = torch.randperm(6 * block, generator=torch.Generator().manual_seed(7))[:rows].to(DEVICE)
+    slots[::3] = -1  # padding rows
+    caches = [torch.full((6, block, kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
+
+    got_q = scaled_qkv_rope_triton(h, ss, 1e-5, w, bias, positions, cos, sin, caches[0], caches[1], slots,
+                                   heads, kv_heads, head_dim)
+    qkv = scaled_linear_triton(h, ss, 1e-5, w, bias)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    want_q = rope_write_kv_triton(q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim),
+                                  v.view(rows, kv_heads, head_dim), positions, cos, sin, caches[2], caches[3], slots)
+    assert got_q.shape == (rows, heads, head_dim) and got_q.is_contiguous()
+    same = dict(atol=0.0, rtol=0.0) if DEVICE == "cpu" or dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_q, want_q, **same)
+    for got, want in zip(caches[:2], caches[2:]):
+        torch.testing.assert_close(got, want, equal_nan=True, **same)
+    written = slots[slots >= 0]
+    assert not caches[0].view(-1, kv_heads, head_dim)[written].isnan().any()
+    assert int((~caches[0].isnan()).any(-1).any(-1).sum()) == len(written)  # no slot but these
+
+    ref = [torch.full_like(caches[0], float("nan"), dtype=torch.float32) for _ in range(2)]
+    ref_q = scaled_qkv_rope_ref(*as_f32(h, ss), 1e-5, *as_f32(w, bias), positions, cos, sin, *ref, slots,
+                                heads, kv_heads, head_dim)
+    torch.testing.assert_close(got_q.float(), ref_q, **TOL[dtype])
+    for got, want in zip(caches[:2], ref):
+        torch.testing.assert_close(got.float(), want, equal_nan=True, **TOL[dtype])

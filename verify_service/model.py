@@ -52,9 +52,9 @@ class DecoderLayer(nn.Module):
         already normed). Returns the stream leaving the layer as (h, hn, ss) for ``next_norm``;
         without one (the last layer), as (MLP output, residual stream), as ``forward`` does."""
         k, attn, mlp = ctx.kernels, self.self_attn, self.mlp
-        qkv = k.scaled_linear(hn, ss, self.input_layernorm.eps, attn.qkv_weight, attn.qkv_bias)
         norm2 = self.post_attention_layernorm
-        h, hn, ss = k.linear_add_norm(attn.attend(qkv, ctx), attn.o_proj.weight, h, norm2.weight)
+        a = attn.project_attend(hn, ss, self.input_layernorm.eps, ctx)
+        h, hn, ss = k.linear_add_norm(a, attn.o_proj.weight, h, norm2.weight)
         act = k.scaled_gate_up_silu(hn, ss, norm2.eps, mlp.gate_up_weight)
         if next_norm is None:
             return k.scaled_linear(act, None, 0.0, mlp.down_proj.weight), h
