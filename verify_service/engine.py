@@ -257,7 +257,9 @@ class Engine:
         elif sampled is not None and not trees and len(due) == len(plain) and (going := self._decode_ahead(due)):
             # The copy of this step's tokens goes first: the next step, queued behind it, is not waited for.
             ticket = self._readback.start(sampled)
-            self._ahead_decode = self._launch_decode([due[j] for j in going], take_rows(sampled, going, increasing=True))
+            every = len(going) == len(due)
+            self._ahead_decode = self._launch_decode(due if every else [due[j] for j in going],
+                                                     sampled if every else take_rows(sampled, going, increasing=True))
             host = self._readback.wait(ticket).tolist()
         else:
             deferred = self._attach(deferred)
@@ -339,9 +341,14 @@ class Engine:
         sequence decodes one token, no request waits to start, and the next step decodes plainly too
         (no draft, or the policy chooses plain decoding: ``plain_ahead``, last, as it takes the
         policy's decision)."""
-        if not self.decode_ahead or self.scheduler.waiting or any(n != 1 for _, _, _, n in due):
+        if not self.decode_ahead or self.scheduler.waiting:
             return []
-        going = [j for j, (_, seq, _, _) in enumerate(due) if len(seq.output_ids) + 1 < seq.max_new_tokens]
+        going = []  # (one pass: at batch 128 the host bounds the step)
+        for j, (_, seq, _, n) in enumerate(due):
+            if n != 1:
+                return []
+            if len(seq.output_ids) + 1 < seq.max_new_tokens:
+                going.append(j)
         spec = self.speculation
         if not going or spec is not None and (spec.detacher and spec.detacher.due() or not spec.plain_ahead(
                 [due[j][1] for j in going] if spec.speculating else [])):
