@@ -59,12 +59,12 @@ class MidLayer(nn.Module):
                      final_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``forward_normed`` as a few-row step: the projections with the residual adds, the norm and
         the activation in their epilogues (``kernels/fused_linear.py``), the last one forming the
-        head's ``final_norm`` too. Returns (out, out * final_norm.weight, the partial sums of out^2):
-        the output fed back next step, and the LM head's scaled input."""
+        head's ``final_norm`` too, and RoPE with the KV write in the q/k/v projection's where the kernel
+        set has it (``Attention.project_attend``). Returns (out, out * final_norm.weight, the partial
+        sums of out^2): the output fed back next step, and the LM head's scaled input."""
         k, attn, mlp = ctx.kernels, self.self_attn, self.mlp
-        qkv = k.scaled_linear(x, None, 0.0, attn.qkv_weight, attn.qkv_bias)
         norm2 = self.post_attention_layernorm
-        h, hn, ss = k.linear_add_norm(attn.attend(qkv, ctx), attn.o_proj.weight, h, norm2.weight)
+        h, hn, ss = k.linear_add_norm(attn.project_attend(x, None, 0.0, ctx), attn.o_proj.weight, h, norm2.weight)
         act = k.scaled_gate_up_silu(hn, ss, norm2.eps, mlp.gate_up_weight)
         return k.linear_add_norm(act, mlp.down_proj.weight, h, final_norm.weight)
 

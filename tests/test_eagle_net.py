@@ -315,17 +315,32 @@ def test_capture_layers_from_config_or_target_default():
     assert (cfg.head_dim, cfg.num_kv_heads, cfg.draft_vocab_size, cfg.target_hidden_size) == (16, 4, 97, 64)
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", ["separate", "fused", "rope in projection", "triton"])
 def test_level_logits_matches_naive_reference(tmp_path, embedding, fused):
     """A tree level's forward and logits from its inputs (``kernels.level_input``: every node's parent
     here its own row of features): with few enough rows (``fused_rows``) through the fused
-    projections, the norm and the final norm in their epilogues; either way the oracle's."""
+    projections, the norm and the final norm in their epilogues, and RoPE with the draft's KV write
+    in the q/k/v projection's where the kernel set has it (its reference, or the Triton set: on a
+    CPU through Triton's interpreter); every way the oracle's."""
     import dataclasses
     from kernels import REFERENCE
+    from kernels.fused_linear import scaled_qkv_rope_ref
     draft_dir = make_eagle_dir(tmp_path / "d", TARGET_RAW, DRAFT_VOCAB)
     model = load(draft_dir, embedding)
     model.fuse_projections()
-    kernels = dataclasses.replace(REFERENCE, fused_rows=(lambda hidden: T) if fused else REFERENCE.fused_rows)
+    if fused == "triton":
+        pytest.importorskip("triton")
+        base = select_kernels(TEST_DEVICE, "triton")
+    else:
+        base = dataclasses.replace(REFERENCE, scaled_qkv_rope=scaled_qkv_rope_ref if fused != "fused" else None)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return base.scaled_qkv_rope(*args, **kwargs)
+
+    kernels = dataclasses.replace(base, fused_rows=REFERENCE.fused_rows if fused == "separate" else (lambda hidden: T),
+                                  scaled_qkv_rope=counted if base.scaled_qkv_rope is not None else None)
     ids, feats = inputs(2)
     lay = layout_step([SeqChunk(ids, 0, list(range(10)))], BLOCK, torch.device(TEST_DEVICE), kernels)
     mid = model.midlayer
@@ -340,3 +355,5 @@ def test_level_logits_matches_naive_reference(tmp_path, embedding, fused):
     ref_out, ref_logits = reference(draft_dir, embedding, ids, feats)
     torch.testing.assert_close(out.double().cpu(), ref_out, **tolerance())
     torch.testing.assert_close(logits.double().cpu(), ref_logits, **tolerance())
+    # one kernel projected q/k/v, rotated q and k and wrote the draft's KV (none in the separate path)
+    assert len(calls) == (0 if fused in ("separate", "fused") else 1)
