@@ -41,6 +41,7 @@ class KernelSet:
     exponential_noise: Callable
     uniform_noise: Callable
     sample: Callable
+    argmax: Callable  # logits [N, V] -> each row's greedy token, int64 [N]
     greedy_accept: Callable
     sampling_accept: Callable
     seeded_accept: Callable
@@ -79,6 +80,7 @@ REFERENCE = KernelSet(
     exponential_noise=sampling.exponential_noise_ref,
     uniform_noise=sampling.uniform_noise_ref,
     sample=sampling.sample_ref,
+    argmax=sampling.argmax_ref,
     greedy_accept=acceptance.greedy_accept_ref,
     sampling_accept=acceptance.sampling_accept_ref,
     seeded_accept=acceptance.seeded_accept_ref,

@@ -102,6 +102,12 @@ def _filtered_probs(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tens
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens: the index of each row's largest logit, int64 [N] for logits [N, V] (NaN the
+    largest, the first index among equals)."""
+    return logits.argmax(dim=-1)
+
+
 def sample_ref(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Tokens [N] int64 drawn from ``probs`` [N, V] with Exp(1) ``noise`` [N, V] (exponential race)."""
     return (probs / noise).argmax(dim=-1)

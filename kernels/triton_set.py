@@ -11,6 +11,7 @@ from kernels.fused_linear_triton import (fused_rows, linear_add_norm_triton, sca
 from kernels.fused_triton import rms_norm_triton, rope_write_kv_triton, silu_mul_triton
 from kernels.draft_rows_triton import (extend_layout_triton, level_input_triton, pack_rows_triton,
                                        proposal_layout_triton)
+from kernels.argmax_triton import argmax_triton
 from kernels.acceptance_triton import compaction_slots_triton, greedy_accept_triton
 from kernels.topk_triton import draft_topk_triton
 from kernels.tree_triton import (best_nodes_triton, expand_frontier_triton, packed_tree_mask_triton,
@@ -30,6 +31,7 @@ TRITON = dataclasses.replace(
     scaled_qkv_rope=scaled_qkv_rope_triton,
     rope_write_kv=rope_write_kv_triton,
     draft_topk=draft_topk_triton,
+    argmax=argmax_triton,
     greedy_accept=greedy_accept_triton,
     compaction_slots=compaction_slots_triton,
     packed_tree_mask=packed_tree_mask_triton,

@@ -376,6 +376,38 @@ def test_every_graphed_path_gives_the_eager_tokens_with_graphs_run_eagerly_on_a_
     assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
 
 
+def test_decode_and_prompt_graphs_give_their_greedy_tokens_and_the_sampler_takes_them(tmp_path):
+    """A decode or prompt graph computes each logits row's argmax inside it (``StepOutput.greedy``, the
+    kernel set's ``argmax``): equal to the argmax of its logits, and a greedy sampler takes it with no
+    argmax of its own; the tokens are the eager engine's, which computes them in the sampler. (On a CPU
+    through ``graphs_on_cpu``; on a GPU test device the real graphs and the Triton kernel.)"""
+    import dataclasses
+
+    model_dir = make_model_dir(tmp_path / "m", "llama3", seed=5, std=0.3)
+    prompts = [[5, 6, 7], list(range(10, 30)), [88] * 9]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    eager = Engine(target_for(model_dir, device=TRITON_DEVICE, max_num_seqs=8, enforce_eager=True))
+    want = [r.token_ids for r in eager.generate(prompts, params)]
+    target = target_for(model_dir, device=TRITON_DEVICE, max_num_seqs=8, graphs_on_cpu=True)
+    engine = Engine(target)
+    calls = []
+
+    def counted(logits):
+        calls.append(logits.shape[0])
+        return target.runner.kernels.argmax(logits)
+
+    engine.sampler.kernels = dataclasses.replace(engine.sampler.kernels, argmax=counted)
+    assert [r.token_ids for r in engine.generate(prompts, params)] == want
+    assert target.runner.graph_steps > 0 and calls == []  # every step graphed: no argmax in the sampler
+    for sid in (100, 101):
+        target.blocks.ensure_capacity(sid, 16)
+    chunks = [SeqChunk([4], 7, target.blocks.block_table(100), logits_rows=(0,)),
+              SeqChunk([9], 3, target.blocks.block_table(101), logits_rows=(0,))]
+    with torch.inference_mode():
+        out = target.runner.step(chunks)
+    assert out.greedy is not None and torch.equal(out.greedy, out.logits.argmax(dim=-1))
+
+
 def test_a_ragged_graph_of_more_tokens_than_a_sequence_holds_captures(tmp_path):
     """A ragged bucket's placeholder rows (its capture's inputs) spread its tokens over its sequences:
     with few sequences and a short ``max_model_len`` (2048 tokens over 4 sequences of at most 200),

@@ -52,7 +52,7 @@ class AcceptGraph:
         def body(compact: bool):
             tokens = lay.input_ids[:rows].view(B, n + 1)
             parents = torch.nn.functional.pad(self.parents + 1, (1, 0), value=-1)
-            argmax = source.logits[:rows].view(B, n + 1, -1).argmax(dim=-1)
+            argmax = k.argmax(source.logits[:rows]).view(B, n + 1)
             result = k.greedy_accept(argmax, tokens, parents, num_nodes, D)
             prefix = lay.meta.seq_lens[:B] - (n + 1)
             src, dst = k.compaction_slots(result.path, result.num_accepted, prefix, lay.meta.block_tables[:B],

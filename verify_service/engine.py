@@ -233,8 +233,11 @@ class Engine:
         # step's ONE device-to-host copy: the plain tokens and what acceptance chose, together.
         first_rows = logits_at.tolist()  # (per-element numpy indexing and starred unpacking cost a step at
         # batch 128 ~40 us of host time, the host being that step's critical path)
-        sampled = self.sampler.sample(take_rows(out.logits, [first_rows[d[0]] for d in due]),
-                                      [d[1] for d in due]) if due else None
+        sampled = None
+        if due:
+            at = [first_rows[d[0]] for d in due]  # (increasing: the plan's chunks in order, each with a row)
+            sampled = self.sampler.sample(take_rows(out.logits, at, increasing=True), [d[1] for d in due],
+                                          None if out.greedy is None else take_rows(out.greedy, at, increasing=True))
         # A sequence of the plan finished since, or a replayed acceptance (it reads the trees' host
         # copies): the host layout.
         if len(trees) < len(plan) or self.verifier.replay is not None:

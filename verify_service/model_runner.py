@@ -56,6 +56,9 @@ class StepOutput:
     # The captured forward whose static inputs and outputs these are, when the step replayed one alone
     # (what comes after it may be captured on them too: ``TreeVerifier``'s acceptance graphs).
     graph: "StepGraph | None" = None
+    # Each logits row's argmax (int64), where the step's graph computed it (decode and prompt graphs):
+    # the greedy tokens with no launch of their own. None: the sampler computes them.
+    greedy: torch.Tensor | None = None
 
 
 # Prompt pieces the warm-up runs beside full chunks (their attention launches few programs, so the keys
@@ -193,12 +196,16 @@ class ModelRunner:
             out = self.model(layout.input_ids, self._graph_meta(layout), self.kv_cache, self.kernels,
                              self.capture_layers)
             rows = out.hidden[layout.logit_rows] if bucket.ragged else out.hidden  # (ragged: each chunk's row)
-            return self.model.compute_logits(rows, self.kernels.linear), out.hidden, out.captured
+            logits = self.model.compute_logits(rows, self.kernels.linear)
+            # A decode or prompt step's greedy tokens in the graph (a row per sequence: a few us, no
+            # launch from the host); a tree's many rows are the acceptance's to reduce, greedy or not.
+            greedy = None if bucket.tree else self.kernels.argmax(logits)
+            return logits, out.hidden, out.captured, greedy
 
         if self.graphs.pool is None and self.device.type == "cuda":
             self.graphs.pool = torch.cuda.graph_pool_handle()
-        graph, (logits, hidden, captured) = capture_graph(forward, self.device, self.graphs.pool)
-        return StepGraph(layout, graph, logits, hidden, captured)
+        graph, (logits, hidden, captured, greedy) = capture_graph(forward, self.device, self.graphs.pool)
+        return StepGraph(layout, graph, logits, hidden, captured, greedy)
 
     def _graph_meta(self, layout: StaticLayout) -> AttentionMetadata:
         """The layout's metadata as this kernel set takes it. The layout holds the mask packed as the
@@ -226,7 +233,8 @@ class ModelRunner:
         rows = [int(qsl[i]) + int(r) for i, c in enumerate(chunks) for r in c.logits_rows]  # increasing
         # Consecutive rows (a prompt's last token): a view; else a gather with no host sync.
         logits = take_rows(out.logits, rows) if rows else out.logits[:0]
-        return StepOutput(logits, out.hidden, out.captured, qsl.tolist())
+        greedy = None if out.greedy is None else take_rows(out.greedy, rows) if rows else out.greedy[:0]
+        return StepOutput(logits, out.hidden, out.captured, qsl.tolist(), greedy=greedy)
 
     def _ragged_step(self, chunks: list[SeqChunk], capture: bool = True) -> StepOutput | None:
         """A step of causal chunks (prompt chunks, decodes beside them) that no prompt graph holds,
@@ -244,7 +252,8 @@ class ModelRunner:
         self.ragged_steps += 1
         rows = sum(len(c.logits_rows) for c in chunks)
         captured = graph.captured[:tokens].clone() if capture and graph.captured is not None else None
-        return StepOutput(graph.logits[:rows], graph.hidden[:tokens], captured, qsl.tolist())
+        return StepOutput(graph.logits[:rows], graph.hidden[:tokens], captured, qsl.tolist(),
+                          greedy=None if graph.greedy is None else graph.greedy[:rows])
 
     def _split_step(self, chunks: list[SeqChunk], capture: bool = True) -> StepOutput | None:
         """A step of decodes or trees followed by prompt chunks (the scheduler's order: a request
@@ -315,7 +324,8 @@ class ModelRunner:
         self.graph_steps += 1
         T = int(qsl[-1])
         captured = graph.captured[:T].clone() if capture and graph.captured is not None else None
-        return StepOutput(graph.logits[:T], graph.hidden[:T], captured, qsl.tolist(), graph)
+        return StepOutput(graph.logits[:T], graph.hidden[:T], captured, qsl.tolist(), graph,
+                          None if graph.greedy is None else graph.greedy[:T])
 
 
 def decode_tokens(chunks: list[SeqChunk]) -> list[SeqChunk] | None:

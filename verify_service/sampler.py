@@ -24,10 +24,11 @@ class Sampler:
             as_tensor([p.top_k for p in params], torch.int64),
             any_filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params))
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Next token of each sequence, int64 [N] on the device (no sync); row n is ``seqs[n]``'s."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None = None) -> torch.Tensor:
+        """Next token of each sequence, int64 [N] on the device (no sync); row n is ``seqs[n]``'s.
+        ``greedy``: the rows' argmax if the step computed it already (its graph did)."""
         if all(s.params.greedy for s in seqs):
-            return logits.argmax(dim=-1)
+            return greedy if greedy is not None else self.kernels.argmax(logits)
         # Noise keyed by (seed, index of the token being drawn): batch-independent.
         noise = self.kernels.exponential_noise([s.seed for s in seqs], [s.num_tokens for s in seqs],
                                                logits.shape[-1], self.device)

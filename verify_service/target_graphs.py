@@ -55,12 +55,13 @@ def graph_buckets(max_num_seqs: int, max_tree_tokens: int, prompt_tokens: int = 
 
 
 class StepGraph:
-    """One captured forward: its static inputs, the graph, and its outputs."""
+    """One captured forward: its static inputs, the graph, and its outputs (``greedy``: each logits
+    row's argmax, computed in the graph where it is a decode or prompt step's; None in a tree's)."""
 
     def __init__(self, layout: StaticLayout, graph: torch.cuda.CUDAGraph, logits: torch.Tensor,
-                 hidden: torch.Tensor, captured: torch.Tensor | None):
+                 hidden: torch.Tensor, captured: torch.Tensor | None, greedy: torch.Tensor | None = None):
         self.layout, self.graph = layout, graph
-        self.logits, self.hidden, self.captured = logits, hidden, captured
+        self.logits, self.hidden, self.captured, self.greedy = logits, hidden, captured, greedy
         self.followers: dict = {}  # graphs captured on this one's inputs and outputs (they die with it)
 
 

@@ -241,7 +241,8 @@ class TreeVerifier:
     def _accept(self, seqs, logits, tokens, parents, num_nodes, max_depth, depths):
         k = self.kernels
         if all(s.params.greedy for s in seqs):
-            return k.greedy_accept(logits.argmax(dim=-1), tokens, parents, num_nodes, max_depth)
+            B, W, V = logits.shape
+            return k.greedy_accept(k.argmax(logits.reshape(B * W, V)).view(B, W), tokens, parents, num_nodes, max_depth)
         B, W, V = logits.shape
         rep = [s for s in seqs for _ in range(W)]
         probs = self.sampler.probs(logits.reshape(B * W, V), rep).view(B, W, V)  # one-hot rows for greedy
