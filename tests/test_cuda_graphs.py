@@ -321,6 +321,42 @@ def test_exact_warm_up_covers_prompts_joining_decodes_past_a_key_chunk(tmp_path)
     assert report["compilations_after_warm_up"] == 0
 
 
+def test_decode_graphs_join_the_features_only_for_steps_that_feed_the_draft(tmp_path):
+    """A decode graph keeps the captured layers' inputs apart: a step that feeds the draft joins its
+    rows after the replay (the eager forward's features), a step that does not gets none and
+    launches nothing for them. A tree's graph joins them inside (its acceptance graphs read them)."""
+    target = target_for(make_model_dir(tmp_path / "m", "llama3", seed=3, std=0.3), max_num_seqs=4,
+                        graphs_on_cpu=True)
+    runner = target.runner
+    runner.set_capture_layers((0, 1))
+    lengths = [9, 5]
+    for sid, n in enumerate(lengths):
+        target.blocks.ensure_capacity(sid, n + 1)
+        runner.step([SeqChunk(list(range(3, 3 + n)), 0, target.blocks.block_table(sid), logits_rows=(n - 1,))],
+                    capture=False)
+    decodes = [SeqChunk([7 + sid], n, target.blocks.block_table(sid), logits_rows=(0,))
+               for sid, n in enumerate(lengths)]
+    saved = target.kv_cache.data.clone()
+    eager = layout_step(decodes, target.kv_cache.block_size, target.device, runner.kernels)
+    with torch.inference_mode():
+        want = target.model(eager.input_ids, eager.meta, target.kv_cache, runner.kernels, runner.capture_layers)
+    for capture in (True, False):
+        target.kv_cache.data.copy_(saved)
+        before = runner.graph_steps
+        got = runner.step(decodes, capture=capture)
+        assert runner.graph_steps == before + 1
+        graph = runner.graphs.captured(runner.graphs.bucket_for(decodes))
+        assert graph.captured is None and len(graph.parts) == 2
+        if capture:
+            torch.testing.assert_close(got.captured, want.captured)
+            assert all(got.captured.data_ptr() != p.data_ptr() for p in graph.parts)  # the caller's own
+        else:
+            assert got.captured is None
+        torch.testing.assert_close(got.hidden, want.hidden)
+    tree = runner.graphs.get(Bucket(2, 4, True))
+    assert tree.captured is not None and not tree.parts
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graphs_captured_again_after_the_capture_layers_change(tmp_path):

@@ -73,6 +73,8 @@ class Decoder(nn.Module):
 class ForwardOutput:
     hidden: torch.Tensor  # [T, hidden], after the final norm
     captured: torch.Tensor | None  # [T, len(capture_layers) * hidden], layer inputs in the requested order
+    # With ``join`` False: those layer inputs [T, hidden] apart, in the same order (``captured`` None).
+    parts: tuple[torch.Tensor, ...] = ()
 
 
 class CausalLM(nn.Module):
@@ -94,7 +96,9 @@ class CausalLM(nn.Module):
                                          self.model.norm.weight.device)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache,
-                kernels: KernelSet, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+                kernels: KernelSet, capture_layers: tuple[int, ...] = (), join: bool = True) -> ForwardOutput:
+        """``join`` False: the captured layer inputs come apart (``ForwardOutput.parts``), for a
+        caller that joins them only when a step feeds the draft (a captured decode graph)."""
         assert self.cos is not None, "call init_rope() before forward()"
         ctx = StepContext(meta, kv_cache, self.cos, self.sin, kernels)
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
@@ -102,6 +106,8 @@ class CausalLM(nn.Module):
             hidden, captured = self._forward_rows(x, ctx, capture_layers)
         else:
             hidden, captured = self._forward_layers(x, ctx, capture_layers)
+        if not join:
+            return ForwardOutput(hidden, None, tuple(captured[i] for i in capture_layers))
         feats = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return ForwardOutput(hidden, feats)
 

@@ -194,18 +194,18 @@ class ModelRunner:
 
         def forward():
             out = self.model(layout.input_ids, self._graph_meta(layout), self.kv_cache, self.kernels,
-                             self.capture_layers)
+                             self.capture_layers, join=bucket.tree)
             rows = out.hidden[layout.logit_rows] if bucket.ragged else out.hidden  # (ragged: each chunk's row)
             logits = self.model.compute_logits(rows, self.kernels.linear)
             # A decode or prompt step's greedy tokens in the graph (a row per sequence: a few us, no
             # launch from the host); a tree's many rows are the acceptance's to reduce, greedy or not.
             greedy = None if bucket.tree else self.kernels.argmax(logits)
-            return logits, out.hidden, out.captured, greedy
+            return logits, out.hidden, out.captured, greedy, out.parts
 
         if self.graphs.pool is None and self.device.type == "cuda":
             self.graphs.pool = torch.cuda.graph_pool_handle()
-        graph, (logits, hidden, captured, greedy) = capture_graph(forward, self.device, self.graphs.pool)
-        return StepGraph(layout, graph, logits, hidden, captured, greedy)
+        graph, (logits, hidden, captured, greedy, parts) = capture_graph(forward, self.device, self.graphs.pool)
+        return StepGraph(layout, graph, logits, hidden, captured, greedy, parts)
 
     def _graph_meta(self, layout: StaticLayout) -> AttentionMetadata:
         """The layout's metadata as this kernel set takes it. The layout holds the mask packed as the
@@ -251,7 +251,7 @@ class ModelRunner:
         self.graph_steps += 1
         self.ragged_steps += 1
         rows = sum(len(c.logits_rows) for c in chunks)
-        captured = graph.captured[:tokens].clone() if capture and graph.captured is not None else None
+        captured = graph.features(tokens) if capture else None
         return StepOutput(graph.logits[:rows], graph.hidden[:tokens], captured, qsl.tolist(),
                           greedy=None if graph.greedy is None else graph.greedy[:rows])
 
@@ -323,7 +323,7 @@ class ModelRunner:
         graph.graph.replay()
         self.graph_steps += 1
         T = int(qsl[-1])
-        captured = graph.captured[:T].clone() if capture and graph.captured is not None else None
+        captured = graph.features(T) if capture else None
         return StepOutput(graph.logits[:T], graph.hidden[:T], captured, qsl.tolist(), graph,
                           None if graph.greedy is None else graph.greedy[:T])
 

@@ -56,13 +56,28 @@ def graph_buckets(max_num_seqs: int, max_tree_tokens: int, prompt_tokens: int = 
 
 class StepGraph:
     """One captured forward: its static inputs, the graph, and its outputs (``greedy``: each logits
-    row's argmax, computed in the graph where it is a decode or prompt step's; None in a tree's)."""
+    row's argmax, computed in the graph where it is a decode or prompt step's; None in a tree's).
+
+    The draft's features: a tree's graph joins them in the graph (``captured``: its acceptance graphs
+    gather the accepted rows' from there); a decode or prompt graph keeps the captured layers' inputs
+    apart (``parts``) and a step that feeds the draft joins its rows after the replay, so a step none
+    of whose requests uses the draft (target-only decoding beside a draft, adaptive speculation's
+    plain steps) launches nothing for them."""
 
     def __init__(self, layout: StaticLayout, graph: torch.cuda.CUDAGraph, logits: torch.Tensor,
-                 hidden: torch.Tensor, captured: torch.Tensor | None, greedy: torch.Tensor | None = None):
+                 hidden: torch.Tensor, captured: torch.Tensor | None, greedy: torch.Tensor | None = None,
+                 parts: tuple[torch.Tensor, ...] = ()):
         self.layout, self.graph = layout, graph
         self.logits, self.hidden, self.captured, self.greedy = logits, hidden, captured, greedy
+        self.parts = parts
         self.followers: dict = {}  # graphs captured on this one's inputs and outputs (they die with it)
+
+    def features(self, rows: int) -> torch.Tensor | None:
+        """The last replay's features of its first ``rows`` tokens, in a tensor of the caller's own
+        (the next replay overwrites the graph's); None without capture layers."""
+        if self.parts:
+            return torch.cat([p[:rows] for p in self.parts], dim=-1)
+        return None if self.captured is None else self.captured[:rows].clone()
 
 
 class TargetGraphs:
