@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="one more adaptive engine, its PolicyConfig with these fields changed, in the same rounds")
     ap.add_argument("--control", action="store_true",
                     help="a second target-only engine in the same rounds: the pairing's own noise")
+    ap.add_argument("--build-order", choices=("listed", "reversed"), default="listed",
+                    help="load the engines in their rows' order (target-only first) or the reverse: a later "
+                    "loaded engine may run slower on the same work (see --control)")
     ap.add_argument("--profile-batch", type=int, default=None, help="after the rows, one more run of every "
                     "engine at this batch size under cProfile: OUT.profile.txt (where the host time goes)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every engine per batch size, in turn; "
@@ -292,19 +295,24 @@ def main(argv: list[str] | None = None) -> dict:
               "distinct_prompts": distinct, "max_tokens": args.max_tokens,
               "tree": tree, "batches": batches, "throughput": []}
     reference: dict[int, tuple] = {}
-    engine = build_engine(cfg)
+    # Each engine loads its own target (weights, KV cache, graphs), in list order or the reverse.
+    builders = [("target-only", lambda: build_engine(cfg)), (f"eagle3 {tree}", lambda: build_engine(cfg, spec))]
+    if args.control:
+        builders.append(("target-only (control)", lambda: build_engine(cfg)))
+    if not args.no_adaptive:
+        builders.append((f"eagle3 adaptive (limits {tree})", lambda: build_engine(cfg, spec, adaptive=True)))
+        builders += [(f"eagle3 adaptive ({text})",
+                      lambda config=config: build_engine(cfg, spec, adaptive=True, policy_config=config))
+                     for text, config in variants]
+    order = builders if args.build_order == "listed" else builders[::-1]
+    built = {name: make() for name, make in order}
+    report["build_order"] = [name for name, _ in order]
+    engines = [(name, built[name]) for name, _ in builders]
+    engine = engines[0][1]
+    adaptive = None if args.no_adaptive else engines[3 if args.control else 2][1]  # the default policy's engine
     prompts = prompt_ids(engine, texts)
     eos = engine.target.model_config.eos_token_ids
     report["verify_cost"] = _verify_cost(engine.target, args).to_json()  # before any request: see calibrate
-    engines = [("target-only", engine), (f"eagle3 {tree}", build_engine(cfg, spec))]
-    if args.control:
-        engines.append(("target-only (control)", build_engine(cfg)))
-    adaptive = None  # the default policy's engine
-    if not args.no_adaptive:
-        adaptive = build_engine(cfg, spec, adaptive=True)
-        engines.append((f"eagle3 adaptive (limits {tree})", adaptive))
-        engines += [(f"eagle3 adaptive ({text})", build_engine(cfg, spec, adaptive=True, policy_config=config))
-                    for text, config in variants]
     if args.device.startswith("cuda"):
         WATCH.start()  # every engine warmed up: from here a compilation is logged, and rows count theirs
     report["rounds"] = args.rounds
@@ -317,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
         b = args.profile_batch
         Path(args.out + ".profile.txt").write_text(
             "".join(profile_run(name, e, prompts[:max(b, args.min_prompts)], params, b) for name, e in engines))
-    del engine, engines, adaptive
+    del engine, engines, adaptive, built
     report["tau_per_depth"] = tau_per_depth(report["throughput"])
     report["hf"] = _hf(args, model, prompts, batches, eos, reference, report)
     Path(args.out).write_text(json.dumps(report, indent=2))

@@ -85,7 +85,7 @@ def test_speed_report_runs_small(tmp_path):
                                     "--verify-tokens", "1", "--verify-tokens", "3", "--verify-contexts", "16",
                                     "--verify-batches", "1", "--device", "cpu", "--dtype", "float32", "--rounds",
                                     "2", "--profile-batch", "2", "--adaptive-variant", "stay_margin=0.5,hold_steps=4",
-                                    "--control", "--out", str(out)])
+                                    "--control", "--build-order", "reversed", "--out", str(out)])
         assert gc.get_freeze_count() > 0  # the heap frozen after the warm-up, as the services freeze theirs
     finally:
         gc.unfreeze()  # (this test process's heap is not a service's)
@@ -106,6 +106,8 @@ def test_speed_report_runs_small(tmp_path):
     assert all(r["identical_outputs"] == r["prompts"] for r in report["throughput"])  # fp32: exact
     assert report["verify_cost"]["tokens"] == [1, 3] and report["hf"] == {"ran": False, "why": "--no-hf"}
     assert "eagle3 chain:2" in report["tau_per_depth"]
+    assert report["build_order"] == ["eagle3 adaptive (stay_margin=0.5,hold_steps=4)", "eagle3 adaptive (limits chain:2)",
+                                     "target-only (control)", "eagle3 chain:2", "target-only"]
 
 
 SMALL_REPORT = {
