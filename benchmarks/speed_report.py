@@ -68,26 +68,35 @@ def prompt_ids(engine, texts: list[str]) -> list[list[int]]:
 
 
 class RoundProbe:
-    """What one engine's round did beside its work: its slowest step, and the CUDA caching allocator's
-    device allocations, frees and retries (a cudaMalloc, or an allocation retried once the cache is
-    emptied, stalls the stream for milliseconds: a round's time then says little about the engine)."""
+    """What one engine's round did beside its work: its slowest step, the wall time of its steps that
+    began with a prompt to run (a request waiting or prefilling) and of the others, and the CUDA caching
+    allocator's device allocations, frees and retries (a cudaMalloc, or an allocation retried once the
+    cache is emptied, stalls the stream for milliseconds: a round's time then says little about the engine)."""
 
     COUNTERS = ("segment.all.allocated", "segment.all.freed", "num_alloc_retries")
 
     def __init__(self, engine, device: str):
         self.engine, self.cuda = engine, device.startswith("cuda")
         self.slowest_ms = 0.0
+        self.prompt_ms, self.prompt_steps, self.other_ms = 0.0, 0, 0.0
         self.counts = dict.fromkeys(self.COUNTERS, 0)
 
     def __enter__(self):
-        step = type(self.engine).step
+        step, sched = type(self.engine).step, self.engine.scheduler
 
         def timed(*args, **kwargs):
+            prompt = bool(sched.waiting) or any(s.prefilling for s in sched.running)
             t0 = time.perf_counter()
             try:
                 return step(self.engine, *args, **kwargs)
             finally:
-                self.slowest_ms = max(self.slowest_ms, (time.perf_counter() - t0) * 1e3)
+                ms = (time.perf_counter() - t0) * 1e3
+                self.slowest_ms = max(self.slowest_ms, ms)
+                if prompt:
+                    self.prompt_ms += ms
+                    self.prompt_steps += 1
+                else:
+                    self.other_ms += ms
 
         self.engine.step = timed
         self._before = torch.cuda.memory_stats() if self.cuda else {}
@@ -156,6 +165,9 @@ def engine_rows(engines: list[tuple[str, object]], prompts, batches, min_prompts
                 row["speedup_paired"] = round(statistics.median(r / x for r, x in zip(ref_rounds, seconds)) * tokens, 3)
                 row["speedup_best"] = round(min(ref_rounds) / min(seconds) * tokens, 3)  # each one's fastest round
             row["slowest_step_ms_per_round"] = [round(p.slowest_ms, 1) for p in probes[name]]
+            row["prompt_steps_per_round"] = [p.prompt_steps for p in probes[name]]
+            row["prompt_steps_ms_per_round"] = [round(p.prompt_ms, 2) for p in probes[name]]
+            row["other_steps_ms_per_round"] = [round(p.other_ms, 2) for p in probes[name]]
             row["allocator"] = {k: sum(p.counts[k] for p in probes[name]) for k in RoundProbe.COUNTERS}
             row["compilations"] = compiled[name]  # Triton compilations inside the timed runs
             row["gc"] = {"full_collections": collected[name][0], "ms": round(collected[name][1] * 1e3, 2)}  # all rounds

@@ -92,6 +92,9 @@ def test_speed_report_runs_small(tmp_path):
     assert report["gc_freeze"] == "on" and all(set(r["gc"]) == {"full_collections", "ms"} for r in report["throughput"])
     assert "=== eagle3 adaptive (limits chain:2), batch 2" in (tmp_path / "report.json.profile.txt").read_text()
     assert all(len(r["seconds_per_round"]) == 2 for r in report["throughput"])  # every engine ran twice
+    assert all(len(r["prompt_steps_ms_per_round"]) == len(r["other_steps_ms_per_round"]) == 2
+               and min(r["prompt_steps_per_round"]) >= 1 and min(r["other_steps_ms_per_round"]) > 0
+               for r in report["throughput"])  # every round prefills its prompts, then decodes
     assert all(len(r["slowest_step_ms_per_round"]) == 2 and min(r["slowest_step_ms_per_round"]) > 0
                and r["allocator"]["num_alloc_retries"] == 0 for r in report["throughput"])
     assert all(("speedup_paired" in r) == ("speedup_best" in r) == (r["config"] != "target-only")
