@@ -1,8 +1,9 @@
 """Host time of a decode step, on the CPU: the wall time of ``Engine.step`` less its graph replays
 (graphs run eagerly, ``EngineConfig.graphs_on_cpu``), for target-only decoding and for adaptive
 speculation with every request started without the draft (what it runs at batch 64 and 128 on a
-GPU). Tiny random models; the engines alternate, rounds after the first counted; each round's
-median step::
+GPU; the policy still prices each wave of requests, as it does there). Tiny random models; the
+engines alternate, rounds after the first counted; each round's median decode step, and its prompt
+steps' host time summed apart::
 
     python benchmarks/host_step_time.py --batch 64 --rounds 4
     python benchmarks/host_step_time.py --batch 64 --rounds 6 --skip-forward
@@ -37,6 +38,7 @@ from verify_service.engine import Engine  # noqa: E402
 
 class StartsWithoutDraft(AdaptivePolicy):
     def detaches(self, batch, context):
+        super().detaches(batch, context)  # its host time, as a decision at a batch where trees do not pay takes it
         return True
 
 
@@ -76,13 +78,20 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         runs = engines(Path(tmp), args.batch)
         result = {name: [] for name in runs}
+        prompts_us = {name: [] for name in runs}  # each round's prompt steps, host time summed
         apart = {name: {"launched ahead": [], "not launched ahead": []} for name in runs}
         for r in range(args.rounds):
             for name, engine in runs.items():
                 for p, sp in zip(prompts, params):
                     engine.add_request(p, sp)
+                prompt = 0.0
                 while engine.scheduler.waiting or any(s.prefilling for s in engine.scheduler.running):
-                    engine.step()  # the prompts: not counted
+                    replay_s[0] = 0.0
+                    t0 = time.perf_counter()
+                    engine.step()  # the prompt steps: apart
+                    prompt += time.perf_counter() - t0 - replay_s[0]
+                if r:
+                    prompts_us[name].append(round(prompt * 1e6, 1))
                 host, kinds = [], {"launched ahead": [], "not launched ahead": []}
                 while engine.has_work:
                     ahead = engine._ahead_decode is not None
@@ -96,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
                     for kind, times in kinds.items():
                         apart[name][kind].append(round(statistics.median(times) * 1e6, 1) if times else None)
     out = {"batch": args.batch, "skip_forward": args.skip_forward, "spread": args.spread,
-           "host_us_per_step_by_round": result}
+           "host_us_per_step_by_round": result, "prompt_steps_host_us_by_round": prompts_us}
     if args.spread > 1:
         out["host_us_per_step_by_kind"] = apart
     print(json.dumps(out))

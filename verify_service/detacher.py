@@ -39,8 +39,12 @@ class Detacher:
     def starting(self, plan) -> None:
         """Requests whose first chunk runs now, where trees would not pay at the batch they join (the
         running and waiting requests, at their mean length: ``AdaptivePolicy.detaches``), run without
-        the draft. (Priced at the new requests' own prompts, a wave of prompts admitted over several
-        steps was split: the steps of short prompts kept the draft, those of long ones left it.)"""
+        the draft, and so do those admitted or waiting that have not started, which join the same
+        batch: a wave of prompts admitted over several steps takes one decision. (Priced at the new requests' own prompts, such a wave
+        was split: the steps of short prompts kept the draft, those of long ones left it. Decided
+        step by step, each of its prompt steps paid the policy's look and the draft's bookkeeping for
+        the requests still waiting: at batch 128 on an H200, 0.2 ms a prompt step, 0.6% of
+        target-only's tok/s.)"""
         new = [s for s, _ in plan if s.num_cached == 0 and s.speculate]
         if not new:
             return
@@ -48,6 +52,10 @@ class Detacher:
         batch = len(sched.running) + len(sched.waiting)
         context = (sum(s.num_tokens for s in sched.running) + sum(s.num_tokens for s in sched.waiting)) / batch
         if self.policy.detaches(batch, context):
+            # (with those admitted but not yet started, and the waiting: no draft state yet)
+            started = {id(s) for s in new}
+            new += [s for s in sched.running if s.num_cached == 0 and s.speculate and id(s) not in started]
+            new += [s for s in sched.waiting if s.speculate]
             for s in new:
                 s.speculate, s.detached = False, True
             self.detached_requests += len(new)
