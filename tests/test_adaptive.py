@@ -984,19 +984,22 @@ def test_a_wave_of_prompts_admitted_over_several_steps_starts_alike(dirs):
     """Four short prompts and four long ones together, prefilled over several steps (32 tokens a
     step): the wave is priced once, at the batch's mean length (60 tokens), so all eight start
     without the draft, those not yet started included; priced at their own prompts, the short ones
-    kept it. The later prompt steps look at the policy no more, and the draft is never called."""
+    kept it. The later prompt steps look at the policy no more, the draft is never called, and the
+    batch they left the draft at is not looked at again (``trees_pay``) while it stays the same."""
     short = [list(range(1 + i, 21 + i)) for i in range(4)]
     prompts = short + [[(7 * j + i) % 90 + 1 for j in range(100)] for i in range(4)]
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)  # (enough left to take the draft up again)
     want = [r.token_ids for r in Engine(target_for(dirs[0], max_batch_tokens=32)).generate(prompts, params)]
     engine = eagle_engine(dirs, "dynamic", DetachLongContexts, table(1.0), max_batch_tokens=32)
     looks, requests = [], []
     decide, ask = engine.policy.detaches, engine.speculation._requests
     engine.policy.detaches = lambda batch, context: looks.append(batch) or decide(batch, context)
     engine.speculation._requests = lambda *a: requests.append(a) or ask(*a)
+    pays, trees_pay = [], engine.policy.trees_pay
+    engine.policy.trees_pay = lambda batch, context: pays.append(batch) or trees_pay(batch, context)
     assert [r.token_ids for r in engine.generate(prompts, params)] == want
     assert engine.speculation.detacher.detached_requests == 8
-    assert looks == [8] and not requests and engine.speculation.speculating == 0
+    assert looks == [8] and not requests and not pays and engine.speculation.speculating == 0
 
 
 class DetachAboveTwo(AdaptivePolicy):

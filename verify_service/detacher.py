@@ -61,6 +61,9 @@ class Detacher:
             self.detached_requests += len(new)
             self.detached += len(new)
             self._reattachable = True
+            # This batch's look (``due``) is taken as done: they just left it where trees do not pay
+            # (its first plain step would look again, a synchronous prompt step's tens of microseconds).
+            self._look, self._look_batch = (batch_key(batch), False), -1
 
     def leaves(self, batch: int, context: float) -> bool:
         """Whether the running requests leave the draft now, plain decoding just chosen (a whole
