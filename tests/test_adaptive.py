@@ -598,6 +598,43 @@ def test_a_held_plain_decision_holds_while_the_batch_stays_in_its_bucket():
     assert not policy.choose_held(key(119))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_every_size_priced_at_once_is_each_size_priced_alone(seed):
+    """``StepCosts.sizes_ms`` and ``lower_bounds_ms`` (a decision's prices for every size, what the
+    sizes share read once) give the very floats ``step_ms`` and ``lower_bound_ms`` give size by size,
+    whatever was learned: nothing, some batch buckets, chained steps, the trees' real node counts."""
+    rng = random.Random(seed)
+    policy = AdaptivePolicy(table(per_token_ms=0.05 + rng.random() * 0.2), TreeSettings("dynamic", 7, 10, 59),
+                            PolicyConfig(probe_every=0, cost_weight=rng.choice([0.3, 1.0])))
+    costs = policy.costs
+    costs.chainable = seed % 2 == 1
+
+    def check():
+        for batch in (1, 2, 3, 4, 9, 16, 64, 100):
+            for speculating in {1, batch // 2 or 1, batch}:
+                context = rng.uniform(10, 5000)
+                assert costs.sizes_ms(batch, context, speculating) == \
+                    [costs.step_ms(batch, context, m, speculating) for m in costs.sizes]
+                assert costs.lower_bounds_ms(batch, context) == [costs.lower_bound_ms(batch, context, m)
+                                                                 for m in costs.sizes]
+
+    check()  # nothing learned
+    for _ in range(rng.randint(300, 500)):  # (EVIDENCE_STEPS of each kind at some buckets: lower bounds read them)
+        batch = rng.choice([1, 4, 64])
+        kind = rng.random()
+        if kind < 0.3:
+            policy.observe_draft(batch, rng.randint(1, 8), rng.uniform(0.2, 3.0))
+        elif kind < 0.6:
+            policy.observe_step(batch, rng.choice(costs.sizes), rng.uniform(10, 4000), rng.uniform(0.5, 20.0),
+                                chained=rng.random() < 0.5)
+        elif kind < 0.8:
+            policy.observe_step(batch, 0, rng.uniform(10, 4000), rng.uniform(0.3, 5.0))
+        else:
+            j = rng.randrange(len(costs.sizes))
+            costs.nodes[j] = rng.uniform(1, costs.sizes[j])  # the trees of a size held fewer nodes
+    check()
+
+
 def test_the_largest_trees_cost_what_chained_steps_measured_where_the_drafter_chains():
     """A chained step has no draft call: its draft's device time is in the step that verifies its trees.
     Those steps teach the largest size's cost (forward + their own residual) in place of the

@@ -253,7 +253,7 @@ class AdaptivePolicy:
         rows waiting for it, spread over the steps a decision holds (at the tail of a batch of 64, a
         few sequences left, trees that would gain a little each started with 5 ms of catch-up)."""
         catch_up = self.backlog_ms() / max(self.cfg.hold_steps, 1)
-        rates = [t / (self.step_ms(batch, context, m, speculating) + catch_up) for t, m in zip(tokens, self.sizes)]
+        rates = [t / (ms + catch_up) for t, ms in zip(tokens, self.costs.sizes_ms(batch, context, speculating))]
         i = int(np.argmax(rates))
         return self.sizes[i] if rates[i] > batch / self.step_ms(batch, context, 0, speculating) * (1 + margin) else 0
 
@@ -397,7 +397,7 @@ class AdaptivePolicy:
             return False
         tokens = batch + batch * self._global.curve(self.sizes, self._levels)
         plain = batch / self.step_ms(batch, context, 0, batch)
-        best = max(t / self.costs.lower_bound_ms(batch, context, m) for t, m in zip(tokens, self.sizes))
+        best = max(t / ms for t, ms in zip(tokens, self.costs.lower_bounds_ms(batch, context)))
         return best < ratio * plain
 
     def trees_pay(self, batch: int, context: float) -> bool:

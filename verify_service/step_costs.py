@@ -76,6 +76,64 @@ class StepCosts:
             return min(max(forward + residual, 0.05 * forward), unchained)
         return unchained
 
+    def sizes_ms(self, batch: int, context: float, speculating: int) -> list[float]:
+        """``[step_ms(batch, context, m, speculating) for m in sizes]``, the same floats, with what the
+        sizes share (the learned residual and draft cost at this batch) read once: a decision prices
+        every size, and at batch 1 one decision a step."""
+        bucket = batch_bucket(batch)
+        residuals = {}  # tree step? -> learned residual (or None), read once each
+        near = nearest_bucket(self._draft, batch_bucket(speculating))
+        if near is None:
+            prior, draft = self._prior_per_level(speculating, context), None
+        else:
+            draft_bucket, scale = near
+            fixed, per_level = self._draft[draft_bucket].fit(self._prior_per_level(draft_bucket, context))
+        last = len(self.sizes) - 1
+        chained = self.chainable and speculating == batch
+        out = []
+        for j in range(len(self.sizes)):
+            tokens = 1 + self.nodes[j]
+            forward = self.forward(batch, tokens, context)
+            tree = bool(tokens > 1)
+            if tree not in residuals:
+                residuals[tree] = learned_at(self._residual[tree], bucket, scaled=tokens > 1)
+            step = max(forward + (residuals[tree] or 0.0), 0.05 * forward)  # (verify_ms)
+            levels = 1 + self.levels[j]
+            unchained = step + (prior * levels if near is None else scale * (fixed + per_level * levels))
+            if chained and j == last:
+                residual = self._chained_residual.get(bucket)
+                if residual is None:
+                    out.append(step if bucket in self._residual[True] else unchained)
+                else:
+                    out.append(min(max(forward + residual, 0.05 * forward), unchained))
+            else:
+                out.append(unchained)
+        return out
+
+    def lower_bounds_ms(self, batch: int, context: float) -> list[float]:
+        """``[lower_bound_ms(batch, context, m) for m in sizes]``, the same floats, what the sizes
+        share read once."""
+        bucket = batch_bucket(batch)
+
+        def measured(kind: str) -> bool:
+            return self.observed.get(f"{kind} b{bucket}", (0,))[0] >= EVIDENCE_STEPS
+
+        chained = self._chained_residual.get(bucket) if measured("chained tree") else None
+        base = self._residual[True].get(bucket, 0.0) if measured("tree") else 0.0
+        draft = self._draft.get(bucket) if measured("draft") else None
+        if draft is not None:
+            fixed, per_level = draft.fit(self._prior_per_level(bucket, context))
+        last = len(self.sizes) - 1
+        out = []
+        for j in range(len(self.sizes)):
+            forward = self.forward(batch, 1 + self.nodes[j], context)
+            if self.chainable and j == last and chained is not None:
+                extra = chained
+            else:
+                extra = base if draft is None else base + (fixed + per_level * (1 + self.levels[j]))
+            out.append(max(forward + extra, 0.05 * forward))
+        return out
+
     def lower_bound_ms(self, batch: int, context: float, nodes: int) -> float:
         """A step of the whole batch with trees of ``nodes`` nodes at its lowest: the calibrated forward,
         plus only what was measured at this batch's own bucket over ``EVIDENCE_STEPS`` steps at least
