@@ -2,13 +2,15 @@
 host beside the fixed tree's (a step's decision and what it learns), measured alone.
 
     python benchmarks/policy_host_cost.py --batch 1 --batch 4 --steps 4000
+    python benchmarks/policy_host_cost.py --wave --batch 16 --batch 64 --steps 2000
 
 Each step at batch B, as the engine calls the policy on a chained step of trees: ``choose`` (the
 next step's size), ``observe_tree`` per sequence (a 59-node dynamic tree, 7 levels, its accepted
 path 0 to 6 nodes long in turn), ``observe_step`` and ``observe_realized``. The costs are a
 synthetic table (a forward of 0.7 ms plus 2 us a token and sequence): what is timed is the
 policy's Python, not the table's values. Prints and writes (``--out``) microseconds per step,
-and the decisions taken, per batch size.
+and the decisions taken, per batch size. ``--wave``: microseconds per call of the policy's looks at
+a wave of prompts (``detaches``) and at a batch running without the draft (``trees_pay``) instead.
 """
 
 from __future__ import annotations
@@ -88,15 +90,38 @@ def host_cost(batch: int, steps: int, config: PolicyConfig, seed: int = 0) -> di
             "decisions": {str(k): v for k, v in sorted(policy.decisions.items())}}
 
 
+def wave_cost(batch: int, calls: int, config: PolicyConfig) -> dict:
+    """``AdaptivePolicy.detaches`` and ``trees_pay`` alone (a wave of prompts' look, and a detached
+    batch's), on a policy that learned draft calls, tree and plain steps at batches 1, 4, 16 and 64."""
+    policy = AdaptivePolicy(synthetic_table(), TreeSettings("dynamic", 7, 10, 59), config)
+    for b in (1, 4, 16, 64):
+        for i in range(40):
+            policy.observe_draft(b, 3 + i % 5, 0.3 + 0.05 * (3 + i % 5))
+            policy.observe_step(b, 59, 300.0, 1.2 + 0.01 * b)
+            policy.observe_step(b, 0, 300.0, 0.7 + 0.005 * b)
+    row = {"batch": batch, "calls": calls}
+    for name in ("detaches", "trees_pay"):
+        call = getattr(policy, name)
+        call(batch, 150.0)
+        start = time.perf_counter()
+        for i in range(calls):
+            call(batch, 150.0 + i)
+        row[f"{name}_us"] = round((time.perf_counter() - start) / calls * 1e6, 2)
+    return row
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, action="append", help="batch sizes (default 1 and 4)")
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--variant", default=None, metavar="FIELD=VALUE[,...]", help="PolicyConfig fields changed")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--wave", action="store_true", help="time the looks at a wave of prompts instead "
+                    "(detaches, trees_pay), --steps calls each")
     args = ap.parse_args(argv)
     config = policy_variant(args.variant) if args.variant else PolicyConfig()
-    rows = [host_cost(b, args.steps, config) for b in args.batch or [1, 4]]
+    cost = wave_cost if args.wave else host_cost
+    rows = [cost(b, args.steps, config) for b in args.batch or [1, 4]]
     for row in rows:
         print(json.dumps(row))
     if args.out:

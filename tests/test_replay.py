@@ -183,6 +183,8 @@ def test_policy_host_cost_runs_small(tmp_path):
     assert [r["batch"] for r in rows] == [1, 2] and all(r["us_per_step"] > 0 for r in rows)
     assert all(sum(r["decisions"].values()) == 250 for r in rows)  # 200 warm steps, 50 timed: one decision each
     assert json.loads(out.read_text())["variant"] == "hold_steps=1"
+    waves = policy_host_cost.main(["--wave", "--batch", "16", "--steps", "20"])
+    assert [r["batch"] for r in waves] == [16] and waves[0]["detaches_us"] > 0 and waves[0]["trees_pay_us"] > 0
 
 
 def test_trace_kernels_charges_the_span_once():
