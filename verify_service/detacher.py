@@ -40,11 +40,11 @@ class Detacher:
         """Requests whose first chunk runs now, where trees would not pay at the batch they join (the
         running and waiting requests, at their mean length: ``AdaptivePolicy.detaches``), run without
         the draft, and so do those admitted or waiting that have not started, which join the same
-        batch: a wave of prompts admitted over several steps takes one decision. (Priced at the new requests' own prompts, such a wave
-        was split: the steps of short prompts kept the draft, those of long ones left it. Decided
-        step by step, each of its prompt steps paid the policy's look and the draft's bookkeeping for
-        the requests still waiting: at batch 128 on an H200, 0.2 ms a prompt step, 0.6% of
-        target-only's tok/s.)"""
+        batch: a wave of prompts admitted over several steps takes one decision. (Priced at the new
+        requests' own prompts, such a wave was split: the steps of short prompts kept the draft,
+        those of long ones left it. Decided step by step, each of its prompt steps paid the policy's
+        look and the draft's bookkeeping for the requests still waiting: at batch 128 on an H200,
+        0.2 ms a prompt step, 0.6% of target-only's tok/s.)"""
         new = [s for s, _ in plan if s.num_cached == 0 and s.speculate]
         if not new:
             return

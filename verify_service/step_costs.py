@@ -84,7 +84,7 @@ class StepCosts:
         residuals = {}  # tree step? -> learned residual (or None), read once each
         near = nearest_bucket(self._draft, batch_bucket(speculating))
         if near is None:
-            prior, draft = self._prior_per_level(speculating, context), None
+            prior = self._prior_per_level(speculating, context)
         else:
             draft_bucket, scale = near
             fixed, per_level = self._draft[draft_bucket].fit(self._prior_per_level(draft_bucket, context))
