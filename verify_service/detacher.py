@@ -52,9 +52,9 @@ class Detacher:
         batch = len(sched.running) + len(sched.waiting)
         context = (sum(s.num_tokens for s in sched.running) + sum(s.num_tokens for s in sched.waiting)) / batch
         if self.policy.detaches(batch, context):
-            # (with those admitted but not yet started, and the waiting: no draft state yet)
-            started = {id(s) for s in new}
-            new += [s for s in sched.running if s.num_cached == 0 and s.speculate and id(s) not in started]
+            # the plan's new ones (running now), those admitted but not yet started, and the waiting: no
+            # draft state yet
+            new = [s for s in sched.running if s.num_cached == 0 and s.speculate]
             new += [s for s in sched.waiting if s.speculate]
             for s in new:
                 s.speculate, s.detached = False, True
