@@ -29,6 +29,10 @@ the same way whatever the step around it:
   instructions add in K order whatever the row tile (the projections' evidence,
   ``benchmarks/row_tile_bits.py``), and its maximum is exact in any order.
 
+A ragged step (``meta.ragged``: a graphed prompt step, causal chunks of any lengths) takes the
+fold launch with the fast kernel's grid, fixed by the step's capacity of tokens
+(``attention_triton._program_tile``); a row's arithmetic, and so its bits, are those of any launch.
+
 Visibility is positional: a query sees the keys at positions up to its own (its ancestors in a
 tree). Outside a tree, a token's KV index must equal its position, as every causal step here
 lays it out.
@@ -44,7 +48,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import unpack_mask
-from kernels.attention_triton import _DOT_DTYPES, LOG2E, _query_tile
+from kernels.attention_triton import _DOT_DTYPES, LOG2E, _program_tile, _query_tile
 from kernels.metadata import AttentionMetadata
 from kernels.pdl import PDL_ALL, dependent, launch_options
 
@@ -207,10 +211,13 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return out
     q_tiles = triton.cdiv(meta.max_query_len, block_q)
     has_mask = meta.custom_mask is not None
-    split_ok = not has_mask or meta.max_query_len <= chunk  # the gathered tiles within TAIL_CHUNKS chunks
+    if meta.ragged:
+        assert not has_mask, "a ragged step is causal"
+    # The split launch: no ragged step, and masked steps' gathered tiles within TAIL_CHUNKS chunks.
+    split_ok = (not has_mask or meta.max_query_len <= chunk) and not meta.ragged
     if mode == "split" and not split_ok:
-        raise ValueError(f"the split launch takes masked steps of at most {chunk} tokens a sequence, "
-                         f"not {meta.max_query_len}")
+        raise ValueError(f"the split launch takes masked steps of at most {chunk} tokens a sequence and no "
+                         f"ragged step, not {meta.max_query_len} tokens{' (ragged)' if meta.ragged else ''}")
     split = (_mode(meta, T, H, kvh, D, q_tiles, q.device, chunk) and split_ok) if mode == "auto" else mode == "split"
     chunks = triton.cdiv(max(meta.max_seq_len, 1), chunk) if split else 1
     if split:
@@ -223,17 +230,21 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     mask_start = meta.mask_start if has_mask else meta.seq_lens
     per_token = TAIL_CHUNKS * block_q if split and has_mask else 0  # programs of the tree chunks, per token
     pdl = dependent(q, PDL_ALL)  # (speed only: the bits are the same either way)
-    _exact_attention_kernel[(meta.num_seqs * q_tiles, kvh, chunks + per_token)](
+    # A ragged step (a graphed prompt step): its programs find their chunk and tile from query_start_loc,
+    # the grid fixed by the step's capacity of tokens (``attention_triton._program_tile``).
+    programs = q_tiles + meta.num_seqs if meta.ragged else meta.num_seqs * q_tiles
+    _exact_attention_kernel[(programs, kvh, chunks + per_token)](
         q, k_cache, v_cache, out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, meta.positions,
         meta.block_tables, table, mask_start, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         table.stride(0) if has_mask else 0, table.shape[1] if has_mask else 0,
         part_m.stride(0) if split else 0, part_m.stride(1) if split else 0, part_acc.stride(0) if split else 0,
-        part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_tiles, chunks,
+        part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_tiles, chunks, meta.num_seqs,
         G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, HEAD_DIM=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32), USE_GDC=pdl,
+        RAGGED=meta.ragged, BLOCK_B=triton.next_power_of_2(meta.num_seqs) if meta.ragged else 1,
         num_warps=warps, num_stages=stages, **launch_options(pdl))
     if split:
         _fold_chunks_kernel[(T, H)](part_m, part_l, part_acc, out, meta.positions,
@@ -346,20 +357,21 @@ def _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, hi, b, t0, m_start, tail_sta
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_tab", "tab_cols", "stride_mc", "stride_mt", "stride_ac",
-                               "stride_at", "q_tiles", "chunks"])  # step-dependent (attention_triton.py)
+                               "stride_at", "q_tiles", "chunks", "num_seqs"])  # step-dependent (attention_triton.py)
 def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                             qsl_ptr, seq_lens_ptr, pos_ptr, tables_ptr, table_ptr, mask_start_ptr, scale_log2,
                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_tab, tab_cols,
-                            stride_mc, stride_mt, stride_ac, stride_at, stride_ah, q_tiles, chunks,
+                            stride_mc, stride_mt, stride_ac, stride_at, stride_ah, q_tiles, chunks, num_seqs,
                             G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                            USE_GDC: tl.constexpr):
+                            USE_GDC: tl.constexpr, RAGGED: tl.constexpr, BLOCK_B: tl.constexpr):
     if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load and any early return
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0) // q_tiles
-    tile = tl.program_id(0) % q_tiles
+    b, tile, past = _program_tile(qsl_ptr, num_seqs, q_tiles, BLOCK_Q, RAGGED, BLOCK_B)
+    if past:
+        return
     kvh = tl.program_id(1)
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start

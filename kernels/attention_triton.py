@@ -368,6 +368,31 @@ def _query_tile(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh, G: tl.co
     return qi, head, row_ok, t, d, d_ok, q
 
 
+@triton.jit
+def _program_tile(qsl_ptr, num_seqs, q_tiles, BLOCK_Q: tl.constexpr, RAGGED: tl.constexpr, BLOCK_B: tl.constexpr):
+    """(sequence, query tile, past the step's last tile) of this program. A ragged step (a graphed
+    prompt step, its grid fixed by its capacity of tokens): program p takes the step's tile p,
+    counted over the chunks' tiles in order (a cumulative sum over ``query_start_loc``), and the
+    programs past the last one have nothing to do. Otherwise program p is tile p % q_tiles of
+    sequence p // q_tiles."""
+    if RAGGED:
+        p = tl.program_id(0)
+        s = tl.arange(0, BLOCK_B)
+        s_ok = s < num_seqs
+        lens = tl.load(qsl_ptr + s + 1, mask=s_ok, other=0) - tl.load(qsl_ptr + s, mask=s_ok, other=0)
+        tiles = (lens + BLOCK_Q - 1) // BLOCK_Q
+        ends = tl.cumsum(tiles, 0)  # each sequence's tiles end there (exclusive)
+        b = tl.sum((ends <= p).to(tl.int32), 0)  # the first sequence whose tiles reach past p
+        past = b >= num_seqs
+        b = tl.maximum(tl.minimum(b, num_seqs - 1), 0)
+        tile = p - tl.sum(tl.where(s < b, tiles, 0), 0)
+    else:
+        b = tl.program_id(0) // q_tiles
+        tile = tl.program_id(0) % q_tiles
+        past = tl.program_id(0) < 0  # (never: a tensor, as the ragged branch's)
+    return b, tile, past
+
+
 # Integer arguments that change from step to step are not specialised: Triton compiles a variant per
 # value class (== 1, divisible by 16), and a variant first met mid-serving stalls every stream for
 # the compilation (a block table's width, the splits, the mask's words, strides that scale with T).
@@ -388,21 +413,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, used_pt
     # which writes q and the new keys), and that one's programs let this launch only after their own
     # wait, so every kernel before it is complete (kernels/pdl.py). The wait still comes before any
     # early return.
-    if RAGGED:  # program p: the step's tile p, counted over the chunks' tiles in order
-        p = tl.program_id(0)
-        s = tl.arange(0, BLOCK_B)
-        s_ok = s < num_seqs
-        lens = tl.load(qsl_ptr + s + 1, mask=s_ok, other=0) - tl.load(qsl_ptr + s, mask=s_ok, other=0)
-        tiles = (lens + BLOCK_Q - 1) // BLOCK_Q
-        ends = tl.cumsum(tiles, 0)  # each sequence's tiles end there (exclusive)
-        b = tl.sum((ends <= p).to(tl.int32), 0)  # the first sequence whose tiles reach past p
-        past = b >= num_seqs  # a program past the step's last tile
-        b = tl.maximum(tl.minimum(b, num_seqs - 1), 0)
-        tile = p - tl.sum(tl.where(s < b, tiles, 0), 0)
-    else:
-        b = tl.program_id(0) // q_tiles
-        tile = tl.program_id(0) % q_tiles
-        past = False
+    b, tile, past = _program_tile(qsl_ptr, num_seqs, q_tiles, BLOCK_Q, RAGGED, BLOCK_B)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)

@@ -146,6 +146,38 @@ def test_prefill_rows_do_not_depend_on_chunking():
         assert torch.equal(one[0], whole[pos]), pos
 
 
+@pytest.mark.parametrize("kvh, g, d, dtype", [(2, 3, 64, torch.bfloat16), (1, 4, 32, torch.float32)])
+def test_a_ragged_graphed_prompt_step_gives_the_eager_steps_bits(kvh, g, d, dtype):
+    """A graphed prompt step's layout (``meta.ragged``: each program finds its chunk and tile from
+    query_start_loc, the grid fixed by the layout's capacity of tokens, padding sequences and rows
+    past the step's): every real row is bit for bit the eager step's and each chunk's alone. One
+    chunk decodes past a 512-key chunk's end. The padding rows' queries are NaN: a program that took
+    one for a real row fails the comparison. On a GPU the capacity (96 tokens) takes the wide tile
+    where the probe allows it, the eager step the narrow one."""
+    from runtime.static_layout import Bucket, StaticLayout
+
+    gen = torch.Generator().manual_seed(17)
+    cases = [(0, 19), (5, 1), (21, 40), (0, 3), (600, 2)]  # (cached, new) per sequence
+    cache = Cache([torch.randn(2, c + n, kvh, d, generator=gen).to(dtype) for c, n in cases], seed=6)
+    chunks = [SeqChunk(list(range(n)), c, table) for (c, n), table in zip(cases, cache.tables)]
+    T, capacity = sum(n for _, n in cases), 96
+    q = torch.randn(capacity, kvh * g, d, generator=gen).to(dtype)
+    q[T:] = float("nan")
+    eager = attend(cache, chunks, q[:T])
+    lay = StaticLayout(Bucket(8, capacity, False, ragged=True), 48, 1024, BLOCK, torch.device(DEVICE))
+    lay.fill(chunks)
+    graphed = paged_attention_exact(q.to(DEVICE), cache.k, cache.v, lay.meta, d ** -0.5)[:T]
+    assert torch.isfinite(graphed).all()
+    assert torch.equal(graphed, eager)
+    at = 0
+    for chunk in chunks:
+        n = len(chunk.token_ids)
+        assert torch.equal(attend(cache, [chunk], q[at:at + n]), graphed[at:at + n]), chunk.kv_start
+        at += n
+    with pytest.raises(ValueError, match="ragged"):
+        paged_attention_exact(q.to(DEVICE), cache.k, cache.v, lay.meta, d ** -0.5, "split")
+
+
 def test_chunk_is_a_whole_number_of_tiles():
     from kernels.attention_exact import BLOCK_N
     assert CHUNK % BLOCK_N == 0

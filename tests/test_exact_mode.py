@@ -174,3 +174,23 @@ def test_the_row_tile_probe_reads_a_target_layer(dirs, monkeypatch):
     device = target.model.model.norm.weight.device
     assert exact_set._ROW_COUNT_TILES == {(device, torch.bfloat16): True}
     assert exact_set.row_count_tiles(torch.zeros(1, device=device, dtype=torch.bfloat16)) is (device.type == "cuda")
+
+
+def test_a_prompt_step_too_big_for_the_prompt_graphs_replays_a_ragged_graph(dirs, monkeypatch):
+    """Prompts arriving together past the largest prompt graph of one-token rows replay a ragged graph
+    with the exact kernels too (their attention on the ragged grid), and give the eager engine's
+    tokens. With ``graphs_on_cpu`` on a CPU (through Triton's interpreter, the graphs' sizes cut to
+    16-token prompt graphs and a 64-token ragged one), real graphs of the shipped sizes on a GPU."""
+    from verify_service import target_graphs
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(target_graphs, "PROMPT_GRAPH_TOKENS", 16)
+        monkeypatch.setattr(target_graphs, "RAGGED_GRAPH_TOKENS", (64,))
+    lens = (20, 15, 10, 3) if not torch.cuda.is_available() else (150, 140, 130, 120, 3)
+    prompts = [[(7 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate(lens)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    eager = Engine(target_for(dirs[0], **EXACT_BF16, max_num_seqs=8, enforce_eager=True))
+    want = [r.token_ids for r in eager.generate(prompts, params)]
+    graphed = Engine(target_for(dirs[0], **EXACT_BF16, max_num_seqs=8, graphs_on_cpu=True))
+    assert [r.token_ids for r in graphed.generate(prompts, params)] == want
+    assert graphed.target.runner.ragged_steps == 1

@@ -83,7 +83,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = model.cos.shape[0]
         self.cuda_graphs = cuda_graphs  # (on a CPU: each replay runs eagerly, ``runtime/graphs.py``)
-        self.graphs = TargetGraphs(self._capture, max_num_seqs, self.max_model_len, ragged=kernels.name != "exact")
+        self.graphs = TargetGraphs(self._capture, max_num_seqs, self.max_model_len)
         self.graph_steps = 0  # steps that replayed a graph (a metric; tests read it)
         self.ragged_steps = 0  # prompt steps replayed on a ragged graph (``_ragged_step``)
         self.split_steps = 0  # mixed steps run as a prompt forward and a graph (``_split_step``)

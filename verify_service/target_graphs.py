@@ -31,7 +31,7 @@ PROMPT_GRAPH_TOKENS = 512
 PROMPT_GRAPH_CONTEXT = 4096  # ... when it ends within this many tokens (those graphs' table width)
 # Bigger prompt steps (a batch's prompts arriving together) replay a ragged graph of up to this many
 # tokens (``Bucket.ragged``: causal chunks of any lengths, the prompt graphs' context), with the
-# Triton or the reference kernels: at batch 64 on the H200, four eager 2048-token prompt steps of
+# Triton, the exact or the reference kernels: at batch 64 on the H200, four eager 2048-token prompt steps of
 # SmolLM2 took 14-16 ms each for 2.6 ms of kernels.
 RAGGED_GRAPH_TOKENS = (1024, 2048)
 
@@ -84,12 +84,10 @@ class TargetGraphs:
     """Every bucket's graph of one runner (None: its capture ran out of memory, those steps run
     eagerly), the bucket lists a step is matched against, and the graphs' shared memory pool."""
 
-    def __init__(self, capture: Callable[[Bucket], StepGraph], max_num_seqs: int, max_model_len: int,
-                 ragged: bool = True):
-        """``capture(bucket)``: the runner's capture of one bucket's forward. ``ragged``: ragged
-        prompt buckets too (not with the exact kernels: their attention keeps its own grid)."""
+    def __init__(self, capture: Callable[[Bucket], StepGraph], max_num_seqs: int, max_model_len: int):
+        """``capture(bucket)``: the runner's capture of one bucket's forward."""
         self._capture = capture
-        self.max_num_seqs, self.max_model_len, self.ragged = max_num_seqs, max_model_len, ragged
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self._graphs: dict[Bucket, StepGraph | None] = {}
         self._fits: dict[tuple, list[Bucket]] = {}  # fitting's answers
         self.pool = None  # the graphs' memory pool (CUDA), taken at the first capture
@@ -125,7 +123,7 @@ class TargetGraphs:
 
     def buckets(self) -> list[Bucket]:
         return graph_buckets(self.max_num_seqs, min(MAX_GRAPH_TOKENS, self.max_model_len),
-                             min(PROMPT_GRAPH_TOKENS, self.max_model_len), RAGGED_GRAPH_TOKENS if self.ragged else ())
+                             min(PROMPT_GRAPH_TOKENS, self.max_model_len), RAGGED_GRAPH_TOKENS)
 
     def fitting(self, tree: bool, seqs: int, tokens: int, prompt: bool = False) -> list[Bucket]:
         """The buckets that hold ``seqs`` sequences of up to ``tokens`` tokens, smallest first (by
