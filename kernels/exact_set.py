@@ -2,11 +2,11 @@
 
 A token's logits come out the same whether it is decoded alone, verified inside a 64-token
 tree, prefilled in any chunking, or batched with any other sequences: every step runs the
-projections with the layer's norms, activation and (where the heads allow) RoPE and the KV write
-in their epilogues (``kernels/fused_linear_triton.py``), a row's products accumulated in K order
-and its sums of squares in fixed point, the LM head uses one fixed matmul tile (``linear_exact``),
-attention walks keys in position order in fixed tiles and fixed chunks (``paged_attention_exact``),
-and RMSNorm and RoPE are computed row by row. So greedy speculative output equals target-only output in bf16 too, as it
+projections with the layer's norms and activation in their epilogues
+(``kernels/fused_linear_triton.py``), a row's products accumulated in K order and its sums of
+squares in fixed point, the LM head uses one fixed matmul tile (``linear_exact``), attention walks keys in position
+order in fixed tiles and fixed chunks (``paged_attention_exact``), and RMSNorm and RoPE are
+computed row by row. So greedy speculative output equals target-only output in bf16 too, as it
 does in float32.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from kernels.attention_exact import BLOCK_N, CHUNK, paged_attention_exact, prepare_attention_exact
 from kernels.fused_linear_triton import (EXACT_ROW_TILE, every_step, linear_add_norm_triton,
-                                         scaled_gate_up_silu_triton, scaled_linear_triton, scaled_qkv_rope_triton)
+                                         scaled_gate_up_silu_triton, scaled_linear_triton)
 from kernels.linear_triton import linear_exact
 from kernels import KernelSet
 from kernels.triton_set import TRITON
@@ -138,9 +138,7 @@ def with_row_tile(row_tile: int | None, exact_sums: bool = True) -> KernelSet:
         scaled_gate_up_silu=project(scaled_gate_up_silu_triton),
         linear_add_norm=project(linear_add_norm_triton),
         fused_rows=every_step,
-        # (q and k rotated and the KV written in the projection's epilogue: per element, after the
-        # row's dot over K, so its bits follow the projection's; one launch a layer less a step)
-        scaled_qkv_rope=project(scaled_qkv_rope_triton),
+        scaled_qkv_rope=None,  # (its sums are not in fixed point: scaled_linear, then rope_write_kv)
         name="exact",  # (the engine captures graphs for the sets it knows by name)
     )
 
