@@ -2,12 +2,12 @@
 
 A token's logits come out the same whether it is decoded alone, verified inside a 64-token
 tree, prefilled in any chunking, or batched with any other sequences: every step runs the
-projections with the layer's norms and activation in their epilogues
-(``kernels/fused_linear_triton.py``), a row's products accumulated in K order and its sums of
-squares in fixed point, the LM head uses one fixed matmul tile (``linear_exact``), attention walks keys in position
-order in fixed tiles and fixed chunks (``paged_attention_exact``), and RMSNorm and RoPE are
-computed row by row. So greedy speculative output equals target-only output in bf16 too, as it
-does in float32.
+projections with the layer's norms, activation and (where the heads allow) RoPE and the KV write
+in their epilogues (``kernels/fused_linear_triton.py``), a row's products accumulated in K order
+and its sums of squares in fixed point, the LM head uses one fixed matmul tile (``linear_exact``),
+attention walks keys in position order in fixed tiles and fixed chunks (``paged_attention_exact``),
+and RMSNorm and RoPE are computed row by row. So greedy speculative output equals target-only
+output in bf16 too, as it does in float32.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ import torch
 
 from kernels.attention_exact import BLOCK_N, CHUNK, paged_attention_exact, prepare_attention_exact
 from kernels.fused_linear_triton import (EXACT_ROW_TILE, every_step, linear_add_norm_triton,
-                                         scaled_gate_up_silu_triton, scaled_linear_triton)
+                                         scaled_gate_up_silu_triton, scaled_linear_triton, scaled_qkv_rope_triton)
 from kernels.linear_triton import linear_exact
+from common.config import RopeScaling
 from kernels import KernelSet
 from kernels.triton_set import TRITON
+from runtime.rope import rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +39,15 @@ PROBE_WHOLE = 192  # this many (two programs of the 128-row tile a column tile, 
 
 
 def probe_row_tiles(o_proj: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, qkv: torch.Tensor,
-                    norm: torch.Tensor, eps: float, qkv_bias: torch.Tensor | None = None) -> bool:
+                    norm: torch.Tensor, eps: float, qkv_bias: torch.Tensor | None = None,
+                    heads: tuple[int, int, int] | None = None) -> bool:
     """Whether the fused projections give each row the same bits on the fast path's row tiles (from
     the row count) as inside one call of ``PROBE_WHOLE`` rows (the 128-row tile), on these weights'
     device and dtype: a layer's four projections (o_proj, gate_up, down, qkv: [out, in]) on random
     rows, then on rows of calls of 1, 7, 20 and 64 rows at three offsets, with the sums of h^2 in
-    fixed point. On an H200 the tensor cores
+    fixed point. ``heads`` (query heads, KV heads, head_dim): the qkv projection with RoPE and the
+    KV write in its epilogue too (``scaled_qkv_rope``: rotated q, and the k and v it writes), as
+    the layer runs it. On an H200 the tensor cores
     accumulate a row's products in K order whatever the tiles (``benchmarks/row_tile_bits.py``); a GPU
     that does not is found here. The result is kept for the device and dtype; a model's own weights
     compile the variants its steps use anyway. Not inside a CUDA graph's capture."""
@@ -50,13 +55,15 @@ def probe_row_tiles(o_proj: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(PROBE_WHOLE, o_proj.shape[1], generator=gen).to(dev, dtype)
     res = torch.randn(PROBE_WHOLE, o_proj.shape[0], generator=gen).to(dev, dtype)
+    rope = _rope_inputs(heads, dev, dtype) if heads is not None else None
 
     def layer(rows: slice) -> list[torch.Tensor]:
         h, hn, ss = linear_add_norm_triton(x[rows], o_proj, res[rows], norm, exact_sums=True)
         act = scaled_gate_up_silu_triton(hn, ss, eps, gate_up, exact_sums=True)
         q = scaled_linear_triton(hn, ss, eps, qkv, qkv_bias, exact_sums=True)
         out = linear_add_norm_triton(act, down, h, norm, exact_sums=True)
-        return [h, hn, ss.T, act, q, *out[:2], out[2].T]  # (partial sums: rows last -> first)
+        rotated = [] if rope is None else rope(hn, ss, eps, qkv, qkv_bias, rows)
+        return [h, hn, ss.T, act, q, *out[:2], out[2].T, *rotated]  # (partial sums: rows last -> first)
 
     whole = layer(slice(0, PROBE_WHOLE))
     same = all(torch.equal(got, want[start:start + n])
@@ -70,11 +77,29 @@ def probe_row_tiles(o_proj: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     return same
 
 
+def _rope_inputs(heads: tuple[int, int, int], device: torch.device, dtype: torch.dtype):
+    """For ``probe_row_tiles``: ``scaled_qkv_rope`` on a call's rows, at positions equal to their row
+    numbers, each into its own slot of a fresh cache (NaN elsewhere): [rotated q, k, v of its slots]."""
+    n_q, n_kv, head_dim = heads
+    cos, sin = rope_tables(head_dim, 10000.0, RopeScaling(), PROBE_WHOLE, device)
+    slots = torch.arange(PROBE_WHOLE, device=device)
+
+    def run(hn, ss, eps, qkv, qkv_bias, rows: slice) -> list[torch.Tensor]:
+        caches = [torch.full((PROBE_WHOLE, 1, n_kv, head_dim), float("nan"), dtype=dtype, device=device)
+                  for _ in range(2)]
+        q = scaled_qkv_rope_triton(hn, ss, eps, qkv, qkv_bias, slots[rows], cos, sin, *caches, slots[rows],
+                                   n_q, n_kv, head_dim, exact_sums=True)
+        return [q, *(c[rows] for c in caches)]
+    return run
+
+
 def probe_layer(layer) -> bool:
-    """``probe_row_tiles`` on a target decoder layer's fused weights (``verify_service/model.py``)."""
+    """``probe_row_tiles`` on a target decoder layer's fused weights (``verify_service/model.py``),
+    its qkv projection with RoPE in the epilogue too where the layer runs it so."""
     attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim) if attn.rope_in_projection else None
     return probe_row_tiles(attn.o_proj.weight, mlp.gate_up_weight, mlp.down_proj.weight, attn.qkv_weight,
-                           norm.weight, norm.eps, attn.qkv_bias)
+                           norm.weight, norm.eps, attn.qkv_bias, heads)
 
 
 def _synthetic_probe(device: torch.device, dtype: torch.dtype) -> bool:
@@ -86,7 +111,8 @@ def _synthetic_probe(device: torch.device, dtype: torch.dtype) -> bool:
         return (torch.randn(n, k, generator=gen) * k ** -0.5).to(device, dtype)
 
     return probe_row_tiles(w(576, 1152), w(2 * 1536, 576), w(576, 1536), w(1152 + 256, 576),
-                           (1 + 0.1 * torch.randn(576, generator=gen)).to(device, dtype), 1e-5)
+                           (1 + 0.1 * torch.randn(576, generator=gen)).to(device, dtype), 1e-5,
+                           heads=(18, 2, 64))  # (1408 qkv columns: 18 query heads and 2 KV heads of 64)
 
 
 def row_count_tiles(x: torch.Tensor) -> bool:
@@ -138,7 +164,9 @@ def with_row_tile(row_tile: int | None, exact_sums: bool = True) -> KernelSet:
         scaled_gate_up_silu=project(scaled_gate_up_silu_triton),
         linear_add_norm=project(linear_add_norm_triton),
         fused_rows=every_step,
-        scaled_qkv_rope=None,  # (its sums are not in fixed point: scaled_linear, then rope_write_kv)
+        # (q and k rotated and the KV written in the projection's epilogue, one launch a layer less a
+        # step; the row-tile probe covers it: where its rows change with the tile, the fixed tile)
+        scaled_qkv_rope=project(scaled_qkv_rope_triton),
         name="exact",  # (the engine captures graphs for the sets it knows by name)
     )
 

@@ -173,14 +173,16 @@ def scaled_qkv_rope_triton(x: torch.Tensor, ss: torch.Tensor | None, eps: float,
                            bias: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                            heads: int, kv_heads: int, head_dim: int, config: RowLinearConfig | None = None,
-                           block_m: int | None = None) -> torch.Tensor:
+                           block_m: int | None = None, exact_sums: bool = False) -> torch.Tensor:
     """``scaled_qkv_rope_ref`` in one kernel (``ROPE_KV`` above): rotated q [rows, heads, head_dim],
-    k and v in the cache. ``head_dim`` a multiple of 16 (``rope_epilogue_fits``)."""
+    k and v in the cache. ``head_dim`` a multiple of 16 (``rope_epilogue_fits``). ``block_m`` and
+    ``exact_sums``: as ``_launch``'s (the batch-invariant set's)."""
     assert rope_epilogue_fits(head_dim), f"head_dim {head_dim}: RoPE in the epilogue needs a multiple of 16"
     assert positions.is_contiguous() and slot_mapping.is_contiguous(), "positions and slots: contiguous [rows]"
     assert weight.shape[0] == (heads + 2 * kv_heads) * head_dim, "a fused [q; k; v] weight"
     rope = (positions, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads, head_dim)
-    q = _launch(EPILOGUE_ROPE_KV, x, weight, bias=bias, ss=ss, eps=eps, config=config, block_m=block_m, rope=rope)[0]
+    q = _launch(EPILOGUE_ROPE_KV, x, weight, bias=bias, ss=ss, eps=eps, config=config, block_m=block_m,
+                exact_sums=exact_sums, rope=rope)[0]
     return q.view(-1, heads, head_dim)
 
 

@@ -215,9 +215,11 @@ def projection_rows_differ(kernels, dtype) -> list:
     residual = torch.randn(300, 80, generator=gen).to(dtype).to(DEVICE)
     w, w_up = ((torch.randn(n, k, generator=gen) * 0.1).to(dtype).to(DEVICE) for n, k in ((80, 1100), (2 * 48, 80)))
     norm_w = (1 + 0.1 * torch.randn(80, generator=gen)).to(dtype).to(DEVICE)
+    w_qkv = (torch.randn(64, 80, generator=gen) * 0.1).to(dtype).to(DEVICE)  # 2 q heads, 1 KV head of 16
     h, hn, ss = kernels.linear_add_norm(x, w, residual, norm_w)
     act = kernels.scaled_gate_up_silu(hn, ss, 1e-5, w_up)
     qkv = kernels.scaled_linear(hn, ss, 1e-5, w_up)
+    rope = _qkv_rope(kernels, hn, ss, w_qkv, range(300))
     differ = []
     for rows in (1, 7, 20, 64):
         for start in (0, 5, 200):
@@ -226,15 +228,41 @@ def projection_rows_differ(kernels, dtype) -> list:
             outputs = {"h": (h2, h[part]), "hn": (hn2, hn[part]), "ss": (ss2, ss[:, part]),
                        "gate_up": (kernels.scaled_gate_up_silu(hn2, ss2, 1e-5, w_up), act[part]),
                        "qkv": (kernels.scaled_linear(hn2, ss2, 1e-5, w_up), qkv[part])}
-            differ += [(name, rows, start) for name, (got, want) in outputs.items() if not torch.equal(got, want)]
+            if rope is not None:  # (q, k and v of the rows' slots)
+                got = _qkv_rope(kernels, hn2, ss2, w_qkv, range(start, start + rows))
+                outputs["qkv_rope"] = (got, tuple(t[part] for t in rope))
+            differ += [(name, rows, start) for name, (got, want) in outputs.items() if not _equal(got, want)]
     return differ
+
+
+def _equal(got, want) -> bool:
+    """Bit for bit: two tensors, or two tuples of them."""
+    if isinstance(got, tuple):
+        return all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    return torch.equal(got, want)
+
+
+def _qkv_rope(kernels, hn, ss, w_qkv, positions):
+    """A set's ``scaled_qkv_rope`` (None: it has none) on rows at ``positions`` (their slots too, in a
+    NaN cache): rotated q, and the k and v written at the rows' slots."""
+    from common.config import RopeScaling
+    from runtime.rope import rope_tables
+
+    if kernels.scaled_qkv_rope is None:
+        return None
+    cos, sin = rope_tables(16, 10000.0, RopeScaling(), 300, torch.device(DEVICE))
+    slots = torch.tensor(list(positions), device=DEVICE)
+    k_cache, v_cache = (torch.full((19, 16, 1, 16), float("nan"), dtype=hn.dtype, device=DEVICE) for _ in range(2))
+    q = kernels.scaled_qkv_rope(hn, ss, 1e-5, w_qkv, None, slots, cos, sin, k_cache, v_cache, slots, 2, 1, 16)
+    return q, k_cache.view(-1, 1, 16)[slots], v_cache.view(-1, 1, 16)[slots]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_projections_rows_do_not_depend_on_row_count(dtype):
     """The exact set's projections: rows computed in calls of 1, 7, 20, 64 and 300 rows, bit for bit
-    the same. On a GPU the calls take row tiles of 16, 32 and 64 rows, and K steps that follow the
-    tile."""
+    the same, the q/k/v projection with RoPE and the KV write in its epilogue too. On a GPU the calls
+    take row tiles of 16, 32 and 64 rows, and K steps that follow the tile."""
+    assert EXACT.scaled_qkv_rope is not None
     assert projection_rows_differ(EXACT, dtype) == []
     assert EXACT.fused_rows(4096) > 1 << 30  # every step, prefill chunks too
 
@@ -321,13 +349,40 @@ def test_the_row_tile_probe(k, invariant, monkeypatch, caplog):
         return (torch.randn(n, kk, generator=gen) * kk ** -0.5).to(DEVICE)
 
     norm = (1 + 0.1 * torch.randn(96, generator=gen)).to(DEVICE)
-    got = exact_set.probe_row_tiles(w(96, k), w(2 * 48, 96), w(96, 48), w(80, 96), norm, 1e-5)
+    got = exact_set.probe_row_tiles(w(96, k), w(2 * 48, 96), w(96, 48), w(80, 96), norm, 1e-5, heads=(3, 1, 16))
     if DEVICE == "cpu":
         assert got is invariant
         assert ("change a row's bits" in caplog.text) is not invariant
     else:  # (the GPU: the tensor cores accumulate in K order whatever the tiles, H200)
         assert got
     assert exact_set._ROW_COUNT_TILES == {(w(1, 1).device, torch.float32): got}
+
+
+def test_the_row_tile_probe_sees_a_rope_epilogue_that_changes_bits(monkeypatch, caplog):
+    """The probe with the qkv projection's RoPE epilogue (``heads``), against that kernel broken on
+    purpose in calls of more than 16 rows (one element of q nudged): the verdict is no, and the set
+    then runs its projections on the fixed tile. The same weights without ``heads`` pass."""
+    from kernels import exact_set
+
+    real = exact_set.scaled_qkv_rope_triton
+
+    def nudged(x, *args, **kwargs):
+        q = real(x, *args, **kwargs)
+        if x.shape[0] > 16:
+            q.view(-1)[3] = torch.nextafter(q.view(-1)[3], torch.tensor(1e9, device=q.device, dtype=q.dtype))
+        return q
+
+    monkeypatch.setattr(exact_set, "_ROW_COUNT_TILES", {})
+    monkeypatch.setattr(exact_set, "scaled_qkv_rope_triton", nudged)
+    gen = torch.Generator().manual_seed(4)
+
+    def w(n, kk):
+        return (torch.randn(n, kk, generator=gen) * kk ** -0.5).to(DEVICE)
+
+    weights = (w(96, 96), w(2 * 48, 96), w(96, 48), w(80, 96), (1 + 0.1 * torch.randn(96, generator=gen)).to(DEVICE))
+    assert exact_set.probe_row_tiles(*weights, 1e-5)
+    assert not exact_set.probe_row_tiles(*weights, 1e-5, heads=(3, 1, 16))
+    assert "change a row's bits" in caplog.text
 
 
 def test_the_default_fold_chunk_is_chosen_by_the_kv_width(monkeypatch):
