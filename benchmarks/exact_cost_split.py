@@ -10,8 +10,8 @@ round::
         --batch 1 --batch 64 --max-tokens 256 --rounds 2
 
 Each step is followed by a device sync (a target-only step ends on one anyway, its tokens' copy),
-so the phases' sums are the run's wall time. ``--profile`` also prints each mode's top device
-kernels and host ops over the prompt steps of one group (torch.profiler). Greedy; the outputs of the two
+so the phases' sums are the run's wall time. ``--profile prompt`` (or ``decode``) also prints each
+mode's top device kernels and host ops over that phase's steps of one group (torch.profiler). Greedy; the outputs of the two
 modes are compared and the count of identical ones reported (target-only, so they may differ in
 bf16: exact numerics make speculation exact, not equal to the fast kernels).
 """
@@ -79,21 +79,24 @@ def timed_run(engine, prompts: list[list[int]], params: SamplingParams, batch: i
             "outputs": [outputs[k] for k in order]}
 
 
-def profiled_prompt_steps(engine, prompts: list[list[int]], params: SamplingParams, batch: int, rows: int) -> str:
-    """The top ops of the first group's prompt steps (torch.profiler: by device time, then by host
-    time); the rest of the group runs unprofiled."""
+def profiled_steps(engine, prompts: list[list[int]], params: SamplingParams, batch: int, rows: int,
+                   phase: str = "prompt") -> str:
+    """The top ops of the first group's steps of one ``phase`` (``prompt`` or ``decode``;
+    torch.profiler: by device time, then by host time); its other steps run unprofiled."""
     for p in prompts[:batch]:
         engine.add_request(p, params)
+    while phase == "decode" and prompt_step(engine):
+        engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         steps = 0
-        while prompt_step(engine):
+        while engine.has_work and (prompt_step(engine) == (phase == "prompt")):
             engine.step()
             _sync()
             steps += 1
     while engine.has_work:
         engine.step()
     table = prof.key_averages()
-    return (f"{steps} prompt steps\n" + table.table(sort_by="self_cuda_time_total", row_limit=rows) + "\n"
+    return (f"{steps} {phase} steps\n" + table.table(sort_by="self_cuda_time_total", row_limit=rows) + "\n"
             + table.table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
@@ -106,8 +109,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2, help="runs of each mode, alternated")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--profile", action="store_true",
-                    help="also the top device kernels and host ops of each mode's first group's prompt steps")
+    ap.add_argument("--profile", nargs="?", const="prompt", choices=("prompt", "decode"), default=None,
+                    help="also the top device kernels and host ops of each mode's first group's steps of this "
+                         "phase (default prompt)")
     ap.add_argument("--kernel-rows", type=int, default=14)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -149,8 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"{row['identical_outputs']}/{len(prompts)}", flush=True)
         if args.profile:
             for m in MODES:
-                print(f"\n[batch {batch}, {m}: the first group's prompt steps]")
-                print(profiled_prompt_steps(engines[m], prompts, params, batch, args.kernel_rows), flush=True)
+                print(f"\n[batch {batch}, {m}: the first group's {args.profile} steps]")
+                print(profiled_steps(engines[m], prompts, params, batch, args.kernel_rows, args.profile), flush=True)
         del engines
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

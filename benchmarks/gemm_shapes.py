@@ -7,8 +7,10 @@ more than twice the L2 cache), as in a real step where every layer's weights arr
     python benchmarks/gemm_shapes.py --rows 1 --rows 8 --rows 64 --sweep --out gemm.json
 
 ``--exact-sweep`` times candidate tiles for the batch-invariant mode's one config
-(``EXACT_CONFIG``: the same tiles at every row count) and prints, per config, the summed time of
-the Llama-3-8B projections at each row count.
+(``EXACT_CONFIG``, the LM head's: the same tiles at every row count) and prints the best of them
+per shape and row count. ``--shape`` (repeatable) keeps only the named shapes::
+
+    python benchmarks/gemm_shapes.py --rows 1 --rows 64 --shape smol.lm_head --shape 8b.lm_head --exact-sweep
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ SWEEP = [LinearConfig(16, n, k, 4, s) for n in (16, 32, 64) for k in (128, 256) 
 EXACT_SWEEP = [LinearConfig(*c) for c in ((16, 32, 256, 4, 4), (16, 64, 128, 4, 4), (32, 32, 128, 4, 4),
                                            (32, 64, 128, 4, 4), (64, 32, 128, 4, 4), (64, 64, 64, 4, 4),
                                            (64, 64, 128, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3),
-                                           (128, 64, 64, 4, 3), (128, 128, 64, 8, 3))]
+                                           (128, 64, 64, 4, 3), (128, 128, 64, 8, 3),
+                                           (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 8, 4),
+                                           (64, 256, 64, 8, 3), (64, 128, 128, 8, 3), (64, 64, 128, 4, 4))]
 
 SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
-          "smol.qkv": (960, 576), "smol.o": (576, 576), "smol.gate_up": (3072, 576), "smol.down": (576, 1536)}
+          "smol.qkv": (960, 576), "smol.o": (576, 576), "smol.gate_up": (3072, 576), "smol.down": (576, 1536),
+          "8b.lm_head": (128256, 4096), "smol.lm_head": (49152, 576)}
 
 
 def write_cases(path: str, bandwidth_gbs: float, cases: list) -> None:
@@ -56,11 +61,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, action="append", required=True)
     ap.add_argument("--sweep", action="store_true", help="also time every small-row Triton config (rows <= 16)")
     ap.add_argument("--exact-sweep", action="store_true", help="time the batch-invariant mode's candidate tiles")
+    ap.add_argument("--shape", action="append", choices=sorted(SHAPES), help="only these shapes (default: all)")
     ap.add_argument("--out", default=None, help="JSON file for the results")
     args = ap.parse_args()
     results = []
     bw = copy_bandwidth_gbs(torch.device("cuda"))
     for name, (n, k) in SHAPES.items():
+        if args.shape and name not in args.shape:
+            continue
         copies = max(2, -(-256 * 2**20 // (n * k * 2)))  # > 2x the 50 MB L2 of an H100
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         floor = n * k * 2 / (bw * 1e9) * 1e6
@@ -84,11 +92,10 @@ def main() -> None:
                   f"exact {e:7.1f} us  floor {floor:6.1f} us" + (f"  best {row['sweep_best'][0]}" if "sweep_best" in row else ""),
                   flush=True)
     if args.exact_sweep:
-        for m in args.rows:
-            rows = [r for r in results if r["rows"] == m and r["shape"].startswith("8b.")]
-            totals = sorted((round(sum(r["exact_sweep_us"][c] for r in rows), 1), c) for c in rows[0]["exact_sweep_us"])
-            print(f"exact tiles, 8B projections at {m} rows (us, best first; cuBLAS "
-                  f"{sum(r['linear_us'] for r in rows):.1f}): {totals[:5]}")
+        for r in results:
+            best = sorted((round(us, 1), c) for c, us in r["exact_sweep_us"].items())
+            print(f"exact tiles, {r['shape']} at {r['rows']} rows (us, best first; cuBLAS {r['linear_us']:.1f}, "
+                  f"EXACT_CONFIG {r['exact_us']:.1f}): {best[:4]}")
     if args.out:
         write_cases(args.out, bw, results)
 

@@ -136,7 +136,8 @@ def main() -> None:
                                      min(args.draft_vocab, raw["vocab_size"])))
     spec = parse_config(args.config, head)
     # New tokens a sequence may take (chain-ab: 20 steps a round, up to 8 tokens a step) + tree room.
-    args.max_tokens = 8 * (20 * args.steps + 5) if args.mode == "chain-ab" else 16 * args.steps
+    # spec: 5 + 3 x --steps timed and profiled steps + 5 profiled ones, up to 8 tokens each.
+    args.max_tokens = 8 * (20 * args.steps + 5) if args.mode == "chain-ab" else 8 * (3 * args.steps + 10)
     target = make_engine(args.model, args.batch, args.context, args.max_tokens + 128, device, exact=args.exact)
     if args.mode == "ab":
         more = [make_engine(args.model, args.batch, args.context, 16 * args.steps + 128, device, exact=args.exact)

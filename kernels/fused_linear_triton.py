@@ -243,10 +243,10 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
         rope_args = (positions, cos, sin, slots, k_cache, v_cache, cos.stride(0), sin.stride(0), *k_cache.stride()[:3],
                      *v_cache.stride()[:3], k_cache.shape[1])
         rope_constants = dict(HEAD_DIM=head_dim, Q_TILES=heads * head_dim // cfg.block_n,
-                              ROT_TILES=(heads + kv_heads) * head_dim // cfg.block_n)
+                              ROT_TILES=(heads + kv_heads) * head_dim // cfg.block_n, UNFUSED=x.is_cuda)
     else:
         rope_args = (out, out, out, out, out, out, 0, 0, 0, 0, 0, 0, 0, 0, 1)  # (never read)
-        rope_constants = dict(HEAD_DIM=16, Q_TILES=0, ROT_TILES=0)
+        rope_constants = dict(HEAD_DIM=16, Q_TILES=0, ROT_TILES=0, UNFUSED=False)
     _row_linear_kernel[(grid * m_tiles, 1) if cfg.group_m > 1 else (grid, m_tiles)](
         x2, weight, out, bias if bias is not None else weight, ss if scaled else out, r2,
         norm_weight if add_norm else weight, h, ss_out, *rope_args, M, N, K, x2.stride(0), weight.stride(0),
@@ -270,7 +270,7 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
                        pos_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos, stride_sin,
                        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, block_size,
                        M, N, K, stride_x, stride_w, stride_r, eps, P_IN, HEAD_DIM: tl.constexpr, Q_TILES: tl.constexpr,
-                       ROT_TILES: tl.constexpr, SCALED: tl.constexpr, EPILOGUE: tl.constexpr,
+                       ROT_TILES: tl.constexpr, UNFUSED: tl.constexpr, SCALED: tl.constexpr, EPILOGUE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_P: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
                        EXACT_SUMS: tl.constexpr, LOG_P: tl.constexpr, PART_N: tl.constexpr, GROUP_M: tl.constexpr,
@@ -369,7 +369,7 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
         _rope_kv_epilogue(acc.to(dtype).to(tl.float32), rows, row_ok, cols, col_ok, pn, N, out_ptr, pos_ptr, cos_ptr,
                           sin_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos, stride_sin, stride_kcb, stride_kcs, stride_kch,
                           stride_vcb, stride_vcs, stride_vch, block_size, HEAD_DIM, Q_TILES, ROT_TILES, BLOCK_M,
-                          BLOCK_N)
+                          BLOCK_N, UNFUSED)
     else:
         tl.store(out_ptr + at, acc.to(dtype), mask=ok)
 
@@ -378,11 +378,14 @@ def _row_linear_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, ss_in_ptr, res_ptr, nw_p
 def _rope_kv_epilogue(x, rows, row_ok, cols, col_ok, pn, N, q_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr,
                       stride_cos, stride_sin, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                       block_size, HEAD_DIM: tl.constexpr, Q_TILES: tl.constexpr, ROT_TILES: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNFUSED: tl.constexpr):
     """ROPE_KV's epilogue on ``x`` (float32 of the rounded projection, [BLOCK_M, BLOCK_N], columns
     ``cols``): rotate a q or k tile's pairs as ``rope_write_kv`` does (x1*cos - x2*sin, x2*cos + x1*sin
     in float32), then q into the [rows, Q_TILES * BLOCK_N] output, k and v into the cache slot (a
-    negative slot: not written; rounded to the projection's dtype, then the cache's)."""
+    negative slot: not written; rounded to the projection's dtype, then the cache's). ``UNFUSED``
+    (on a GPU): each product rounded on its own (``_mul_rn``), so a rotated value has the same bits
+    in every tile shape; the compiler's choice of which product to fuse into an FMA followed the
+    tile (float32 rows changed with the row tile on an H200)."""
     dtype = q_ptr.dtype.element_ty
     slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
     blk = slot // block_size
@@ -395,7 +398,9 @@ def _rope_kv_epilogue(x, rows, row_ok, cols, col_ok, pn, N, q_ptr, pos_ptr, cos_
         c = tl.load(cos_ptr + pos[:, None] * stride_cos + freq[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + pos[:, None] * stride_sin + freq[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         x1, x2 = tl.split(tl.permute(tl.reshape(x, [BLOCK_M, 2, HALF]), [0, 2, 1]))
-        y = tl.reshape(tl.permute(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), [0, 2, 1]), [BLOCK_M, BLOCK_N])
+        y1 = _mul_rn(x1, c, UNFUSED) - _mul_rn(x2, s, UNFUSED)
+        y2 = _mul_rn(x2, c, UNFUSED) + _mul_rn(x1, s, UNFUSED)
+        y = tl.reshape(tl.permute(tl.join(y1, y2), [0, 2, 1]), [BLOCK_M, BLOCK_N])
         # (masks of the full tile, by column: the interpreter mishandled a scalar or a broadcast mask)
         q_cols = Q_TILES * BLOCK_N
         in_q = cols < q_cols
@@ -410,6 +415,19 @@ def _rope_kv_epilogue(x, rows, row_ok, cols, col_ok, pn, N, q_ptr, pos_ptr, cos_
         dst = vc_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + (vc // HEAD_DIM)[None, :] * stride_vch \
             + (vc % HEAD_DIM)[None, :]
         tl.store(dst, x.to(dtype).to(vc_ptr.dtype.element_ty), mask=write[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _mul_rn(a, b, UNFUSED: tl.constexpr):
+    """float32 ``a * b``, with ``UNFUSED`` as PTX ``mul.rn.f32``: an instruction whose rounding is
+    named is never contracted into an FMA with the add that uses it. Off the GPU (Triton's
+    interpreter), a plain product, which numpy rounds on its own anyway."""
+    if UNFUSED:
+        y = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        y = a * b
+    return y
 
 
 _LINE_BYTES = 128
