@@ -17,8 +17,11 @@ the same way whatever the step around it:
 * **Fixed chunks, folded left.** Positions are cut into chunks of ``CHUNK`` keys at fixed
   boundaries. Each chunk's online softmax gives (m, l, acc); the chunks are folded left to
   right, with one helper, whether one program walks them in turn (``fold``: many programs
-  already) or each chunk has its own program and a second kernel folds their partials
+  already) or each chunk's partials are written apart and a second kernel folds them
   (``split``: flash-decoding, for a long sequence with few queries). Both give the same bits.
+  In the split mode a (query tile, KV head) has ``chunk_programs`` programs, the i-th taking
+  chunks i, i + chunk_programs, ...: a graphed step's grid is sized by the cache's capacity, and
+  one program per chunk of it would be mostly programs with nothing to do.
   In the split mode the one or two chunks holding tree tiles get one program per token, so
   the per-token gathers run side by side rather than one after another.
 * **One tile shape, or tiles that agree.** Every launch for a model uses the same ``BLOCK_M`` x
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 import triton
@@ -160,6 +164,24 @@ def prepare_attention_exact(meta: AttentionMetadata) -> AttentionMetadata:
 SPLIT_RULE = "few"
 PROGRAMS_PER_SM = 3
 WAVE_FILL = 0.75
+# The split launch's programs for the chunks, about this many an SM over the step's (query tile, KV
+# head) pairs, each walking every chunk_programs-th chunk (``chunk_programs``); 0: one program per
+# chunk of ``meta.max_seq_len`` (in a graph, of the cache's capacity: SmolLM2 at batch 64 launched
+# 12,288 programs for about 1,000 chunks holding keys). ``EAGLE3_EXACT_SPLIT_PROGRAMS``, read at
+# import. Speed only: a chunk's partials are the same whichever program computes them.
+SPLIT_PROGRAMS_PER_SM = int(os.environ.get("EAGLE3_EXACT_SPLIT_PROGRAMS", "4"))
+assert SPLIT_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_SPLIT_PROGRAMS: programs an SM, 0 for one a chunk"
+
+
+def chunk_programs(chunks: int, pairs: int, device: torch.device, per_sm: int | None = None) -> int:
+    """Programs of the split launch for ``chunks`` chunks of each of ``pairs`` (query tile, KV head)
+    pairs: about ``per_sm`` (default ``SPLIT_PROGRAMS_PER_SM``) an SM in all, at least 1, at most
+    ``chunks`` (``per_sm`` 0: ``chunks``). Host sizes only."""
+    per_sm = SPLIT_PROGRAMS_PER_SM if per_sm is None else per_sm
+    if per_sm == 0:
+        return chunks
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return max(1, min(chunks, triton.cdiv(per_sm * sms, max(pairs, 1))))
 
 
 def _mode(meta: AttentionMetadata, T: int, heads: int, kvh: int, head_dim: int, q_tiles: int,
@@ -229,17 +251,18 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     table = meta.custom_mask if has_mask else meta.seq_lens  # any tensor: never read without a mask
     mask_start = meta.mask_start if has_mask else meta.seq_lens
     per_token = TAIL_CHUNKS * block_q if split and has_mask else 0  # programs of the tree chunks, per token
+    walkers = chunk_programs(chunks, meta.num_seqs * q_tiles * kvh, q.device) if split else 1
     pdl = dependent(q, PDL_ALL)  # (speed only: the bits are the same either way)
     # A ragged step (a graphed prompt step): its programs find their chunk and tile from query_start_loc,
     # the grid fixed by the step's capacity of tokens (``attention_triton._program_tile``).
     programs = q_tiles + meta.num_seqs if meta.ragged else meta.num_seqs * q_tiles
-    _exact_attention_kernel[(programs, kvh, chunks + per_token)](
+    _exact_attention_kernel[(programs, kvh, walkers + per_token)](
         q, k_cache, v_cache, out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, meta.positions,
         meta.block_tables, table, mask_start, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         table.stride(0) if has_mask else 0, table.shape[1] if has_mask else 0,
         part_m.stride(0) if split else 0, part_m.stride(1) if split else 0, part_acc.stride(0) if split else 0,
-        part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_tiles, chunks, meta.num_seqs,
+        part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_tiles, walkers, meta.num_seqs,
         G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, HEAD_DIM=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -357,11 +380,11 @@ def _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, hi, b, t0, m_start, tail_sta
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_tab", "tab_cols", "stride_mc", "stride_mt", "stride_ac",
-                               "stride_at", "q_tiles", "chunks", "num_seqs"])  # step-dependent (attention_triton.py)
+                               "stride_at", "q_tiles", "walkers", "num_seqs"])  # step-dependent (attention_triton.py)
 def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                             qsl_ptr, seq_lens_ptr, pos_ptr, tables_ptr, table_ptr, mask_start_ptr, scale_log2,
                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_tab, tab_cols,
-                            stride_mc, stride_mt, stride_ac, stride_at, stride_ah, q_tiles, chunks, num_seqs,
+                            stride_mc, stride_mt, stride_ac, stride_at, stride_ah, q_tiles, walkers, num_seqs,
                             G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -392,31 +415,34 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
     n_tok = tl.minimum(q_len - tile * BLOCK_Q, BLOCK_Q)
     if SPLIT:
         pid = tl.program_id(2)
-        # Programs [0, chunks): one chunk each, all tokens; then, with a tree, one program per
-        # (tree chunk, token) for the chunks holding tree tiles, which the first ones skip.
-        per_token = pid >= chunks
-        whole = pid < chunks
-        j_lo = tl.where(per_token, (pid - chunks) % BLOCK_Q, 0)
+        # Programs [0, walkers): chunks pid, pid + walkers, ..., all tokens; then, with a tree, one
+        # program per (tree chunk, token) for the chunks holding tree tiles, which the first ones skip.
+        per_token = pid >= walkers
+        whole = pid < walkers
+        j_lo = tl.where(per_token, (pid - walkers) % BLOCK_Q, 0)
         j_hi = tl.where(per_token, j_lo + 1, n_tok)
-        c = tl.where(per_token, tail_start // CHUNK + (pid - chunks) // BLOCK_Q, pid)
         if HAS_MASK:
-            if (per_token & (j_lo >= n_tok)) | (whole & ((c + 1) * CHUNK > tail_start)):
+            if per_token & (j_lo >= n_tok):
                 return
             row_ok = row_ok & (row_tok >= j_lo) & (row_tok < j_hi)
             pos = tl.where(row_ok, pos, -1)
             end = tl.max(pos, 0) + 1
-        lo = c * CHUNK
-        if lo >= end:
-            return
-        m_c, l_c, acc_c = _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, tl.minimum(lo + CHUNK, end), b, t0,
-                                 m_start, tail_start, k_cache_ptr, v_cache_ptr, tables_ptr, table_ptr, scale_log2,
-                                 stride_bt, stride_kb, stride_ks, stride_kh, stride_tab, tab_cols, kvh, d, d_ok,
-                                 BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, HAS_MASK, PRECISION, DOT_DTYPE)
-        at = c * stride_mc + t * stride_mt + head  # partials [chunks, T, H] and [chunks, T, H, D]
-        tl.store(part_m_ptr + at, m_c, mask=row_ok)
-        tl.store(part_l_ptr + at, l_c, mask=row_ok)
-        tl.store(part_acc_ptr + c * stride_ac + t[:, None] * stride_at + head[:, None] * stride_ah + d[None, :],
-                 acc_c, mask=row_ok[:, None] & d_ok[None, :])
+        first = tl.where(per_token, tail_start // CHUNK + (pid - walkers) // BLOCK_Q, pid)
+        stop = tl.cdiv(end, CHUNK)  # (a chunk from the end on holds no key any row sees)
+        stop = tl.where(per_token, tl.minimum(stop, first + 1), stop)
+        if HAS_MASK:  # the programs of whole chunks stop before the first chunk holding tree tiles
+            stop = tl.where(whole, tl.minimum(stop, tail_start // CHUNK), stop)
+        for c in range(first, stop, tl.where(per_token, 1, walkers)):
+            lo = c * CHUNK
+            m_c, l_c, acc_c = _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, tl.minimum(lo + CHUNK, end), b, t0,
+                                     m_start, tail_start, k_cache_ptr, v_cache_ptr, tables_ptr, table_ptr, scale_log2,
+                                     stride_bt, stride_kb, stride_ks, stride_kh, stride_tab, tab_cols, kvh, d, d_ok,
+                                     BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, HAS_MASK, PRECISION, DOT_DTYPE)
+            at = c * stride_mc + t * stride_mt + head  # partials [chunks, T, H] and [chunks, T, H, D]
+            tl.store(part_m_ptr + at, m_c, mask=row_ok)
+            tl.store(part_l_ptr + at, l_c, mask=row_ok)
+            tl.store(part_acc_ptr + c * stride_ac + t[:, None] * stride_at + head[:, None] * stride_ah + d[None, :],
+                     acc_c, mask=row_ok[:, None] & d_ok[None, :])
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)

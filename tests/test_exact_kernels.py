@@ -101,6 +101,31 @@ def test_tree_rows_equal_decode_rows_bitwise_on_128_key_chunks(prefix, monkeypat
     check_tree_rows(prefix, 2, 3, 64, torch.bfloat16)
 
 
+@pytest.mark.parametrize("prefix", [382, 700])
+@pytest.mark.parametrize("per_sm", [0, 1, 3])
+def test_split_programs_that_walk_several_chunks_give_the_same_bits(prefix, per_sm, monkeypatch):
+    """The split launch with fewer programs than chunks (each walking every ``chunk_programs``-th
+    chunk; 0: one a chunk): the tree and decode rows are still the fold launch's bits, on
+    128-key chunks (6 of them at 700 keys)."""
+    from kernels import attention_exact
+
+    monkeypatch.setattr(attention_exact, "CHUNK", 128)
+    monkeypatch.setattr(attention_exact, "SPLIT_PROGRAMS_PER_SM", per_sm)
+    check_tree_rows(prefix, 2, 3, 64, torch.bfloat16)
+
+
+def test_chunk_programs(monkeypatch):
+    from kernels import attention_exact
+
+    cpu = torch.device("cpu")  # (8 SMs counted off the GPU)
+    assert attention_exact.chunk_programs(64, 192, cpu, per_sm=4) == 1
+    assert attention_exact.chunk_programs(64, 3, cpu, per_sm=4) == 11
+    assert attention_exact.chunk_programs(5, 3, cpu, per_sm=4) == 5
+    assert attention_exact.chunk_programs(64, 3, cpu, per_sm=0) == 64
+    monkeypatch.setattr(attention_exact, "SPLIT_PROGRAMS_PER_SM", 1)
+    assert attention_exact.chunk_programs(64, 3, cpu) == 3
+
+
 def check_tree_rows(prefix, kvh, g, d, dtype):
     kv, q, compacted, other = scenario(prefix, kvh, g, d, dtype, seed=prefix)
     depths = [0, 1, 1, 2, 2, 2, 3, 3]  # by column: root, nodes 0 .. 6
