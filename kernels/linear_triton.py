@@ -45,9 +45,10 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 # The batch-invariant mode's one tile shape (kernels/exact_set.py; it runs the LM head): a row's
 # result then never depends on how many rows the call has, as no choice is made from M. Picked on
 # an H200 (``gemm_shapes.py --rows 1 --rows 60 --rows 64 --shape smol.lm_head --shape 8b.lm_head
-# --exact-sweep``, c4e2837): at 1, 60 and 64 rows the SmolLM2 LM head takes 18.9, 20.1 and 20.5 us
-# (cuBLAS 18.9, 19.1, 19.2; the former tile (64, 32, 128, 4, 4) 27.5, 28.0, 28.0) and the 8B's
-# 246.9, 265.0, 265.9 (cuBLAS 248.7, 282.1, 288.4; the former tile 281.4, 326.8, 358.1).
+# --exact-sweep``, c4e2837, ``benchmarks/results/exact_mode/gemm_lm_head_exact_sweep_h200_c4e2837.json``):
+# at 1, 60 and 64 rows the SmolLM2 LM head takes 18.9, 20.1 and 20.5 us (cuBLAS 18.9, 19.1, 19.2;
+# the former tile (64, 32, 128, 4, 4) 27.5, 28.0, 28.0) and the 8B's 246.9, 265.0, 265.9 (cuBLAS
+# 248.7, 282.1, 288.4; the former tile 281.4, 326.8, 358.1).
 EXACT_CONFIG = LinearConfig(64, 128, 64, num_warps=8, num_stages=4)
 
 
