@@ -9,6 +9,16 @@ the time to read the sequence's KV once at the measured copy bandwidth::
 ``--baseline FILE`` (an earlier ``kernels/attention_triton.py``) times that file's kernel at its own
 default tiles beside this tree's, alternated per case (this, baseline, this, baseline), in one
 process on the same inputs; ``--exact-baseline FILE`` does the same for ``kernels/attention_exact.py``.
+
+A graphed step's attention sees the cache's capacity as ``max_seq_len`` (its grid must not depend on
+the step's lengths); ``--capacity N`` times the kernels so. ``--exact-chunk`` sets the exact
+kernel's fold chunk (a model's: 128 keys for SmolLM2, 512 for the 8B), and
+``--exact-split-programs`` / ``--exact-tree-programs`` (repeatable) time it under other values of
+its launch switches (``EAGLE3_EXACT_SPLIT_PROGRAMS``, ``EAGLE3_EXACT_TREE_PROGRAMS``; speed only)::
+
+    python benchmarks/attention_kernel.py --heads 9 --kv-heads 3 --head-dim 64 --context 512 --tokens 60 \
+        --capacity 8192 --exact --exact-chunk 128 --exact-split-programs 0 --exact-split-programs 2 \
+        --exact-tree-programs tile
 """
 
 from __future__ import annotations
@@ -40,9 +50,11 @@ SWEEP = [AttentionConfig(m, n, w, s) for m in (16, 64, 128) for n in (32, 64) fo
     [AttentionConfig(m, n, 8, s) for m, n in ((128, 128), (256, 32), (256, 64)) for s in (2, 3)]
 
 
-def setup(context: int, tokens: int, heads: int, kv_heads: int, head_dim: int, block: int = 16, batch: int = 1):
+def setup(context: int, tokens: int, heads: int, kv_heads: int, head_dim: int, block: int = 16, batch: int = 1,
+          capacity: int | None = None):
     """``batch`` sequences of ``context`` cached keys and ``tokens`` new ones each (a causal tree),
-    their blocks scattered over the cache."""
+    their blocks scattered over the cache; ``capacity``: ``max_seq_len`` as a graphed step has it
+    (default: the step's own, context + tokens)."""
     dev = torch.device("cuda")
     total = context + tokens
     per_seq = -(-total // block)
@@ -56,7 +68,7 @@ def setup(context: int, tokens: int, heads: int, kv_heads: int, head_dim: int, b
         query_start_loc=torch.arange(batch + 1, device=dev) * tokens, seq_lens=torch.full((batch,), total, device=dev),
         block_tables=torch.randperm(nblocks, device=dev).view(batch, per_seq), slot_mapping=rows,
         positions=context + rows % tokens, token_seq=rows // tokens, token_q_idx=rows % tokens,
-        max_query_len=tokens, max_seq_len=total,
+        max_query_len=tokens, max_seq_len=max(total, capacity or 0),
         custom_mask=pack_mask(tree).repeat(batch, 1) if tokens > 1 else None,
         mask_start=torch.full((batch,), context, device=dev) if tokens > 1 else None)
     return q, k_cache, v_cache, meta
@@ -118,18 +130,23 @@ def load_file(path: str, name: str):
 
 
 @contextlib.contextmanager
-def exact_launch(block_m: int, block_n: int, num_warps: int, num_stages: int):
-    """The batch-invariant kernel launched with these query rows and keys a tile, warps and stages,
-    for the block."""
-    names = ("BLOCK_M", "BLOCK_N", "NUM_WARPS", "NUM_STAGES")
-    saved = [getattr(attention_exact, n) for n in names]
-    for name, value in zip(names, (block_m, block_n, num_warps, num_stages)):
+def exact_settings(**values):
+    """The batch-invariant kernel's module constants (``BLOCK_M``, ``SPLIT_PROGRAMS_PER_SM``, ...)
+    set to ``values`` for the block."""
+    saved = {name: getattr(attention_exact, name) for name in values}
+    for name, value in values.items():
         setattr(attention_exact, name, value)
     try:
         yield
     finally:
-        for name, value in zip(names, saved):
+        for name, value in saved.items():
             setattr(attention_exact, name, value)
+
+
+def exact_launch(block_m: int, block_n: int, num_warps: int, num_stages: int):
+    """The batch-invariant kernel launched with these query rows and keys a tile, warps and stages,
+    for the block."""
+    return exact_settings(BLOCK_M=block_m, BLOCK_N=block_n, NUM_WARPS=num_warps, NUM_STAGES=num_stages)
 
 
 def alternated(fns: dict, rounds: int = 2) -> dict[str, list[float]]:
@@ -155,6 +172,14 @@ def main() -> None:
     ap.add_argument("--exact", action="store_true", help="also time the batch-invariant kernel (--exact)")
     ap.add_argument("--exact-sweep", action="store_true",
                     help="with --exact: also time its other tiles and launches (EXACT_SWEEP)")
+    ap.add_argument("--exact-chunk", type=int, default=None,
+                    help="with --exact: its fold chunk in keys (default: the module's CHUNK, 512)")
+    ap.add_argument("--exact-split-programs", type=int, action="append", default=[],
+                    help="with --exact: also time it with this SPLIT_PROGRAMS_PER_SM (repeatable; 0: one a chunk)")
+    ap.add_argument("--exact-tree-programs", choices=("token", "tile"), action="append", default=[],
+                    help="with --exact: also time it with this TREE_PROGRAMS (repeatable)")
+    ap.add_argument("--capacity", type=int, default=None,
+                    help="max_seq_len as a graphed step sees it (the cache's capacity; default: the step's own)")
     ap.add_argument("--baseline", default=None, help="an earlier kernels/attention_triton.py, timed beside this one")
     ap.add_argument("--exact-baseline", default=None,
                     help="with --exact: an earlier kernels/attention_exact.py, timed beside this one")
@@ -168,7 +193,8 @@ def main() -> None:
                "cases": []}
     for context in args.context:
         for tokens in args.tokens:
-            q, k, v, meta = setup(context, tokens, args.heads, args.kv_heads, args.head_dim, batch=args.batch)
+            q, k, v, meta = setup(context, tokens, args.heads, args.kv_heads, args.head_dim, batch=args.batch,
+                                  capacity=args.capacity)
             read_us = 2 * k[:, :, :, :].numel() * k.element_size() / (bw * 1e9) * 1e6
             default = attention_config(tokens, g, args.head_dim, tree=tokens > 1)
             auto = splits_of(default, meta, g, args.kv_heads)
@@ -202,24 +228,38 @@ def main() -> None:
                 tree = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=q.device))
                 exact_meta = dataclasses.replace(
                     meta, custom_mask=ancestor_table(tree).repeat(args.batch, 1) if tokens > 1 else None)
-                us = time_us(lambda: paged_attention_exact(q, k, v, exact_meta, scale))
+                def exact():
+                    return paged_attention_exact(q, k, v, exact_meta, scale, chunk=args.exact_chunk)
+
+                us = time_us(exact)
                 results["cases"].append({"context": context, "tokens": tokens, "config": "exact", "us": round(us, 1),
                                          "kv_read_us": round(read_us, 1)})
                 print(f"ctx {context:>6} tokens {tokens:>3} exact (batch-invariant): {us:8.1f} us", flush=True)
+                switches = [{"SPLIT_PROGRAMS_PER_SM": n} for n in args.exact_split_programs] + \
+                    [{"TREE_PROGRAMS": t} for t in args.exact_tree_programs] + \
+                    [{"SPLIT_PROGRAMS_PER_SM": n, "TREE_PROGRAMS": t} for n in args.exact_split_programs
+                     for t in args.exact_tree_programs]
+                for values in switches:
+                    with exact_settings(**values):
+                        us = time_us(exact)
+                    config = "exact " + " ".join(f"{k}={v}" for k, v in values.items())
+                    results["cases"].append({"context": context, "tokens": tokens, "config": config,
+                                             "us": round(us, 1), "kv_read_us": round(read_us, 1)})
+                    print(f"ctx {context:>6} tokens {tokens:>3} {config}: {us:8.1f} us", flush=True)
                 if args.exact_sweep:
                     for m, n, w, st in EXACT_SWEEP:
                         if m < g:
                             continue
                         with exact_launch(m, n, w, st):
-                            us = time_us(lambda: paged_attention_exact(q, k, v, exact_meta, scale))
+                            us = time_us(exact)
                         config = f"exact m{m} n{n} w{w} s{st}"
                         results["cases"].append({"context": context, "tokens": tokens, "config": config,
                                                  "us": round(us, 1), "kv_read_us": round(read_us, 1)})
                         print(f"ctx {context:>6} tokens {tokens:>3} {config}: {us:8.1f} us", flush=True)
                 if exact_baseline is not None:
-                    times = alternated({"this": lambda: paged_attention_exact(q, k, v, exact_meta, scale),
-                                        "baseline": lambda: exact_baseline.paged_attention_exact(q, k, v, exact_meta,
-                                                                                                  scale)})
+                    times = alternated({"this": exact,
+                                        "baseline": lambda: exact_baseline.paged_attention_exact(
+                                            q, k, v, exact_meta, scale, chunk=args.exact_chunk)})
                     results["cases"].append({"context": context, "tokens": tokens,
                                              "config": "exact, against --exact-baseline", "us_this": times["this"],
                                              "us_baseline": times["baseline"], "kv_read_us": round(read_us, 1)})

@@ -75,8 +75,10 @@ def copy_bandwidth_gbs(device, nbytes: int = 2 << 30) -> float:
 
 
 def make_engine(geometry: str, batch: int, context: int, steps: int, device, kernels: str = "auto",
-                exact: bool = False) -> Target:
-    max_len = context + steps + batch + 16
+                exact: bool = False, max_model_len: int | None = None) -> Target:
+    """``max_model_len``: the cache's capacity in positions, which a graphed step's attention grid
+    follows (default: just what the case needs)."""
+    max_len = max(context + steps + batch + 16, max_model_len or 0)
     cfg = EngineConfig(geometry if geometry not in GEOMETRIES else "<random>", device=str(device),
                        dtype="bfloat16", max_model_len=max_len, max_num_seqs=batch,
                        max_batch_tokens=4096, kv_cache_gib=None, kernels=kernels, exact=exact)
@@ -102,12 +104,12 @@ def step_bytes(target: Target, batch: int, context: int) -> int:
 
 
 def run_case(case: str, steps: int, bandwidth: float, device, kernels: str = "auto", linear: str = "default",
-             profile: str | None = None, exact: bool = False) -> dict:
+             profile: str | None = None, exact: bool = False, max_model_len: int | None = None) -> dict:
     """``linear``: ``cublas`` swaps the kernel set's projection matmul for F.linear (an A/B of the
     Triton one). ``profile``: write the host-side cProfile of the timed steps there."""
     geometry, batch, context = case.rsplit(":", 2)
     batch, context = int(batch), int(context)
-    target = make_engine(geometry, batch, context, steps, device, kernels, exact)
+    target = make_engine(geometry, batch, context, steps, device, kernels, exact, max_model_len)
     if linear == "cublas":
         target.runner.kernels = dataclasses.replace(target.runner.kernels, linear=torch.nn.functional.linear)
     engine = Engine(target)
@@ -191,6 +193,16 @@ def main() -> None:
     ap.add_argument("--exact-split-rule", action="append", default=[], choices=["few", "waves"],
                     help="with --exact, also the batch-invariant set with its attention's launch shape picked by "
                          "this rule (kernels/attention_exact.py SPLIT_RULE; speed only)")
+    ap.add_argument("--exact-split-programs", type=int, action="append", default=[],
+                    help="with --exact, also the batch-invariant set with its attention's split launch taking about "
+                         "this many programs an SM (kernels/attention_exact.py SPLIT_PROGRAMS_PER_SM; 0: one a "
+                         "chunk; speed only)")
+    ap.add_argument("--exact-tree-programs", action="append", default=[], choices=["token", "tile"],
+                    help="with --exact, also the batch-invariant set with its split launch's tree chunks taken this "
+                         "way (kernels/attention_exact.py TREE_PROGRAMS; speed only)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the cache's capacity in positions, as a server sizes it (a graphed step's attention grid "
+                         "follows it; default: what each case needs)")
     ap.add_argument("--profile-dir", default=None, help="write each case's host cProfile here")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -213,8 +225,11 @@ def main() -> None:
         variants += [(f"exact/attn{'x'.join(map(str, t.values()))}", True, None, t) for t in args.exact_attention_tile]
         variants += [(f"exact/chunk{c}", True, None, {"CHUNK": c}) for c in args.exact_chunk]
         variants += [(f"exact/{r}", True, None, {"SPLIT_RULE": r}) for r in args.exact_split_rule]
+        variants += [(f"exact/split{n}", True, None, {"SPLIT_PROGRAMS_PER_SM": n}) for n in args.exact_split_programs]
+        variants += [(f"exact/tree-{t}", True, None, {"TREE_PROGRAMS": t}) for t in args.exact_tree_programs]
     shipped = {name: getattr(attention_exact, name)
-               for name in ("BLOCK_M", "CHUNK", "SPLIT_RULE", "NUM_WARPS", "NUM_STAGES")}
+               for name in ("BLOCK_M", "CHUNK", "SPLIT_RULE", "NUM_WARPS", "NUM_STAGES", "SPLIT_PROGRAMS_PER_SM",
+                            "TREE_PROGRAMS")}
     baseline = None
     for case, kernels, linear, (label, exact, row_tile, attention) in [
             (c, k, m, v) for c in args.case for k in args.kernels or ["auto"] for m in args.linear or ["default"]
@@ -227,7 +242,7 @@ def main() -> None:
             Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
             name = label.replace("/", "_") or kernels
             profile = str(Path(args.profile_dir) / f"{case.replace(':', '_')}_{name}_{linear}.txt")
-        r = run_case(case, args.steps, bandwidth, device, kernels, linear, profile, exact)
+        r = run_case(case, args.steps, bandwidth, device, kernels, linear, profile, exact, args.max_model_len)
         gc.collect()  # the case's engine and its KV cache (reference cycles) before the next sizes its cache
         torch.cuda.empty_cache()
         r["exact"] = exact

@@ -118,6 +118,9 @@ def main() -> None:
                          "(what a request costs outside its steps), and cProfile by own time")
     ap.add_argument("--unchained", action="store_true",
                     help="call the draft after the step's sync, not chained behind acceptance on the device")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the target's cache capacity in positions, as a server sizes it (a graphed step's "
+                         "attention grid follows it; default: what the run needs)")
     ap.add_argument("--kernel-rows", type=int, default=15, help="rows of the device-kernel table")
     ap.add_argument("--stats-rows", type=int, default=40, help="rows of each cProfile table")
     ap.add_argument("--trace", default=None,
@@ -138,9 +141,11 @@ def main() -> None:
     # New tokens a sequence may take (chain-ab: 20 steps a round, up to 8 tokens a step) + tree room.
     # spec: 5 + 3 x --steps timed and profiled steps + 5 profiled ones, up to 8 tokens each.
     args.max_tokens = 8 * (20 * args.steps + 5) if args.mode == "chain-ab" else 8 * (3 * args.steps + 10)
-    target = make_engine(args.model, args.batch, args.context, args.max_tokens + 128, device, exact=args.exact)
+    target = make_engine(args.model, args.batch, args.context, args.max_tokens + 128, device, exact=args.exact,
+                         max_model_len=args.max_model_len)
     if args.mode == "ab":
-        more = [make_engine(args.model, args.batch, args.context, 16 * args.steps + 128, device, exact=args.exact)
+        more = [make_engine(args.model, args.batch, args.context, 16 * args.steps + 128, device, exact=args.exact,
+                            max_model_len=args.max_model_len)
                 for _ in range(2)]
         return profile_ab(args, spec, target, *more, sync)
     if args.mode == "target":
