@@ -23,7 +23,8 @@ the same way whatever the step around it:
   chunks i, i + chunk_programs, ...: a graphed step's grid is sized by the cache's capacity, and
   one program per chunk of it would be mostly programs with nothing to do.
   In the split mode the one or two chunks holding tree tiles get one program per token, so
-  the per-token gathers run side by side rather than one after another.
+  the per-token gathers run side by side rather than one after another (``TREE_PROGRAMS``:
+  ``tile`` leaves them to the whole-chunk programs, a tile's tokens in turn).
 * **One tile shape, or tiles that agree.** Every launch for a model uses the same ``BLOCK_M`` x
   ``BLOCK_N`` tiles and warps (``BLOCK_M`` widened to the query heads of a KV head where they are
   more), except that a step of prompt-sized runs without a tree takes ``WIDE_TILE`` where

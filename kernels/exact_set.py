@@ -6,7 +6,7 @@ projections with the layer's norms, activation and (where the heads allow) RoPE 
 in their epilogues (``kernels/fused_linear_triton.py``), a row's products accumulated in K order
 and its sums of squares in fixed point, the LM head uses one fixed matmul tile (``linear_exact``),
 attention walks keys in position order in fixed tiles and fixed chunks (``paged_attention_exact``),
-and RMSNorm and RoPE are computed row by row. So greedy speculative output equals target-only
+and RMSNorm is computed row by row. So greedy speculative output equals target-only
 output in bf16 too, as it does in float32.
 """
 
