@@ -23,10 +23,8 @@ from kernels.attention_exact import BLOCK_N, CHUNK, paged_attention_exact, prepa
 from kernels.fused_linear_triton import (EXACT_ROW_TILE, every_step, linear_add_norm_triton,
                                          scaled_gate_up_silu_triton, scaled_linear_triton, scaled_qkv_rope_triton)
 from kernels.linear_triton import linear_exact
-from common.config import RopeScaling
 from kernels import KernelSet
 from kernels.triton_set import TRITON
-from runtime.rope import rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +77,11 @@ def probe_row_tiles(o_proj: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
 
 def _rope_inputs(heads: tuple[int, int, int], device: torch.device, dtype: torch.dtype):
     """For ``probe_row_tiles``: ``scaled_qkv_rope`` on a call's rows, at positions equal to their row
-    numbers, each into its own slot of a fresh cache (NaN elsewhere): [rotated q, k, v of its slots]."""
+    numbers (random angles, float32 tables as a model's), each into its own slot of a fresh cache
+    (NaN elsewhere): [rotated q, k, v of its slots]."""
     n_q, n_kv, head_dim = heads
-    cos, sin = rope_tables(head_dim, 10000.0, RopeScaling(), PROBE_WHOLE, device)
+    angles = torch.rand(PROBE_WHOLE, head_dim // 2, generator=torch.Generator().manual_seed(4)) * 6.3
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
     slots = torch.arange(PROBE_WHOLE, device=device)
 
     def run(hn, ss, eps, qkv, qkv_bias, rows: slice) -> list[torch.Tensor]:
