@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import unpack_mask
-from kernels.attention_triton import _DOT_DTYPES, LOG2E, _program_tile, _query_tile
+from kernels.attention_triton import _DOT_DTYPES, LOG2E, _program_tile, _query_tile, _sm_count
 from kernels.metadata import AttentionMetadata
 from kernels.pdl import PDL_ALL, dependent, launch_options
 
@@ -180,6 +180,11 @@ TREE_PROGRAMS = os.environ.get("EAGLE3_EXACT_TREE_PROGRAMS", "token")
 assert TREE_PROGRAMS in ("token", "tile"), "EAGLE3_EXACT_TREE_PROGRAMS: token or tile"
 
 
+def _sms(device: torch.device) -> int:
+    """The device's SMs; 8 off the GPU (Triton's interpreter: a launch shape, not bits)."""
+    return _sm_count(device) if device.type == "cuda" else 8
+
+
 def chunk_programs(chunks: int, pairs: int, device: torch.device, per_sm: int | None = None) -> int:
     """Programs of the split launch for ``chunks`` chunks of each of ``pairs`` (query tile, KV head)
     pairs: about ``per_sm`` (default ``SPLIT_PROGRAMS_PER_SM``) an SM in all, at least 1, at most
@@ -187,7 +192,7 @@ def chunk_programs(chunks: int, pairs: int, device: torch.device, per_sm: int | 
     per_sm = SPLIT_PROGRAMS_PER_SM if per_sm is None else per_sm
     if per_sm == 0:
         return chunks
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = _sms(device)
     return max(1, min(chunks, triton.cdiv(per_sm * sms, max(pairs, 1))))
 
 
@@ -198,7 +203,7 @@ def _mode(meta: AttentionMetadata, T: int, heads: int, kvh: int, head_dim: int, 
     chunks = triton.cdiv(max(meta.max_seq_len, 1), chunk)
     if chunks == 1 or chunks * T * heads * head_dim * 4 > SPLIT_BYTES:
         return False
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = _sms(device)
     programs = meta.num_seqs * q_tiles * kvh
     if programs < 2 * sms:
         return True
