@@ -22,9 +22,10 @@ the same way whatever the step around it:
   In the split mode a (query tile, KV head) has ``chunk_programs`` programs, the i-th taking
   chunks i, i + chunk_programs, ...: a graphed step's grid is sized by the cache's capacity, and
   one program per chunk of it would be mostly programs with nothing to do.
-  In the split mode the one or two chunks holding tree tiles get one program per token, so
-  the per-token gathers run side by side rather than one after another (``TREE_PROGRAMS``:
-  ``tile`` leaves them to the whole-chunk programs, a tile's tokens in turn).
+  In the split mode the one or two chunks holding tree tiles get one program per token (which
+  walks both where the tree crosses a chunk's end), so the per-token gathers run side by side
+  rather than one after another (``TREE_PROGRAMS``: ``tile`` leaves them to the whole-chunk
+  programs, a tile's tokens in turn).
 * **One tile shape, or tiles that agree.** Every launch for a model uses the same ``BLOCK_M`` x
   ``BLOCK_N`` tiles and warps (``BLOCK_M`` widened to the query heads of a KV head where they are
   more), except that a step of prompt-sized runs without a tree takes ``WIDE_TILE`` where
@@ -67,9 +68,6 @@ BLOCK_M = 16
 BLOCK_N = 64  # keys per tile
 CHUNK = 512  # keys per fold chunk by default: a multiple of BLOCK_N (kernels.exact_set.fold_chunk picks a model's)
 SPLIT_BYTES = 256 * 2**20  # the most the split mode's float32 partials may take
-# Chunks the gathered tiles of a masked step may span: they run from the tile holding mask_start to
-# the deepest position, at most BLOCK_N - 1 + max_query_len positions, so 2 while max_query_len <= CHUNK.
-TAIL_CHUNKS = 2
 NUM_WARPS = 4
 NUM_STAGES = 3  # the next key tile's copies in flight while a tile is computed (kernel_resources.py --exact)
 MODES = ("auto", "fold", "split")
@@ -247,7 +245,9 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     has_mask = meta.custom_mask is not None
     if meta.ragged:
         assert not has_mask, "a ragged step is causal"
-    # The split launch: no ragged step, and masked steps' gathered tiles within TAIL_CHUNKS chunks.
+    # The split launch: no ragged step, and a masked step's gathered tiles within two chunks (they run
+    # from the tile holding mask_start to the deepest position: at most BLOCK_N - 1 + max_query_len
+    # positions).
     split_ok = (not has_mask or meta.max_query_len <= chunk) and not meta.ragged
     if mode == "split" and not split_ok:
         raise ValueError(f"the split launch takes masked steps of at most {chunk} tokens a sequence and no "
@@ -262,8 +262,8 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         part_m = part_l = part_acc = out  # never touched
     table = meta.custom_mask if has_mask else meta.seq_lens  # any tensor: never read without a mask
     mask_start = meta.mask_start if has_mask else meta.seq_lens
-    # programs of the tree chunks, per token
-    per_token = TAIL_CHUNKS * block_q if split and has_mask and TREE_PROGRAMS == "token" else 0
+    # programs of the tree chunks: one a token of a query tile
+    per_token = block_q if split and has_mask and TREE_PROGRAMS == "token" else 0
     walkers = chunk_programs(chunks, meta.num_seqs * q_tiles * kvh, q.device) if split else 1
     pdl = dependent(q, PDL_ALL)  # (speed only: the bits are the same either way)
     # A ragged step (a graphed prompt step): its programs find their chunk and tile from query_start_loc,
@@ -430,11 +430,11 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
     if SPLIT:
         pid = tl.program_id(2)
         # Programs [0, walkers): chunks pid, pid + walkers, ..., all tokens; then, with a tree and
-        # PER_TOKEN, one program per (tree chunk, token) for the chunks holding tree tiles, which the
-        # first ones skip (without PER_TOKEN they take them, a tile's tokens in turn).
+        # PER_TOKEN, one program a token for the (one or two) chunks holding tree tiles,
+        # which the first ones skip (without PER_TOKEN they take them, a tile's tokens in turn).
         per_token = pid >= walkers
         whole = pid < walkers
-        j_lo = tl.where(per_token, (pid - walkers) % BLOCK_Q, 0)
+        j_lo = tl.where(per_token, pid - walkers, 0)
         j_hi = tl.where(per_token, j_lo + 1, n_tok)
         if HAS_MASK:
             if per_token & (j_lo >= n_tok):
@@ -442,9 +442,8 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
             row_ok = row_ok & (row_tok >= j_lo) & (row_tok < j_hi)
             pos = tl.where(row_ok, pos, -1)
             end = tl.max(pos, 0) + 1
-        first = tl.where(per_token, tail_start // CHUNK + (pid - walkers) // BLOCK_Q, pid)
+        first = tl.where(per_token, tail_start // CHUNK, pid)
         stop = tl.cdiv(end, CHUNK)  # (a chunk from the end on holds no key any row sees)
-        stop = tl.where(per_token, tl.minimum(stop, first + 1), stop)
         if HAS_MASK and PER_TOKEN:  # the programs of whole chunks stop before the first chunk holding tree tiles
             stop = tl.where(whole, tl.minimum(stop, tail_start // CHUNK), stop)
         for c in range(first, stop, tl.where(per_token, 1, walkers)):
