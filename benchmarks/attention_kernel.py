@@ -13,12 +13,11 @@ process on the same inputs; ``--exact-baseline FILE`` does the same for ``kernel
 A graphed step's attention sees the cache's capacity as ``max_seq_len`` (its grid must not depend on
 the step's lengths); ``--capacity N`` times the kernels so. ``--exact-chunk`` sets the exact
 kernel's fold chunk (a model's: 128 keys for SmolLM2, 512 for the 8B), and
-``--exact-split-programs`` / ``--exact-tree-programs`` (repeatable) time it under other values of
-its launch switches (``EAGLE3_EXACT_SPLIT_PROGRAMS``, ``EAGLE3_EXACT_TREE_PROGRAMS``; speed only)::
+``--exact-split-programs`` (repeatable) times it under other values of its launch switch
+(``EAGLE3_EXACT_SPLIT_PROGRAMS``; speed only)::
 
     python benchmarks/attention_kernel.py --heads 9 --kv-heads 3 --head-dim 64 --context 512 --tokens 60 \
-        --capacity 8192 --exact --exact-chunk 128 --exact-split-programs 0 --exact-split-programs 2 \
-        --exact-tree-programs tile
+        --capacity 8192 --exact --exact-chunk 128 --exact-split-programs 0 --exact-split-programs 2
 """
 
 from __future__ import annotations
@@ -176,8 +175,6 @@ def main() -> None:
                     help="with --exact: its fold chunk in keys (default: the module's CHUNK, 512)")
     ap.add_argument("--exact-split-programs", type=int, action="append", default=[],
                     help="with --exact: also time it with this SPLIT_PROGRAMS_PER_SM (repeatable; 0: one a chunk)")
-    ap.add_argument("--exact-tree-programs", choices=("token", "tile"), action="append", default=[],
-                    help="with --exact: also time it with this TREE_PROGRAMS (repeatable)")
     ap.add_argument("--capacity", type=int, default=None,
                     help="max_seq_len as a graphed step sees it (the cache's capacity; default: the step's own)")
     ap.add_argument("--baseline", default=None, help="an earlier kernels/attention_triton.py, timed beside this one")
@@ -235,10 +232,7 @@ def main() -> None:
                 results["cases"].append({"context": context, "tokens": tokens, "config": "exact", "us": round(us, 1),
                                          "kv_read_us": round(read_us, 1)})
                 print(f"ctx {context:>6} tokens {tokens:>3} exact (batch-invariant): {us:8.1f} us", flush=True)
-                switches = [{"SPLIT_PROGRAMS_PER_SM": n} for n in args.exact_split_programs] + \
-                    [{"TREE_PROGRAMS": t} for t in args.exact_tree_programs] + \
-                    [{"SPLIT_PROGRAMS_PER_SM": n, "TREE_PROGRAMS": t} for n in args.exact_split_programs
-                     for t in args.exact_tree_programs]
+                switches = [{"SPLIT_PROGRAMS_PER_SM": n} for n in args.exact_split_programs]
                 for values in switches:
                     with exact_settings(**values):
                         us = time_us(exact)

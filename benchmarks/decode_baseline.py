@@ -197,9 +197,6 @@ def main() -> None:
                     help="with --exact, also the batch-invariant set with its attention's split launch taking about "
                          "this many programs an SM (kernels/attention_exact.py SPLIT_PROGRAMS_PER_SM; 0: one a "
                          "chunk; speed only)")
-    ap.add_argument("--exact-tree-programs", action="append", default=[], choices=["token", "tile"],
-                    help="with --exact, also the batch-invariant set with its split launch's tree chunks taken this "
-                         "way (kernels/attention_exact.py TREE_PROGRAMS; speed only)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="the cache's capacity in positions, as a server sizes it (a graphed step's attention grid "
                          "follows it; default: what each case needs)")
@@ -226,10 +223,8 @@ def main() -> None:
         variants += [(f"exact/chunk{c}", True, None, {"CHUNK": c}) for c in args.exact_chunk]
         variants += [(f"exact/{r}", True, None, {"SPLIT_RULE": r}) for r in args.exact_split_rule]
         variants += [(f"exact/split{n}", True, None, {"SPLIT_PROGRAMS_PER_SM": n}) for n in args.exact_split_programs]
-        variants += [(f"exact/tree-{t}", True, None, {"TREE_PROGRAMS": t}) for t in args.exact_tree_programs]
     shipped = {name: getattr(attention_exact, name)
-               for name in ("BLOCK_M", "CHUNK", "SPLIT_RULE", "NUM_WARPS", "NUM_STAGES", "SPLIT_PROGRAMS_PER_SM",
-                            "TREE_PROGRAMS")}
+               for name in ("BLOCK_M", "CHUNK", "SPLIT_RULE", "NUM_WARPS", "NUM_STAGES", "SPLIT_PROGRAMS_PER_SM")}
     baseline = None
     for case, kernels, linear, (label, exact, row_tile, attention) in [
             (c, k, m, v) for c in args.case for k in args.kernels or ["auto"] for m in args.linear or ["default"]

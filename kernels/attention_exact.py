@@ -24,8 +24,9 @@ the same way whatever the step around it:
   one program per chunk of it would be mostly programs with nothing to do.
   In the split mode the one or two chunks holding tree tiles get one program per token (which
   walks both where the tree crosses a chunk's end), so the per-token gathers run side by side
-  rather than one after another (``TREE_PROGRAMS``: ``tile`` leaves them to the whole-chunk
-  programs, a tile's tokens in turn).
+  rather than one after another (on an H200 the whole-chunk programs taking them, a tile's tokens
+  in turn, made a 60-token SmolLM2 tree's attention 14.2 against 11.7 us at 256 keys and a
+  speculative step 1.93 against 1.70 ms: ``benchmarks/results/exact_mode/``, 77aee99).
 * **One tile shape, or tiles that agree.** Every launch for a model uses the same ``BLOCK_M`` x
   ``BLOCK_N`` tiles and warps (``BLOCK_M`` widened to the query heads of a KV head where they are
   more), except that a step of prompt-sized runs without a tree takes ``WIDE_TILE`` where
@@ -170,12 +171,6 @@ WAVE_FILL = 0.75
 # import. Speed only: a chunk's partials are the same whichever program computes them.
 SPLIT_PROGRAMS_PER_SM = int(os.environ.get("EAGLE3_EXACT_SPLIT_PROGRAMS", "4"))
 assert SPLIT_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_SPLIT_PROGRAMS: programs an SM, 0 for one a chunk"
-# Who takes a tree step's chunks holding tree tiles in the split launch (``EAGLE3_EXACT_TREE_PROGRAMS``,
-# read at import): ``token`` (the default), one program per (such chunk, token), the tokens' gathers
-# side by side; ``tile``, the programs of whole chunks, a query tile's tokens in turn, as the fold
-# launch does (no duplicated walk of the chunk's shared tiles, fewer programs). Speed only.
-TREE_PROGRAMS = os.environ.get("EAGLE3_EXACT_TREE_PROGRAMS", "token")
-assert TREE_PROGRAMS in ("token", "tile"), "EAGLE3_EXACT_TREE_PROGRAMS: token or tile"
 
 
 def _sms(device: torch.device) -> int:
@@ -263,7 +258,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     table = meta.custom_mask if has_mask else meta.seq_lens  # any tensor: never read without a mask
     mask_start = meta.mask_start if has_mask else meta.seq_lens
     # programs of the tree chunks: one a token of a query tile
-    per_token = block_q if split and has_mask and TREE_PROGRAMS == "token" else 0
+    per_token = block_q if split and has_mask else 0
     walkers = chunk_programs(chunks, meta.num_seqs * q_tiles * kvh, q.device) if split else 1
     pdl = dependent(q, PDL_ALL)  # (speed only: the bits are the same either way)
     # A ragged step (a graphed prompt step): its programs find their chunk and tile from query_start_loc,
@@ -276,7 +271,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         table.stride(0) if has_mask else 0, table.shape[1] if has_mask else 0,
         part_m.stride(0) if split else 0, part_m.stride(1) if split else 0, part_acc.stride(0) if split else 0,
         part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_tiles, walkers, meta.num_seqs,
-        G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, HEAD_DIM=D, PER_TOKEN=per_token > 0,
+        G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, HEAD_DIM=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32), USE_GDC=pdl,
@@ -399,7 +394,7 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_tab, tab_cols,
                             stride_mc, stride_mt, stride_ac, stride_at, stride_ah, q_tiles, walkers, num_seqs,
                             G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, PER_TOKEN: tl.constexpr,
+                            CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
                             USE_GDC: tl.constexpr, RAGGED: tl.constexpr, BLOCK_B: tl.constexpr):
@@ -429,9 +424,8 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
     n_tok = tl.minimum(q_len - tile * BLOCK_Q, BLOCK_Q)
     if SPLIT:
         pid = tl.program_id(2)
-        # Programs [0, walkers): chunks pid, pid + walkers, ..., all tokens; then, with a tree and
-        # PER_TOKEN, one program a token for the (one or two) chunks holding tree tiles,
-        # which the first ones skip (without PER_TOKEN they take them, a tile's tokens in turn).
+        # Programs [0, walkers): chunks pid, pid + walkers, ..., all tokens; then, with a tree, one
+        # program a token for the (one or two) chunks holding tree tiles, which the first ones skip.
         per_token = pid >= walkers
         whole = pid < walkers
         j_lo = tl.where(per_token, pid - walkers, 0)
@@ -444,7 +438,7 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
             end = tl.max(pos, 0) + 1
         first = tl.where(per_token, tail_start // CHUNK, pid)
         stop = tl.cdiv(end, CHUNK)  # (a chunk from the end on holds no key any row sees)
-        if HAS_MASK and PER_TOKEN:  # the programs of whole chunks stop before the first chunk holding tree tiles
+        if HAS_MASK:  # the programs of whole chunks stop before the first chunk holding tree tiles
             stop = tl.where(whole, tl.minimum(stop, tail_start // CHUNK), stop)
         for c in range(first, stop, tl.where(per_token, 1, walkers)):
             lo = c * CHUNK

@@ -102,18 +102,15 @@ def test_tree_rows_equal_decode_rows_bitwise_on_128_key_chunks(prefix, monkeypat
 
 
 @pytest.mark.parametrize("prefix", [382, 700])
-@pytest.mark.parametrize("per_sm, tree_programs", [(0, "token"), (1, "token"), (3, "token"), (1, "tile"),
-                                                   (3, "tile")])
-def test_split_programs_that_walk_several_chunks_give_the_same_bits(prefix, per_sm, tree_programs, monkeypatch):
+@pytest.mark.parametrize("per_sm", [0, 1, 3])
+def test_split_programs_that_walk_several_chunks_give_the_same_bits(prefix, per_sm, monkeypatch):
     """The split launch with fewer programs than chunks (each walking every ``chunk_programs``-th
-    chunk; 0: one a chunk), its tree chunks taken by programs per token or by the whole-chunk
-    programs (``TREE_PROGRAMS``): the tree and decode rows are still the fold launch's bits, on
-    128-key chunks (6 of them at 700 keys; the tree across a chunk's end at 382)."""
+    chunk; 0: one a chunk): the tree and decode rows are still the fold launch's bits, on 128-key
+    chunks (6 of them at 700 keys; the tree across a chunk's end at 382)."""
     from kernels import attention_exact
 
     monkeypatch.setattr(attention_exact, "CHUNK", 128)
     monkeypatch.setattr(attention_exact, "SPLIT_PROGRAMS_PER_SM", per_sm)
-    monkeypatch.setattr(attention_exact, "TREE_PROGRAMS", tree_programs)
     check_tree_rows(prefix, 2, 3, 64, torch.bfloat16)
 
 
