@@ -175,6 +175,10 @@ def main() -> None:
                     help="with --exact: its fold chunk in keys (default: the module's CHUNK, 512)")
     ap.add_argument("--exact-split-programs", type=int, action="append", default=[],
                     help="with --exact: also time it with this SPLIT_PROGRAMS_PER_SM (repeatable; 0: one a chunk)")
+    ap.add_argument("--exact-tree-split-programs", type=int, action="append", default=[],
+                    help="with --exact: also time it with this TREE_SPLIT_PROGRAMS_PER_SM (repeatable)")
+    ap.add_argument("--exact-mode", choices=("fold", "split"), action="append", default=[],
+                    help="with --exact: also time it with its launch shape forced (repeatable; the same bits)")
     ap.add_argument("--capacity", type=int, default=None,
                     help="max_seq_len as a graphed step sees it (the cache's capacity; default: the step's own)")
     ap.add_argument("--baseline", default=None, help="an earlier kernels/attention_triton.py, timed beside this one")
@@ -225,14 +229,21 @@ def main() -> None:
                 tree = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=q.device))
                 exact_meta = dataclasses.replace(
                     meta, custom_mask=ancestor_table(tree).repeat(args.batch, 1) if tokens > 1 else None)
-                def exact():
-                    return paged_attention_exact(q, k, v, exact_meta, scale, chunk=args.exact_chunk)
+                def exact(mode="auto"):
+                    return paged_attention_exact(q, k, v, exact_meta, scale, mode, chunk=args.exact_chunk)
 
                 us = time_us(exact)
                 results["cases"].append({"context": context, "tokens": tokens, "config": "exact", "us": round(us, 1),
                                          "kv_read_us": round(read_us, 1)})
                 print(f"ctx {context:>6} tokens {tokens:>3} exact (batch-invariant): {us:8.1f} us", flush=True)
-                switches = [{"SPLIT_PROGRAMS_PER_SM": n} for n in args.exact_split_programs]
+                for mode in args.exact_mode:
+                    us = time_us(lambda: exact(mode))
+                    results["cases"].append({"context": context, "tokens": tokens, "config": f"exact mode={mode}",
+                                             "us": round(us, 1), "kv_read_us": round(read_us, 1)})
+                    print(f"ctx {context:>6} tokens {tokens:>3} exact mode={mode}: {us:8.1f} us", flush=True)
+                switches = [{"SPLIT_PROGRAMS_PER_SM": n, "TREE_SPLIT_PROGRAMS_PER_SM": n}
+                            for n in args.exact_split_programs] + \
+                    [{"TREE_SPLIT_PROGRAMS_PER_SM": n} for n in args.exact_tree_split_programs]
                 for values in switches:
                     with exact_settings(**values):
                         us = time_us(exact)

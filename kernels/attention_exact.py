@@ -171,6 +171,14 @@ WAVE_FILL = 0.75
 # import. Speed only: a chunk's partials are the same whichever program computes them.
 SPLIT_PROGRAMS_PER_SM = int(os.environ.get("EAGLE3_EXACT_SPLIT_PROGRAMS", "4"))
 assert SPLIT_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_SPLIT_PROGRAMS: programs an SM, 0 for one a chunk"
+# The same for a tree step, whose whole-chunk programs share the GPU with one program a token for
+# its tree chunks (``EAGLE3_EXACT_TREE_SPLIT_PROGRAMS``, read at import). 1 (H200, a541014, SmolLM2's
+# 60-token tree at a capacity of 8,192, ``attention_kernel.py --exact-tree-split-programs``): at 128 /
+# 256 / 384 / 512 / 1,024 keys 9.8 / 10.5 / 13.4 / 14.8 / 15.8 us against 10.8 / 11.5 / 13.8 / 14.5 /
+# 17.2 with 4; MT-bench at batch 1 (one round, exact_mode/tree_split_programs_h200_a541014/) 2,824.9
+# against 2,725.7 speculative tok/s.
+TREE_SPLIT_PROGRAMS_PER_SM = int(os.environ.get("EAGLE3_EXACT_TREE_SPLIT_PROGRAMS", "1"))
+assert TREE_SPLIT_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_TREE_SPLIT_PROGRAMS: programs an SM, 0 for one a chunk"
 
 
 def _sms(device: torch.device) -> int:
@@ -178,11 +186,13 @@ def _sms(device: torch.device) -> int:
     return _sm_count(device) if device.type == "cuda" else 8
 
 
-def chunk_programs(chunks: int, pairs: int, device: torch.device, per_sm: int | None = None) -> int:
+def chunk_programs(chunks: int, pairs: int, device: torch.device, per_sm: int | None = None,
+                   tree: bool = False) -> int:
     """Programs of the split launch for ``chunks`` chunks of each of ``pairs`` (query tile, KV head)
-    pairs: about ``per_sm`` (default ``SPLIT_PROGRAMS_PER_SM``) an SM in all, at least 1, at most
-    ``chunks`` (``per_sm`` 0: ``chunks``). Host sizes only."""
-    per_sm = SPLIT_PROGRAMS_PER_SM if per_sm is None else per_sm
+    pairs: about ``per_sm`` (default ``SPLIT_PROGRAMS_PER_SM``, or ``TREE_SPLIT_PROGRAMS_PER_SM`` for a
+    ``tree`` step) an SM in all, at least 1, at most ``chunks`` (``per_sm`` 0: ``chunks``). Host sizes only."""
+    if per_sm is None:
+        per_sm = TREE_SPLIT_PROGRAMS_PER_SM if tree else SPLIT_PROGRAMS_PER_SM
     if per_sm == 0:
         return chunks
     sms = _sms(device)
@@ -259,7 +269,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     mask_start = meta.mask_start if has_mask else meta.seq_lens
     # programs of the tree chunks: one a token of a query tile
     per_token = block_q if split and has_mask else 0
-    walkers = chunk_programs(chunks, meta.num_seqs * q_tiles * kvh, q.device) if split else 1
+    walkers = chunk_programs(chunks, meta.num_seqs * q_tiles * kvh, q.device, tree=has_mask) if split else 1
     pdl = dependent(q, PDL_ALL)  # (speed only: the bits are the same either way)
     # A ragged step (a graphed prompt step): its programs find their chunk and tile from query_start_loc,
     # the grid fixed by the step's capacity of tokens (``attention_triton._program_tile``).

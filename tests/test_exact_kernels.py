@@ -102,15 +102,17 @@ def test_tree_rows_equal_decode_rows_bitwise_on_128_key_chunks(prefix, monkeypat
 
 
 @pytest.mark.parametrize("prefix", [382, 700])
-@pytest.mark.parametrize("per_sm", [0, 1, 3])
-def test_split_programs_that_walk_several_chunks_give_the_same_bits(prefix, per_sm, monkeypatch):
+@pytest.mark.parametrize("per_sm, tree_per_sm", [(0, 0), (1, 1), (3, 3), (3, 1), (0, 2)])
+def test_split_programs_that_walk_several_chunks_give_the_same_bits(prefix, per_sm, tree_per_sm, monkeypatch):
     """The split launch with fewer programs than chunks (each walking every ``chunk_programs``-th
-    chunk; 0: one a chunk): the tree and decode rows are still the fold launch's bits, on 128-key
-    chunks (6 of them at 700 keys; the tree across a chunk's end at 382)."""
+    chunk; 0: one a chunk), for decode and tree steps alike or apart: the tree and decode rows are
+    still the fold launch's bits, on 128-key chunks (6 of them at 700 keys; the tree across a
+    chunk's end at 382)."""
     from kernels import attention_exact
 
     monkeypatch.setattr(attention_exact, "CHUNK", 128)
     monkeypatch.setattr(attention_exact, "SPLIT_PROGRAMS_PER_SM", per_sm)
+    monkeypatch.setattr(attention_exact, "TREE_SPLIT_PROGRAMS_PER_SM", tree_per_sm)
     check_tree_rows(prefix, 2, 3, 64, torch.bfloat16)
 
 
@@ -123,7 +125,9 @@ def test_chunk_programs(monkeypatch):
     assert attention_exact.chunk_programs(5, 3, cpu, per_sm=4) == 5
     assert attention_exact.chunk_programs(64, 3, cpu, per_sm=0) == 64
     monkeypatch.setattr(attention_exact, "SPLIT_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(attention_exact, "TREE_SPLIT_PROGRAMS_PER_SM", 2)
     assert attention_exact.chunk_programs(64, 3, cpu) == 3
+    assert attention_exact.chunk_programs(64, 3, cpu, tree=True) == 6
 
 
 def check_tree_rows(prefix, kvh, g, d, dtype):
