@@ -174,7 +174,8 @@ def main() -> None:
     ap.add_argument("--exact-chunk", type=int, default=None,
                     help="with --exact: its fold chunk in keys (default: the module's CHUNK, 512)")
     ap.add_argument("--exact-split-programs", type=int, action="append", default=[],
-                    help="with --exact: also time it with this SPLIT_PROGRAMS_PER_SM (repeatable; 0: one a chunk)")
+                    help="with --exact: also time it with this SPLIT_PROGRAMS_PER_SM, for tree steps too "
+                         "(repeatable; 0: one a chunk)")
     ap.add_argument("--exact-tree-split-programs", type=int, action="append", default=[],
                     help="with --exact: also time it with this TREE_SPLIT_PROGRAMS_PER_SM (repeatable)")
     ap.add_argument("--exact-mode", choices=("fold", "split"), action="append", default=[],
