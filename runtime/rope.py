@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from common.config import RopeScaling
@@ -43,6 +44,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 def rope_table(inv_freq: torch.Tensor, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_positions, head_dim/2] in float32."""
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    """cos, sin tables [max_positions, head_dim/2] in float32, computed by numpy on this thread.
+
+    Not by torch's CPU ops: they split a table over the intra-op thread pool, and on a 2-core
+    machine, in about one run of three of tests/test_exact_kernels.py, the pool's worker gave the
+    second half of a 2,400-angle cos table other values (90 of 1,200 elements an ulp off in float32)
+    than the same call gave before and after in the same process. numpy's float64 cos and sin gave
+    torch's float32 tables bit for bit where they agree (SmolLM2's and the 8B's geometries)."""
+    angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq.numpy())
+    return (torch.from_numpy(np.cos(angles)).float().to(device), torch.from_numpy(np.sin(angles)).float().to(device))
