@@ -248,7 +248,8 @@ def projection_rows_differ(kernels, dtype) -> list:
     h, hn, ss = kernels.linear_add_norm(x, w, residual, norm_w)
     act = kernels.scaled_gate_up_silu(hn, ss, 1e-5, w_up)
     qkv = kernels.scaled_linear(hn, ss, 1e-5, w_up)
-    rope = _qkv_rope(kernels, hn, ss, w_qkv, range(300))
+    tables = _rope_tables()  # one pair for every call: the kernel's rows are what is compared
+    rope = _qkv_rope(kernels, hn, ss, w_qkv, range(300), tables)
     differ = []
     for rows in (1, 7, 20, 64):
         for start in (0, 5, 200):
@@ -258,7 +259,7 @@ def projection_rows_differ(kernels, dtype) -> list:
                        "gate_up": (kernels.scaled_gate_up_silu(hn2, ss2, 1e-5, w_up), act[part]),
                        "qkv": (kernels.scaled_linear(hn2, ss2, 1e-5, w_up), qkv[part])}
             if rope is not None:  # (q, k and v of the rows' slots)
-                got = _qkv_rope(kernels, hn2, ss2, w_qkv, range(start, start + rows))
+                got = _qkv_rope(kernels, hn2, ss2, w_qkv, range(start, start + rows), tables)
                 outputs["qkv_rope"] = (got, tuple(t[part] for t in rope))
             differ += [(name, rows, start) for name, (got, want) in outputs.items() if not _equal(got, want)]
     return differ
@@ -271,15 +272,21 @@ def _equal(got, want) -> bool:
     return torch.equal(got, want)
 
 
-def _qkv_rope(kernels, hn, ss, w_qkv, positions):
-    """A set's ``scaled_qkv_rope`` (None: it has none) on rows at ``positions`` (their slots too, in a
-    NaN cache): rotated q, and the k and v written at the rows' slots."""
+def _rope_tables():
+    """cos, sin for 300 positions of 16-wide heads: one pair for every call of a comparison, so that
+    only the kernel's rows are compared (``runtime.rope.rope_table`` says why tables once differed)."""
     from common.config import RopeScaling
     from runtime.rope import rope_tables
 
+    return rope_tables(16, 10000.0, RopeScaling(), 300, torch.device(DEVICE))
+
+
+def _qkv_rope(kernels, hn, ss, w_qkv, positions, tables):
+    """A set's ``scaled_qkv_rope`` (None: it has none) on rows at ``positions`` (their slots too, in a
+    NaN cache) with RoPE ``tables`` (cos, sin): rotated q, and the k and v written at the rows' slots."""
     if kernels.scaled_qkv_rope is None:
         return None
-    cos, sin = rope_tables(16, 10000.0, RopeScaling(), 300, torch.device(DEVICE))
+    cos, sin = tables
     slots = torch.tensor(list(positions), device=DEVICE)
     k_cache, v_cache = (torch.full((19, 16, 1, 16), float("nan"), dtype=hn.dtype, device=DEVICE) for _ in range(2))
     q = kernels.scaled_qkv_rope(hn, ss, 1e-5, w_qkv, None, slots, cos, sin, k_cache, v_cache, slots, 2, 1, 16)
