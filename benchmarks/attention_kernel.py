@@ -178,6 +178,8 @@ def main() -> None:
                          "(repeatable; 0: one a chunk)")
     ap.add_argument("--exact-tree-split-programs", type=int, action="append", default=[],
                     help="with --exact: also time it with this TREE_SPLIT_PROGRAMS_PER_SM (repeatable)")
+    ap.add_argument("--exact-tree-tiles", type=int, choices=(1, 2, 4), action="append", default=[],
+                    help="with --exact: also time it with this TREE_TILES (repeatable)")
     ap.add_argument("--exact-mode", choices=("fold", "split"), action="append", default=[],
                     help="with --exact: also time it with its launch shape forced (repeatable; the same bits)")
     ap.add_argument("--capacity", type=int, default=None,
@@ -244,7 +246,10 @@ def main() -> None:
                     print(f"ctx {context:>6} tokens {tokens:>3} exact mode={mode}: {us:8.1f} us", flush=True)
                 switches = [{"SPLIT_PROGRAMS_PER_SM": n, "TREE_SPLIT_PROGRAMS_PER_SM": n}
                             for n in args.exact_split_programs] + \
-                    [{"TREE_SPLIT_PROGRAMS_PER_SM": n} for n in args.exact_tree_split_programs]
+                    [{"TREE_SPLIT_PROGRAMS_PER_SM": n} for n in args.exact_tree_split_programs] + \
+                    [{"TREE_TILES": n} for n in args.exact_tree_tiles] + \
+                    [{"TREE_TILES": n, "TREE_SPLIT_PROGRAMS_PER_SM": p} for n in args.exact_tree_tiles
+                     for p in args.exact_tree_split_programs]
                 for values in switches:
                     with exact_settings(**values):
                         us = time_us(exact)

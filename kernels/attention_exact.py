@@ -179,6 +179,12 @@ assert SPLIT_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_SPLIT_PROGRAMS: programs an SM,
 # against 2,725.7 speculative tok/s.
 TREE_SPLIT_PROGRAMS_PER_SM = int(os.environ.get("EAGLE3_EXACT_TREE_SPLIT_PROGRAMS", "1"))
 assert TREE_SPLIT_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_TREE_SPLIT_PROGRAMS: programs an SM, 0 for one a chunk"
+# Query tiles a whole-chunk program of a tree step's split launch takes at once (``EAGLE3_EXACT_TREE_TILES``,
+# read at import): 2 or 4 load each key tile of the chunks before the tree's once for that many 16-row
+# tiles, each attending it with its own dots and state (``_shared_chunks``: a row's arithmetic is the
+# one tile's, so are its bits), where 1 has a program a tile, each loading the tile. Speed only.
+TREE_TILES = int(os.environ.get("EAGLE3_EXACT_TREE_TILES", "4"))
+assert TREE_TILES in (1, 2, 4), "EAGLE3_EXACT_TREE_TILES: 1, 2 or 4"
 
 
 def _sms(device: torch.device) -> int:
@@ -267,21 +273,24 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         part_m = part_l = part_acc = out  # never touched
     table = meta.custom_mask if has_mask else meta.seq_lens  # any tensor: never read without a mask
     mask_start = meta.mask_start if has_mask else meta.seq_lens
-    # programs of the tree chunks: one a token of a query tile
-    per_token = block_q if split and has_mask else 0
-    walkers = chunk_programs(chunks, meta.num_seqs * q_tiles * kvh, q.device, tree=has_mask) if split else 1
+    # a tree's split launch: programs of whole chunks over TREE_TILES query tiles, then of the tree
+    # chunks one a token of those tiles
+    sub = TREE_TILES if split and has_mask else 1
+    q_groups = triton.cdiv(q_tiles, sub)
+    per_token = sub * block_q if split and has_mask else 0
+    walkers = chunk_programs(chunks, meta.num_seqs * q_groups * kvh, q.device, tree=has_mask) if split else 1
     pdl = dependent(q, PDL_ALL)  # (speed only: the bits are the same either way)
     # A ragged step (a graphed prompt step): its programs find their chunk and tile from query_start_loc,
     # the grid fixed by the step's capacity of tokens (``attention_triton._program_tile``).
-    programs = q_tiles + meta.num_seqs if meta.ragged else meta.num_seqs * q_tiles
+    programs = q_tiles + meta.num_seqs if meta.ragged else meta.num_seqs * q_groups
     _exact_attention_kernel[(programs, kvh, walkers + per_token)](
         q, k_cache, v_cache, out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, meta.positions,
         meta.block_tables, table, mask_start, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         table.stride(0) if has_mask else 0, table.shape[1] if has_mask else 0,
         part_m.stride(0) if split else 0, part_m.stride(1) if split else 0, part_acc.stride(0) if split else 0,
-        part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_tiles, walkers, meta.num_seqs,
-        G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, HEAD_DIM=D,
+        part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_groups, walkers, meta.num_seqs,
+        G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, HEAD_DIM=D, SUB=sub,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32), USE_GDC=pdl,
@@ -397,6 +406,81 @@ def _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, hi, b, t0, m_start, tail_sta
     return m_i, l_i, acc
 
 
+@triton.jit
+def _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t, head, row_ok, d, d_ok, m_c, l_c, acc_c, stride_mc,
+                    stride_mt, stride_ac, stride_at, stride_ah):
+    """One chunk's (m, l, acc) of a tile's rows into the split launch's partials [chunks, T, H(, D)]."""
+    at = c * stride_mc + t * stride_mt + head
+    tl.store(part_m_ptr + at, m_c, mask=row_ok)
+    tl.store(part_l_ptr + at, l_c, mask=row_ok)
+    tl.store(part_acc_ptr + c * stride_ac + t[:, None] * stride_at + head[:, None] * stride_ah + d[None, :],
+             acc_c, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, tables_ptr, b,
+                   group, kvh, q_start, q_len, first, walkers, tail_start, scale_log2, stride_qt, stride_qh,
+                   stride_kb, stride_ks, stride_kh, stride_bt, stride_mc, stride_mt, stride_ac, stride_at, stride_ah,
+                   G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, SUB: tl.constexpr):
+    """A tree step's whole-chunk program for query tiles SUB * group .. SUB * group + SUB - 1 (SUB 2
+    or 4): chunks first, first + walkers, ... before the tree's first (every key at its own position,
+    every row sees them all), each key tile loaded once and attended by the tiles in turn, each with
+    the very ``_tile`` steps (dots of its own rows, its own state) that ``_chunk`` gives one tile:
+    the same partials, bit for bit."""
+    _, h0, ok0, t0, d, d_ok, q0 = _query_tile(q_ptr, q_start, q_len, group * SUB, kvh, stride_qt, stride_qh,
+                                              G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
+    _, h1, ok1, t1, _, _, q1 = _query_tile(q_ptr, q_start, q_len, group * SUB + 1, kvh, stride_qt, stride_qh,
+                                           G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
+    p0 = tl.load(pos_ptr + t0, mask=ok0, other=-1)
+    p1 = tl.load(pos_ptr + t1, mask=ok1, other=-1)
+    if SUB == 4:
+        _, h2, ok2, t2, _, _, q2 = _query_tile(q_ptr, q_start, q_len, group * SUB + 2, kvh, stride_qt, stride_qh,
+                                               G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
+        _, h3, ok3, t3, _, _, q3 = _query_tile(q_ptr, q_start, q_len, group * SUB + 3, kvh, stride_qt, stride_qh,
+                                               G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
+        p2 = tl.load(pos_ptr + t2, mask=ok2, other=-1)
+        p3 = tl.load(pos_ptr + t3, mask=ok3, other=-1)
+    stop = tail_start // CHUNK  # (each row's position is past the tree's first tile)
+    for c in range(first, stop, walkers):
+        lo = c * CHUNK
+        m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l0 = tl.zeros([BLOCK_M], tl.float32)
+        a0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m1, l1, a1 = m0, l0, a0
+        if SUB == 4:
+            m2, l2, a2 = m0, l0, a0
+            m3, l3, a3 = m0, l0, a0
+        ahead = lo + tl.arange(0, BLOCK_N)  # block ids an iteration ahead, as in ``_chunk``
+        ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE)
+        for start in range(lo, lo + CHUNK, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            block = ids
+            ahead = keys + BLOCK_N
+            ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < lo + CHUNK, other=0)
+            k, v = _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, keys, keys < lo + CHUNK, kvh, d, d_ok, stride_kb,
+                                 stride_ks, stride_kh, BLOCK_SIZE)
+            a0, m0, l0 = _tile(a0, m0, l0, q0, k, v, (keys[None, :] <= p0[:, None]) & ok0[:, None], ok0 & (p0 >= start),
+                               scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+            a1, m1, l1 = _tile(a1, m1, l1, q1, k, v, (keys[None, :] <= p1[:, None]) & ok1[:, None], ok1 & (p1 >= start),
+                               scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+            if SUB == 4:
+                a2, m2, l2 = _tile(a2, m2, l2, q2, k, v, (keys[None, :] <= p2[:, None]) & ok2[:, None],
+                                   ok2 & (p2 >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+                a3, m3, l3 = _tile(a3, m3, l3, q3, k, v, (keys[None, :] <= p3[:, None]) & ok3[:, None],
+                                   ok3 & (p3 >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+        _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t0, h0, ok0, d, d_ok, m0, l0, a0, stride_mc, stride_mt,
+                        stride_ac, stride_at, stride_ah)
+        _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t1, h1, ok1, d, d_ok, m1, l1, a1, stride_mc, stride_mt,
+                        stride_ac, stride_at, stride_ah)
+        if SUB == 4:
+            _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t2, h2, ok2, d, d_ok, m2, l2, a2, stride_mc,
+                            stride_mt, stride_ac, stride_at, stride_ah)
+            _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t3, h3, ok3, d, d_ok, m3, l3, a3, stride_mc,
+                            stride_mt, stride_ac, stride_at, stride_ah)
+
+
 @triton.jit(do_not_specialize=["stride_bt", "stride_tab", "tab_cols", "stride_mc", "stride_mt", "stride_ac",
                                "stride_at", "q_tiles", "walkers", "num_seqs"])  # step-dependent (attention_triton.py)
 def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -404,21 +488,36 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_tab, tab_cols,
                             stride_mc, stride_mt, stride_ac, stride_at, stride_ah, q_tiles, walkers, num_seqs,
                             G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, SUB: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
                             USE_GDC: tl.constexpr, RAGGED: tl.constexpr, BLOCK_B: tl.constexpr):
     if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load and any early return
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    b, tile, past = _program_tile(qsl_ptr, num_seqs, q_tiles, BLOCK_Q, RAGGED, BLOCK_B)
+    # (q_tiles: the grid's tiles of SUB query tiles each)
+    b, group, past = _program_tile(qsl_ptr, num_seqs, q_tiles, BLOCK_Q * SUB, RAGGED, BLOCK_B)
     if past:
         return
     kvh = tl.program_id(1)
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
-    if tile * BLOCK_Q >= q_len:
+    if group * SUB * BLOCK_Q >= q_len:
         return
+    tile = group
+    if SUB > 1:  # a tree's split launch (SPLIT and HAS_MASK)
+        pid = tl.program_id(2)
+        if pid < walkers:  # whole chunks, before the tree's, for the SUB tiles at once
+            m_start = tl.load(mask_start_ptr + b)
+            _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, tables_ptr,
+                            b, group, kvh, q_start, q_len, pid, walkers, (m_start // BLOCK_N) * BLOCK_N, scale_log2,
+                            stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_mc, stride_mt,
+                            stride_ac, stride_at, stride_ah, G, BLOCK_Q, BLOCK_M, BLOCK_N, CHUNK, HEAD_DIM, BLOCK_D,
+                            BLOCK_SIZE, PRECISION, DOT_DTYPE, SUB)
+            return
+        tile = group * SUB + (pid - walkers) // BLOCK_Q
+        if tile * BLOCK_Q >= q_len:
+            return
     qi, head, row_ok, t, d, d_ok, q = _query_tile(q_ptr, q_start, q_len, tile, kvh, stride_qt, stride_qh,
                                                   G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
     row_tok = qi - tile * BLOCK_Q  # token within the tile
@@ -438,7 +537,7 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
         # program a token for the (one or two) chunks holding tree tiles, which the first ones skip.
         per_token = pid >= walkers
         whole = pid < walkers
-        j_lo = tl.where(per_token, pid - walkers, 0)
+        j_lo = tl.where(per_token, (pid - walkers) % BLOCK_Q, 0)
         j_hi = tl.where(per_token, j_lo + 1, n_tok)
         if HAS_MASK:
             if per_token & (j_lo >= n_tok):
@@ -456,11 +555,8 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
                                      m_start, tail_start, k_cache_ptr, v_cache_ptr, tables_ptr, table_ptr, scale_log2,
                                      stride_bt, stride_kb, stride_ks, stride_kh, stride_tab, tab_cols, kvh, d, d_ok,
                                      BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, HAS_MASK, PRECISION, DOT_DTYPE)
-            at = c * stride_mc + t * stride_mt + head  # partials [chunks, T, H] and [chunks, T, H, D]
-            tl.store(part_m_ptr + at, m_c, mask=row_ok)
-            tl.store(part_l_ptr + at, l_c, mask=row_ok)
-            tl.store(part_acc_ptr + c * stride_ac + t[:, None] * stride_at + head[:, None] * stride_ah + d[None, :],
-                     acc_c, mask=row_ok[:, None] & d_ok[None, :])
+            _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t, head, row_ok, d, d_ok, m_c, l_c, acc_c,
+                            stride_mc, stride_mt, stride_ac, stride_at, stride_ah)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
