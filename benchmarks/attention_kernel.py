@@ -178,7 +178,7 @@ def main() -> None:
                          "(repeatable; 0: one a chunk)")
     ap.add_argument("--exact-tree-split-programs", type=int, action="append", default=[],
                     help="with --exact: also time it with this TREE_SPLIT_PROGRAMS_PER_SM (repeatable)")
-    ap.add_argument("--exact-tree-tiles", type=int, choices=(1, 2, 4), action="append", default=[],
+    ap.add_argument("--exact-tree-tiles", type=int, choices=(1, 2), action="append", default=[],
                     help="with --exact: also time it with this TREE_TILES (repeatable)")
     ap.add_argument("--exact-mode", choices=("fold", "split"), action="append", default=[],
                     help="with --exact: also time it with its launch shape forced (repeatable; the same bits)")

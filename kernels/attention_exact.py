@@ -180,11 +180,14 @@ assert SPLIT_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_SPLIT_PROGRAMS: programs an SM,
 TREE_SPLIT_PROGRAMS_PER_SM = int(os.environ.get("EAGLE3_EXACT_TREE_SPLIT_PROGRAMS", "1"))
 assert TREE_SPLIT_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_TREE_SPLIT_PROGRAMS: programs an SM, 0 for one a chunk"
 # Query tiles a whole-chunk program of a tree step's split launch takes at once (``EAGLE3_EXACT_TREE_TILES``,
-# read at import): 2 or 4 load each key tile of the chunks before the tree's once for that many 16-row
-# tiles, each attending it with its own dots and state (``_shared_chunks``: a row's arithmetic is the
-# one tile's, so are its bits), where 1 has a program a tile, each loading the tile. Speed only.
-TREE_TILES = int(os.environ.get("EAGLE3_EXACT_TREE_TILES", "4"))
-assert TREE_TILES in (1, 2, 4), "EAGLE3_EXACT_TREE_TILES: 1, 2 or 4"
+# read at import): 2 loads each key tile of the chunks before the tree's once for two 16-row tiles, each
+# attending it with its own dots and state (``_shared_chunks``: a row's arithmetic is the one tile's, so
+# are its bits), where 1 has a program a tile, each loading the key tile. Speed only. Measured on the
+# H200 (60-token tree, benchmarks/attention_kernel.py --exact-tree-tiles): 2 against 1 took 35.8 against
+# 39.9 us at SmolLM2's 4,096 keys and 72.5 against 80.5 at the 8B's, the same from 128 to 1,024 keys;
+# 4 tiles (tried) spilled registers and lost everywhere (40.2 and 81.6 us).
+TREE_TILES = int(os.environ.get("EAGLE3_EXACT_TREE_TILES", "2"))
+assert TREE_TILES in (1, 2), "EAGLE3_EXACT_TREE_TILES: 1 or 2"
 
 
 def _sms(device: torch.device) -> int:
@@ -273,8 +276,8 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         part_m = part_l = part_acc = out  # never touched
     table = meta.custom_mask if has_mask else meta.seq_lens  # any tensor: never read without a mask
     mask_start = meta.mask_start if has_mask else meta.seq_lens
-    # a tree's split launch: programs of whole chunks over TREE_TILES query tiles, then of the tree
-    # chunks one a token of those tiles
+    # a tree's split launch: programs of whole chunks over TREE_TILES query tiles (a group), then of
+    # the tree chunks one a token of the group's tiles
     sub = TREE_TILES if split and has_mask else 1
     q_groups = triton.cdiv(q_tiles, sub)
     per_token = sub * block_q if split and has_mask else 0
@@ -419,29 +422,22 @@ def _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t, head, row_ok, d,
 
 @triton.jit
 def _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, tables_ptr, b,
-                   group, kvh, q_start, q_len, first, walkers, tail_start, scale_log2, stride_qt, stride_qh,
+                   pair, kvh, q_start, q_len, first, walkers, tail_start, scale_log2, stride_qt, stride_qh,
                    stride_kb, stride_ks, stride_kh, stride_bt, stride_mc, stride_mt, stride_ac, stride_at, stride_ah,
                    G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, SUB: tl.constexpr):
-    """A tree step's whole-chunk program for query tiles SUB * group .. SUB * group + SUB - 1 (SUB 2
-    or 4): chunks first, first + walkers, ... before the tree's first (every key at its own position,
-    every row sees them all), each key tile loaded once and attended by the tiles in turn, each with
-    the very ``_tile`` steps (dots of its own rows, its own state) that ``_chunk`` gives one tile:
-    the same partials, bit for bit."""
-    _, h0, ok0, t0, d, d_ok, q0 = _query_tile(q_ptr, q_start, q_len, group * SUB, kvh, stride_qt, stride_qh,
+                   PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """A tree step's whole-chunk program for query tiles 2 * pair and 2 * pair + 1: chunks first,
+    first + walkers, ... before the tree's first (every key at its own position, every row sees them
+    all), each key tile loaded once and attended by the two tiles in turn, each with the very
+    ``_tile`` steps (dots of its own rows, its own state) that ``_chunk`` gives one tile: the same
+    partials, bit for bit."""
+    _, h0, ok0, t0, d, d_ok, q0 = _query_tile(q_ptr, q_start, q_len, 2 * pair, kvh, stride_qt, stride_qh,
                                               G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
-    _, h1, ok1, t1, _, _, q1 = _query_tile(q_ptr, q_start, q_len, group * SUB + 1, kvh, stride_qt, stride_qh,
+    _, h1, ok1, t1, _, _, q1 = _query_tile(q_ptr, q_start, q_len, 2 * pair + 1, kvh, stride_qt, stride_qh,
                                            G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
     p0 = tl.load(pos_ptr + t0, mask=ok0, other=-1)
     p1 = tl.load(pos_ptr + t1, mask=ok1, other=-1)
-    if SUB == 4:
-        _, h2, ok2, t2, _, _, q2 = _query_tile(q_ptr, q_start, q_len, group * SUB + 2, kvh, stride_qt, stride_qh,
-                                               G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
-        _, h3, ok3, t3, _, _, q3 = _query_tile(q_ptr, q_start, q_len, group * SUB + 3, kvh, stride_qt, stride_qh,
-                                               G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
-        p2 = tl.load(pos_ptr + t2, mask=ok2, other=-1)
-        p3 = tl.load(pos_ptr + t3, mask=ok3, other=-1)
     stop = tail_start // CHUNK  # (each row's position is past the tree's first tile)
     for c in range(first, stop, walkers):
         lo = c * CHUNK
@@ -449,9 +445,6 @@ def _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part
         l0 = tl.zeros([BLOCK_M], tl.float32)
         a0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         m1, l1, a1 = m0, l0, a0
-        if SUB == 4:
-            m2, l2, a2 = m0, l0, a0
-            m3, l3, a3 = m0, l0, a0
         ahead = lo + tl.arange(0, BLOCK_N)  # block ids an iteration ahead, as in ``_chunk``
         ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE)
         for start in range(lo, lo + CHUNK, BLOCK_N):
@@ -465,20 +458,10 @@ def _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part
                                scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
             a1, m1, l1 = _tile(a1, m1, l1, q1, k, v, (keys[None, :] <= p1[:, None]) & ok1[:, None], ok1 & (p1 >= start),
                                scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
-            if SUB == 4:
-                a2, m2, l2 = _tile(a2, m2, l2, q2, k, v, (keys[None, :] <= p2[:, None]) & ok2[:, None],
-                                   ok2 & (p2 >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
-                a3, m3, l3 = _tile(a3, m3, l3, q3, k, v, (keys[None, :] <= p3[:, None]) & ok3[:, None],
-                                   ok3 & (p3 >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
         _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t0, h0, ok0, d, d_ok, m0, l0, a0, stride_mc, stride_mt,
                         stride_ac, stride_at, stride_ah)
         _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t1, h1, ok1, d, d_ok, m1, l1, a1, stride_mc, stride_mt,
                         stride_ac, stride_at, stride_ah)
-        if SUB == 4:
-            _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t2, h2, ok2, d, d_ok, m2, l2, a2, stride_mc,
-                            stride_mt, stride_ac, stride_at, stride_ah)
-            _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t3, h3, ok3, d, d_ok, m3, l3, a3, stride_mc,
-                            stride_mt, stride_ac, stride_at, stride_ah)
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_tab", "tab_cols", "stride_mc", "stride_mt", "stride_ac",
@@ -507,13 +490,13 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
     tile = group
     if SUB > 1:  # a tree's split launch (SPLIT and HAS_MASK)
         pid = tl.program_id(2)
-        if pid < walkers:  # whole chunks, before the tree's, for the SUB tiles at once
+        if pid < walkers:  # whole chunks, before the tree's, for the two tiles at once
             m_start = tl.load(mask_start_ptr + b)
             _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, tables_ptr,
                             b, group, kvh, q_start, q_len, pid, walkers, (m_start // BLOCK_N) * BLOCK_N, scale_log2,
                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_mc, stride_mt,
                             stride_ac, stride_at, stride_ah, G, BLOCK_Q, BLOCK_M, BLOCK_N, CHUNK, HEAD_DIM, BLOCK_D,
-                            BLOCK_SIZE, PRECISION, DOT_DTYPE, SUB)
+                            BLOCK_SIZE, PRECISION, DOT_DTYPE)
             return
         tile = group * SUB + (pid - walkers) // BLOCK_Q
         if tile * BLOCK_Q >= q_len:

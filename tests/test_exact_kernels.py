@@ -102,12 +102,12 @@ def test_tree_rows_equal_decode_rows_bitwise_on_128_key_chunks(prefix, monkeypat
 
 
 @pytest.mark.parametrize("prefix", [382, 700])
-@pytest.mark.parametrize("per_sm, tree_per_sm, tree_tiles", [(0, 0, 4), (1, 1, 4), (3, 1, 2), (0, 2, 4), (3, 1, 1)])
+@pytest.mark.parametrize("per_sm, tree_per_sm, tree_tiles", [(0, 0, 2), (1, 1, 2), (3, 1, 2), (0, 2, 2), (3, 1, 1)])
 def test_split_programs_that_walk_several_chunks_give_the_same_bits(prefix, per_sm, tree_per_sm, tree_tiles,
                                                                     monkeypatch):
     """The split launch with fewer programs than chunks (each walking every ``chunk_programs``-th
     chunk; 0: one a chunk), for decode and tree steps alike or apart, a tree's whole-chunk programs
-    taking four query tiles at once or one (``TREE_TILES``): the tree and decode rows are still the
+    taking two query tiles at once or one (``TREE_TILES``): the tree and decode rows are still the
     fold launch's bits, on 128-key chunks (6 of them at 700 keys; the tree across a chunk's end at
     382)."""
     from kernels import attention_exact
@@ -121,9 +121,9 @@ def test_split_programs_that_walk_several_chunks_give_the_same_bits(prefix, per_
 
 def test_a_tree_of_several_query_tiles_gives_the_fold_launchs_bits(monkeypatch):
     """A 24-token tree after 300 keys (five query tiles of five tokens at three query heads a KV
-    head: a group of four and one more) beside a decoding neighbour: the split launch gives the
-    fold launch's bits whether its whole-chunk programs take four query tiles at once, two or one, and
-    however many walk the chunks (128-key chunks)."""
+    head: two pairs and one more) beside a decoding neighbour: the split launch gives the fold
+    launch's bits whether its whole-chunk programs take two query tiles at once or one, and however
+    many walk the chunks (128-key chunks)."""
     from kernels import attention_exact
 
     monkeypatch.setattr(attention_exact, "CHUNK", 128)
@@ -141,7 +141,7 @@ def test_a_tree_of_several_query_tiles_gives_the_fold_launchs_bits(monkeypatch):
                      custom_mask=tree_mask(parents), mask_start=prefix),
             SeqChunk([0], 299, cache.tables[1])]
     want = attend(cache, step, q, "fold")
-    for tiles, per_sm in ((4, 0), (4, 1), (2, 1), (1, 1)):
+    for tiles, per_sm in ((2, 0), (2, 1), (1, 0), (1, 1)):
         monkeypatch.setattr(attention_exact, "TREE_TILES", tiles)
         monkeypatch.setattr(attention_exact, "TREE_SPLIT_PROGRAMS_PER_SM", per_sm)
         assert torch.equal(attend(cache, step, q, "split"), want), (tiles, per_sm)
