@@ -70,8 +70,9 @@ def main() -> None:
                          "engine decoding as many sequences together")
     ap.add_argument("--adaptive-speculation", default="off", choices=["on", "off"],
                     help="the verify service picks each step's tree size (or plain decoding)")
-    ap.add_argument("--exact", action="store_true",
-                    help="batch-invariant numerics on the verify service and the in-process reference")
+    ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                    help="batch-invariant numerics on the verify service and the in-process engine, or not "
+                         "(default: the engine's default, on on CUDA)")
     ap.add_argument("--stream-interval-ms", type=float, default=None,
                     help="the verify service's --stream-interval-ms (default: its own default)")
     ap.add_argument("--stream-messages-per-s", type=float, default=None,
@@ -126,7 +127,7 @@ def main() -> None:
     verify = spawn(["serve-verify", "--model", model, "--listen", public, "--internal", internal, "--dtype",
                     args.dtype, "--max-model-len", "4096", "--max-num-seqs", str(max(8, max(levels))),
                     "--adaptive-speculation", args.adaptive_speculation, *flags,
-                    *(["--exact"] if args.exact else []),
+                    *([] if args.exact is None else ["--exact" if args.exact else "--no-exact"]),
                     *([] if args.stream_interval_ms is None else
                       ["--stream-interval-ms", str(args.stream_interval_ms)]),
                     *([] if args.stream_messages_per_s is None else
@@ -146,7 +147,8 @@ def main() -> None:
                           "env": {phased_serve.ENV_OUT: str(tmp / "draft_phases.json")}} if args.phases else {}))
         wait_healthy(client, "eagle3.speculation", draft, "draft service")
         client.complete(prompts[0], max_tokens=8)  # warm-up
-        report = {"device": args.device, "dtype": args.dtype, "tree": tree.describe(), "exact": args.exact,
+        report = {"device": args.device, "dtype": args.dtype, "tree": tree.describe(),
+                  "exact": client.server_info()["exact_numerics"],
                   "adaptive_speculation": args.adaptive_speculation, "stream_interval_ms": args.stream_interval_ms,
                   "stream_messages_per_s": args.stream_messages_per_s,
                   "chained_steps": args.chained_steps, "chain_min_seqs": args.chain_min_seqs,

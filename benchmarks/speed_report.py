@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--verify-batches", type=int, action="append", help="default 1, 16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                    help="the batch-invariant target kernels, or not (default: the engine's, on on CUDA)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     try:
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
     texts, distinct = batch_prompts(args.prompts, max(max(batches), args.min_prompts))
     longest = max(args.verify_contexts or [6144]) + max(args.verify_tokens or [64]) + 1
     cfg = EngineConfig(model, device=args.device, dtype=args.dtype, max_model_len=max(4096, longest),
-                       max_num_seqs=max(batches))
+                       max_num_seqs=max(batches), exact=args.exact)
     params = SamplingParams(max_tokens=args.max_tokens)
     report = {"kind": "speed_report", "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "model": Path(model).name, "head": args.head, "dtype": args.dtype,
@@ -321,6 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["build_order"] = [name for name, _ in order]
     engines = [(name, built[name]) for name, _ in builders]
     engine = engines[0][1]
+    report["exact"] = engine.target.exact  # the target's numerics (batch-invariant or the fastest)
     adaptive = None if args.no_adaptive else engines[3 if args.control else 2][1]  # the default policy's engine
     prompts = prompt_ids(engine, texts)
     eos = engine.target.model_config.eos_token_ids

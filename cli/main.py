@@ -270,8 +270,9 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="the sampled requests' seed (request i: seed + i)")
     p.add_argument("--sampling-acceptance", default="seeded", choices=["seeded", "residual"],
                    help="how sampled requests verify trees (see eagle3 serve-verify --help)")
-    p.add_argument("--exact", action="store_true",
-                   help="batch-invariant target kernels for every run (see eagle3 serve-verify --help)")
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant target kernels for every run, or not (default: the engine's, on on "
+                        "CUDA; see eagle3 serve-verify --help)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
 
 

@@ -130,6 +130,19 @@ def select_kernels(device: torch.device | str, kind: str = "auto", exact: bool =
     return TRITON
 
 
+# Whether an engine that leaves ``exact`` unset runs the batch-invariant set on CUDA with the Triton
+# kernels (``exact_by_default``): its cost measured within 10% of tok/s at batch 1 and 64 (README, Exact
+# mode), so greedy output with a draft is target-only output in bf16 by default. ``--no-exact`` opts out.
+EXACT_BY_DEFAULT = True
+
+
+def exact_by_default(device_type: str, kind: str) -> bool:
+    """Whether an engine on ``device_type`` with kernels ``kind`` and ``exact`` unset runs the
+    batch-invariant set: on CUDA unless the references are asked for (on a CPU the float32
+    references already give target-only output)."""
+    return EXACT_BY_DEFAULT and device_type == "cuda" and kind != "reference"
+
+
 def exact_refusal(device_type: str, kind: str) -> str | None:
     """Why ``--exact`` cannot run with these kernels on this device type, or None."""
     if kind == "reference":

@@ -1,4 +1,5 @@
-"""``--exact``: the batch-invariant target kernels (kernels/exact_set.py), from the flag to ServerInfo.
+"""``--exact``: the batch-invariant target kernels (kernels/exact_set.py, the default on CUDA), from
+the flag to ServerInfo.
 
 Without a GPU the exact kernels run through Triton's interpreter (TRITON_INTERPRET=1, set by
 conftest.py): slow, so the models here are tiny (hidden 64, 2 layers) and the outputs short.
@@ -18,7 +19,7 @@ from common.tree_settings import TreeSettings
 from draft_service.drafter import EagleDrafter
 from draft_service.spec_config import SpecConfig
 from drafters import OracleDrafter
-from kernels import REFERENCE, select_kernels
+from kernels import REFERENCE, exact_by_default, select_kernels
 from kernels.attention import unpack_mask
 from runtime.static_layout import Bucket, StaticLayout
 from tiny_eagle import make_target_and_head
@@ -132,21 +133,43 @@ def test_bf16_greedy_speculative_output_equals_target_only(dirs, exact_target_on
     assert (sum(r.speculation.accepted_tokens for r in results) > 0) == accepts  # the random head accepts none
 
 
-@pytest.mark.parametrize("flags, exact", [([], False), (["--exact"], True)])
-def test_server_info_reports_exact_numerics(dirs, tmp_path, flags, exact):
+@pytest.mark.parametrize("flags, setting", [([], None), (["--exact"], True), (["--no-exact"], False)])
+def test_server_info_reports_exact_numerics(dirs, tmp_path, flags, setting):
+    """The flag reaches the engine's config unresolved (unset: the device's default) and
+    ServerInfo reports what the engine runs: without the flag, exact on CUDA and not on a CPU."""
+    exact = setting if setting is not None else torch.device(TRITON_DEVICE).type == "cuda"
     if exact:
         pytest.importorskip("triton")
     args = cli.build_parser().parse_args(["serve-verify", "--model", str(dirs[0]), "--device", TRITON_DEVICE,
                                           "--no-speculation", "--num-kv-blocks", "16",
                                           "--listen", f"unix:{tmp_path}/api.sock", *flags])
     cfg = server_config.from_args(args, str(dirs[0]))
-    assert cfg.engine.exact is exact
+    assert cfg.engine.exact is setting
     server = create_server(cfg)
     try:
         with Eagle3Client(cfg.listen, timeout_s=60) as client:
             assert client.server_info()["exact_numerics"] is exact
     finally:
         server.stop(0)
+
+
+def test_exact_by_default_on_cuda_unless_the_references_are_asked_for():
+    assert exact_by_default("cuda", "auto") and exact_by_default("cuda", "triton")
+    assert not exact_by_default("cuda", "reference")  # --kernels reference alone is no contradiction
+    assert not exact_by_default("cpu", "auto") and not exact_by_default("cpu", "triton")
+    EngineConfig("m", device=TRITON_DEVICE, kernels="reference")  # exact unset: no refusal
+    with pytest.raises(InvalidRequestError, match="true, false or unset") as info:
+        EngineConfig("m", exact="yes")
+    assert info.value.field == "exact"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the default is the exact set on CUDA only")
+def test_a_cuda_engine_runs_the_exact_set_unless_told_not_to(dirs):
+    assert target_for(dirs[0], device="cuda", dtype="bfloat16", exact=None).runner.kernels.name == "exact"
+    assert target_for(dirs[0], device="cuda", dtype="bfloat16", exact=False).runner.kernels.name == "triton"
+    assert target_for(dirs[0], device="cuda", dtype="bfloat16", kernels="reference",
+                      exact=None).runner.kernels.name == "reference"
 
 
 @pytest.mark.gpu

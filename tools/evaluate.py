@@ -114,8 +114,8 @@ def summarize(name: str, outputs, secs, metrics, reference, ref_secs) -> dict:
 
 def evaluate(model_dir: str, head: str, prompt_files: list[str], configs: list[str], max_tokens: int = 256,
              batch: int = 1, limit: int | None = None, device: str = "auto", dtype: str = "auto",
-             temperature: float = 0.0, seed: int = 0, sampling_acceptance: str = "seeded", exact: bool = False,
-             report=print) -> dict:
+             temperature: float = 0.0, seed: int = 0, sampling_acceptance: str = "seeded",
+             exact: bool | None = None, report=print) -> dict:
     """Every configuration on every prompt file; ``report`` gets each row as it is measured.
 
     ``temperature`` > 0: every request sampled, request i with seed ``seed + i`` (target-only and
@@ -136,7 +136,7 @@ def evaluate(model_dir: str, head: str, prompt_files: list[str], configs: list[s
         if mask is not None:
             rows[0]["draft_vocab_coverage"] = vocab_coverage(reference, mask)
         report(Path(path).stem, rows[0])
-        engine_dtype = str(base.target.dtype)
+        engine_dtype, engine_exact = str(base.target.dtype), base.target.exact
         del base
         for text, spec in specs:
             engine = build_engine(cfg, spec)
@@ -149,7 +149,7 @@ def evaluate(model_dir: str, head: str, prompt_files: list[str], configs: list[s
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "model": model_dir, "head": head, "max_tokens": max_tokens, "batch": batch,
             "temperature": temperature, "seed": seed if temperature > 0 else None,
-            "sampling_acceptance": sampling_acceptance if temperature > 0 else None, "exact": exact,
+            "sampling_acceptance": sampling_acceptance if temperature > 0 else None, "exact": engine_exact,
             "dtype": engine_dtype, "results": sets}
 
 

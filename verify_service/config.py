@@ -43,7 +43,9 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs (they need CUDA and the Triton kernels)
     graphs_on_cpu: bool = False  # on a CPU, the graphs' paths with each replay run eagerly (runtime/graphs.py: tests)
     sampling_acceptance: str = "seeded"  # one of SAMPLING_ACCEPTANCE
-    exact: bool = False  # batch-invariant kernels (kernels.exact_set): bf16 speculative == target-only
+    # batch-invariant kernels (kernels.exact_set): bf16 speculative == target-only; None: the default,
+    # on CUDA with the Triton kernels (kernels.exact_by_default), False: the fastest kernels
+    exact: bool | None = None
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -51,6 +53,8 @@ class EngineConfig:
         check_device(self.device)
         if self.kernels not in KERNEL_CHOICES:
             raise InvalidRequestError("kernels", f"must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+        if self.exact not in (None, True, False):
+            raise InvalidRequestError("exact", f"must be true, false or unset, got {self.exact!r}")
         if self.exact:
             self._check_exact()
         if self.sampling_acceptance not in SAMPLING_ACCEPTANCE:

@@ -130,7 +130,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                              speculation_configured=lim is not None,
                              draft_connected=bool(self.remote and self.remote.connected), limits=limits,
                              max_tokens_default=self.max_tokens_default, version=VERSION,
-                             exact_numerics=eng.cfg.exact)
+                             exact_numerics=eng.exact)
 
     def GetMetrics(self, request, context):
         return api_convert.server_metrics(latest_stats(self.loop, self.remote))

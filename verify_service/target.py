@@ -11,7 +11,7 @@ from common.config import ModelConfig
 from common.errors import InvalidRequestError
 from hub.checkpoint import iter_tensors
 from hub.tokenizer import Tokenizer, validate_messages
-from kernels import select_kernels
+from kernels import exact_by_default, select_kernels
 from runtime.block_manager import BlockManager, blocks_for
 from runtime.kv_cache import PagedKVCache
 from runtime.memory import check_fits, rope_table_bytes
@@ -41,10 +41,12 @@ class Target:
         self.kv_cache = PagedKVCache.for_model(self.model_config, num_blocks, cfg.block_size, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         chunk = None
-        if cfg.exact:  # the attention's fold chunk: one for the model, for every step
+        exact = cfg.exact if cfg.exact is not None else exact_by_default(self.device.type, cfg.kernels)
+        if exact:  # the attention's fold chunk: one for the model, for every step
             from kernels.exact_set import fold_chunk
             chunk = fold_chunk(self.model_config.num_kv_heads, self.model_config.head_dim)
-        kernels = select_kernels(self.device, cfg.kernels, exact=cfg.exact, exact_chunk=chunk)
+        kernels = select_kernels(self.device, cfg.kernels, exact=exact, exact_chunk=chunk)
+        self.exact = kernels.name == "exact"  # batch-invariant numerics (ServerInfo.exact_numerics)
         if kernels.name == "exact" and self.device.type == "cuda":  # before any step and any graph's capture
             from kernels.attention_exact import WIDE_TILE, probe_wide_tile
             from kernels.exact_set import probe_layer

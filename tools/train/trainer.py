@@ -107,7 +107,8 @@ class Trainer:
             cfg.target_dir, device=str(device), dtype=cfg.dtype, kv_cache_gib=kv_gib,
             max_model_len=min(cfg.max_prompt_tokens + cfg.max_new_tokens + 1,
                               ModelConfig.from_dir(cfg.target_dir).max_position_embeddings),
-            max_num_seqs=max(cfg.batch, cfg.gen_batch), max_batch_tokens=max(2048, 2 * cfg.gen_batch)))
+            max_num_seqs=max(cfg.batch, cfg.gen_batch), max_batch_tokens=max(2048, 2 * cfg.gen_batch),
+            exact=False))  # the fastest kernels: the hidden states only teach the head
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True  # the head trains in float32 on tensor cores
         self.target_raw = read_config_json(cfg.target_dir, "model", UnsupportedModelError)
