@@ -114,7 +114,7 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant target numerics, so greedy output with a draft is token-for-token the "
                         "target-only output in bf16 too (default: on on CUDA, off with --kernels reference and on "
                         "a CPU, where float32 already gives it); --no-exact: the fastest kernels (the mode costs about "
-                        "9%% of speculative tok/s at batch 1: README, Exact mode)")
+                        "10%% of speculative tok/s at batch 1: README, Exact mode)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
