@@ -49,11 +49,36 @@ SWEEP = [AttentionConfig(m, n, w, s) for m in (16, 64, 128) for n in (32, 64) fo
     [AttentionConfig(m, n, 8, s) for m, n in ((128, 128), (256, 32), (256, 64)) for s in (2, 3)]
 
 
+def tree_of(tokens: int, depth: int | None, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The ancestor-or-self matrix [tokens, tokens] of a step's tree and each node's depth. ``depth``
+    None: a causal chain (node j below node j - 1, at depth j); else a tree of that depth shaped like
+    the EAGLE-2 trees the engine verifies: the root, then the other nodes spread over levels 1 to
+    ``depth`` (the first levels take the remainder), each level's nodes children of the level
+    before's first node."""
+    if depth is None or tokens <= 1:
+        return torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=device)), torch.arange(tokens)
+    if depth < 1:
+        raise ValueError(f"a tree's depth must be >= 1, got {depth}")
+    levels = min(depth, tokens - 1)
+    sizes = [(tokens - 1) // levels + (i < (tokens - 1) % levels) for i in range(levels)]
+    parents, depths, first = [-1], [0], 0  # ``first``: the previous level's first node
+    for d, size in enumerate(sizes, start=1):
+        start = len(parents)
+        parents += [first] * size
+        depths += [d] * size
+        first = start
+    table = torch.eye(tokens, dtype=torch.bool)
+    for j in range(1, tokens):
+        table[j] |= table[parents[j]]
+    return table.to(device), torch.tensor(depths)
+
+
 def setup(context: int, tokens: int, heads: int, kv_heads: int, head_dim: int, block: int = 16, batch: int = 1,
-          capacity: int | None = None):
-    """``batch`` sequences of ``context`` cached keys and ``tokens`` new ones each (a causal tree),
-    their blocks scattered over the cache; ``capacity``: ``max_seq_len`` as a graphed step has it
-    (default: the step's own, context + tokens)."""
+          capacity: int | None = None, tree_depth: int | None = None):
+    """``batch`` sequences of ``context`` cached keys and ``tokens`` new ones each (a causal chain, or
+    a tree of ``tree_depth``: ``tree_of``), their blocks scattered over the cache; ``capacity``:
+    ``max_seq_len`` as a graphed step has it (default: the step's own, context + tokens). Returns the
+    queries, the caches, the metadata and the tree's ancestor-or-self matrix."""
     dev = torch.device("cuda")
     total = context + tokens
     per_seq = -(-total // block)
@@ -61,16 +86,16 @@ def setup(context: int, tokens: int, heads: int, kv_heads: int, head_dim: int, b
     k_cache = torch.randn(nblocks, block, kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(batch * tokens, heads, head_dim, device=dev, dtype=torch.bfloat16)
-    tree = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=dev))
+    tree, depths = tree_of(tokens, tree_depth, dev)
     rows = torch.arange(batch * tokens, device=dev)
     meta = AttentionMetadata(
         query_start_loc=torch.arange(batch + 1, device=dev) * tokens, seq_lens=torch.full((batch,), total, device=dev),
         block_tables=torch.randperm(nblocks, device=dev).view(batch, per_seq), slot_mapping=rows,
-        positions=context + rows % tokens, token_seq=rows // tokens, token_q_idx=rows % tokens,
+        positions=context + depths.to(dev).repeat(batch), token_seq=rows // tokens, token_q_idx=rows % tokens,
         max_query_len=tokens, max_seq_len=max(total, capacity or 0),
         custom_mask=pack_mask(tree).repeat(batch, 1) if tokens > 1 else None,
         mask_start=torch.full((batch,), context, device=dev) if tokens > 1 else None)
-    return q, k_cache, v_cache, meta
+    return q, k_cache, v_cache, meta, tree
 
 
 def time_us(fn, reps: int = 20, calls: int = 10) -> float:
@@ -164,6 +189,9 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--tree-depth", type=int, default=None,
+                    help="the --tokens as a tree of this depth shaped like the engine's EAGLE-2 trees (levels "
+                         "fanning out below each level's first node) instead of a causal chain")
     ap.add_argument("--batch", type=int, default=1, help="sequences, each of --context keys and --tokens queries")
     ap.add_argument("--sweep", action="store_true", help="time every config of the sweep, not just the default")
     ap.add_argument("--splits", type=int, action="append", default=[],
@@ -194,11 +222,12 @@ def main() -> None:
     bw = copy_bandwidth_gbs(torch.device("cuda"))
     g = args.heads // args.kv_heads
     results = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": round(bw, 1), "batch": args.batch,
+               "tree_depth": args.tree_depth,
                "cases": []}
     for context in args.context:
         for tokens in args.tokens:
-            q, k, v, meta = setup(context, tokens, args.heads, args.kv_heads, args.head_dim, batch=args.batch,
-                                  capacity=args.capacity)
+            q, k, v, meta, tree = setup(context, tokens, args.heads, args.kv_heads, args.head_dim, batch=args.batch,
+                                        capacity=args.capacity, tree_depth=args.tree_depth)
             read_us = 2 * k[:, :, :, :].numel() * k.element_size() / (bw * 1e9) * 1e6
             default = attention_config(tokens, g, args.head_dim, tree=tokens > 1)
             auto = splits_of(default, meta, g, args.kv_heads)
@@ -229,7 +258,6 @@ def main() -> None:
                 print(f"ctx {context:>6} tokens {tokens:>3} default: this {times['this']} us, "
                       f"baseline {times['baseline']} us", flush=True)
             if args.exact:
-                tree = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=q.device))
                 exact_meta = dataclasses.replace(
                     meta, custom_mask=ancestor_table(tree).repeat(args.batch, 1) if tokens > 1 else None)
                 def exact(mode="auto"):

@@ -132,6 +132,28 @@ def test_exact_attention_tile_argument():
             attention_tile(bad)
 
 
+def test_attention_benchmark_trees():
+    """``attention_kernel.py --tree-depth``: a tree of that depth whose rows are each node's
+    ancestors and itself (the root's, then the parent's, plus its own), depths from the root; without
+    it, a causal chain."""
+    import torch
+
+    from benchmarks.attention_kernel import tree_of
+
+    table, depths = tree_of(60, 7)
+    assert depths.max() == 7 and (depths == 1).sum() == 9 and (depths == 7).sum() == 8
+    assert torch.equal(table.sum(1), depths + 1)
+    for j in range(1, 60):
+        parent = max(i for i in range(j) if table[j, i] and depths[i] == depths[j] - 1)
+        assert torch.equal(table[j] & ~torch.nn.functional.one_hot(torch.tensor(j), 60).bool(), table[parent])
+    chain, chain_depths = tree_of(5, None)
+    assert torch.equal(chain, torch.tril(torch.ones(5, 5, dtype=torch.bool)))
+    assert chain_depths.tolist() == [0, 1, 2, 3, 4]
+    assert torch.equal(tree_of(3, 7)[0], chain[:3, :3])  # fewer nodes than levels: a chain
+    with pytest.raises(ValueError, match="depth"):
+        tree_of(8, 0)
+
+
 @pytest.mark.parametrize("mode", ["ab", "plain"])
 def test_profile_spec_step_decodes_plainly_with_the_draft_attached(tmp_path, mode):
     """``profile_spec_step.py --mode ab|plain``: its always-plain policy is one the engine accepts
