@@ -44,7 +44,8 @@ from kernels.metadata import AttentionMetadata  # noqa: E402
 
 # The batch-invariant kernel's tiles and launch (every launch of it must take the same: a choice of
 # the mode, not of the step): keys per tile, warps, stages. Its rows stay 64.
-EXACT_SWEEP = [(m, n, w, s) for m in (16, 64) for n in (32, 64) for w in (4, 8) for s in (2, 3)]
+EXACT_SWEEP = [(m, n, w, s) for m in (16, 64) for n in (32, 64) for w in (4, 8) for s in (2, 3)] + \
+    [(16, 128, w, s) for w in (4, 8) for s in (2, 3)]  # one tile a 128-key chunk (SmolLM2's)
 SWEEP = [AttentionConfig(m, n, w, s) for m in (16, 64, 128) for n in (32, 64) for w in (4, 8) for s in (2, 3)] + \
     [AttentionConfig(m, n, 8, s) for m, n in ((128, 128), (256, 32), (256, 64)) for s in (2, 3)]
 
@@ -286,8 +287,9 @@ def main() -> None:
                                              "us": round(us, 1), "kv_read_us": round(read_us, 1)})
                     print(f"ctx {context:>6} tokens {tokens:>3} {config}: {us:8.1f} us", flush=True)
                 if args.exact_sweep:
+                    chunk = args.exact_chunk or attention_exact.CHUNK
                     for m, n, w, st in EXACT_SWEEP:
-                        if m < g:
+                        if m < g or chunk % n:  # (a chunk is whole tiles)
                             continue
                         with exact_launch(m, n, w, st):
                             us = time_us(exact)
