@@ -120,18 +120,26 @@ def test_tree_scores_equal_sequential_draft_runs(dirs, tree):
         assert abs(total - float(cand.log_probs[i])) < 1e-4, (i, path, total, float(cand.log_probs[i]))
 
 
+TRITON_PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 9, 4)]
+
+
+@pytest.fixture(scope="module")
+def triton_only(dirs):
+    """Target-only tokens on the Triton kernels, checked once against the references'."""
+    pytest.importorskip("triton")
+    prompts = PROMPTS[:3]
+    tokens = target_only(dirs[0], prompts, TRITON_PARAMS, kernels="triton", device=TRITON_DEVICE)
+    assert tokens == target_only(dirs[0], prompts, TRITON_PARAMS, kernels="reference", device=TRITON_DEVICE)
+    return tokens
+
+
 @pytest.mark.parametrize("tree", ["chain", "dynamic"])
-def test_triton_kernels_give_the_reference_tokens(dirs, tree):
+def test_triton_kernels_give_the_reference_tokens(dirs, tree, triton_only):
     """The whole engine on the Triton kernels (Triton's interpreter without a GPU): target-only
     output equals the references', and speculation on them equals target-only on them."""
-    pytest.importorskip("triton")
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 9, 4)]
-    prompts = PROMPTS[:3]
-    triton_only = target_only(dirs[0], prompts, params, kernels="triton", device=TRITON_DEVICE)
-    assert triton_only == target_only(dirs[0], prompts, params, kernels="reference", device=TRITON_DEVICE)
     engine = eagle_engine(dirs, tree, kernels="triton", device=TRITON_DEVICE)
     assert engine.target.runner.kernels.name == engine.drafter.kernels.name == "triton"
-    results = engine.generate(prompts, params)
+    results = engine.generate(PROMPTS[:3], TRITON_PARAMS)
     assert [r.token_ids for r in results] == triton_only
     assert sum(r.speculation.steps for r in results) > 0
 

@@ -190,18 +190,22 @@ def check_tree_rows(prefix, kvh, g, d, dtype):
     assert torch.equal(chunk, got_tree["fold"][PATH])
 
 
-def test_prefill_rows_do_not_depend_on_chunking():
-    """A 600-token prompt prefilled whole, in uneven chunks, or token by token: the same bits."""
+def test_prefill_rows_do_not_depend_on_chunking(monkeypatch):
+    """A 160-token prompt prefilled whole, in uneven chunks, or token by token: the same bits
+    (128-key chunks, so the prompt crosses one: 512 on the GPU)."""
+    from kernels import attention_exact
+
+    monkeypatch.setattr(attention_exact, "CHUNK", 128)
     kvh, g, d = 2, 3, 64
     gen = torch.Generator().manual_seed(5)
-    kv = torch.randn(2, 600, kvh, d, generator=gen).to(torch.bfloat16)
-    q = torch.randn(600, kvh * g, d, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(2, 160, kvh, d, generator=gen).to(torch.bfloat16)
+    q = torch.randn(160, kvh * g, d, generator=gen).to(torch.bfloat16)
     cache = Cache([kv], seed=3)
-    whole = attend(cache, [SeqChunk(list(range(600)), 0, cache.tables[0])], q)
-    for lo, hi in [(0, 130), (130, 517), (517, 600)]:
+    whole = attend(cache, [SeqChunk(list(range(160)), 0, cache.tables[0])], q)
+    for lo, hi in [(0, 35), (35, 133), (133, 160)]:
         part = attend(cache, [SeqChunk(list(range(hi - lo)), lo, cache.tables[0])], q[lo:hi])
         assert torch.equal(part, whole[lo:hi]), (lo, hi)
-    for pos in (0, 63, 64, 511, 512, 599):
+    for pos in (0, 63, 64, 127, 128, 159):
         one = attend(cache, [SeqChunk([0], pos, cache.tables[0])], q[pos:pos + 1], "split")
         assert torch.equal(one[0], whole[pos]), pos
 
@@ -356,18 +360,22 @@ def test_kernel_set():
     assert EXACT.name == "exact" and EXACT.linear is linear_exact and EXACT.paged_attention is paged_attention_exact
 
 
-def test_a_long_prefill_chunk_beside_a_tree():
-    """A masked step (a tree beside a 600-token prefill chunk, whose rows get causal mask rows) is
+def test_a_long_prefill_chunk_beside_a_tree(monkeypatch):
+    """A masked step (a tree beside a 150-token prefill chunk, whose rows get causal mask rows) is
     right and gives the prefill rows the bits of the same chunk without a tree; the split launch,
-    whose gathered tiles span at most two chunks, refuses masked chunks longer than one chunk."""
+    whose gathered tiles span at most two chunks, refuses masked chunks longer than one chunk
+    (128-key chunks here: 512 on the GPU)."""
+    from kernels import attention_exact
+
+    monkeypatch.setattr(attention_exact, "CHUNK", 128)
     kvh, g, d = 1, 4, 32
     kv, q, _, other = scenario(40, kvh, g, d, torch.bfloat16, seed=6)
-    q_long = torch.randn(600, kvh * g, d, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
-    long_kv = torch.randn(2, 600, kvh, d, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    q_long = torch.randn(150, kvh * g, d, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    long_kv = torch.randn(2, 150, kvh, d, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     cache = Cache([kv, long_kv], seed=4)
     tree = SeqChunk(list(range(8)), 40, cache.tables[0], positions=[40 + x for x in [0, 1, 1, 2, 2, 2, 3, 3]],
                     custom_mask=tree_mask(TREE), mask_start=40)
-    prefill = SeqChunk(list(range(600)), 0, cache.tables[1])
+    prefill = SeqChunk(list(range(150)), 0, cache.tables[1])
     mixed = attend(cache, [tree, prefill], torch.cat([q, q_long]))
     alone = attend(cache, [prefill], q_long)
     assert torch.equal(mixed[8:], alone)

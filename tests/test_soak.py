@@ -14,15 +14,15 @@ def test_short_soak_with_faults(tmp_path):
     model = make_model_dir(tmp_path / "target", "llama3", seed=5, std=0.3)
     draft = make_eagle_dir(tmp_path / "draft", tiny_config("llama3"), draft_vocab=64, seed=1)
     r = soak.main(["--model", str(model), "--draft", str(draft), "--device", "cpu", "--dtype", "float32",
-                   "--clients", "4", "--seconds", "30", "--kill-every-s", "6", "--max-tokens", "16",
+                   "--clients", "4", "--seconds", "20", "--kill-every-s", "4", "--max-tokens", "16",
                    "--sample-every-s", "1", "--max-num-seqs", "8", "--verify-arg=--tree-nodes=12",
-                   "--verify-arg=--tree-depth=4", "--verify-arg=--tree-top-k=3", "--trace-heap", "--heap-every-s", "3"])
+                   "--verify-arg=--tree-depth=4", "--verify-arg=--tree-top-k=3", "--trace-heap", "--heap-every-s", "2"])
     assert r["mismatched"] == 0 and r["wrong_length"] == 0 and r["errors"] == 0, r["error_samples"]
     assert r["greedy_completed"] > 10 and r["sampled_completed"] > 0
     assert r["draft_kills"] >= 1 and r["verify_restarts"] == 1
     assert r["kv_blocks_used_idle"] == 0
     heap = r["heap"]  # the first verify service's Python heap, traced until its restart
-    assert heap["snapshots"] >= 2 and heap["first_mb"] > 1 and heap["last_mb"] > 1
+    assert heap["snapshots"] >= 2 and heap["first_mb"] > 0.2 and heap["last_mb"] > 0.2  # (imports untraced)
     assert all(g["kb"] > 0 and ":" in g["line"] for g in heap["top_growth"])
 
 
