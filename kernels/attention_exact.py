@@ -410,6 +410,52 @@ def _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, hi, b, t0, m_start, tail_sta
 
 
 @triton.jit
+def _walk_chunks(q, pos, row_ok, first, stop, step, end, b, t, head, k_cache_ptr, v_cache_ptr, tables_ptr,
+                 part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2, stride_bt, stride_kb, stride_ks, stride_kh,
+                 stride_mc, stride_mt, stride_ac, stride_at, stride_ah, kvh, d, d_ok, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """A step without a tree: chunks first, first + step, ... before ``stop`` (each cut at ``end``) as
+    one loop over their key tiles, so that the next tile's copies stay in flight across a chunk's
+    end (a loop a chunk, ``_chunk``'s, drains the pipeline at each). A chunk's state starts afresh
+    and at its last tile goes to the partials (``SPLIT``) or into the running state by ``_fold``:
+    the very steps of ``_chunk`` then ``_fold`` or ``_store_partials``, the same bits. Returns the
+    running state (``SPLIT``: untouched)."""
+    TILES: tl.constexpr = CHUNK // BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_c, l_c, acc_c = m_i, l_i, acc
+    mine = tl.cdiv(stop - first, step)  # chunks this program walks; only its last can be cut short
+    last_lo = (first + (mine - 1) * step) * CHUNK
+    total = ((mine - 1) * TILES + tl.cdiv(tl.minimum(last_lo + CHUNK, end) - last_lo, BLOCK_N)).to(tl.int32)
+    ahead = (first * CHUNK + tl.arange(0, BLOCK_N)).to(tl.int32)  # block ids an iteration ahead, as in ``_chunk``
+    ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
+    for i in range(0, total):
+        start = (first + (i // TILES) * step) * CHUNK + (i % TILES) * BLOCK_N
+        keys = start + tl.arange(0, BLOCK_N)
+        block = ids
+        nxt = i + 1
+        ahead = ((first + (nxt // TILES) * step) * CHUNK + (nxt % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int32)
+        ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
+        k, v = _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, keys, keys < end, kvh, d, d_ok, stride_kb, stride_ks,
+                             stride_kh, BLOCK_SIZE)
+        visible = (keys[None, :] <= pos[:, None]) & row_ok[:, None]
+        acc_c, m_c, l_c = _tile(acc_c, m_c, l_c, q, k, v, visible, row_ok & (pos >= start), scale_log2,
+                                BLOCK_N, PRECISION, DOT_DTYPE)
+        if ((i % TILES) == TILES - 1) | (nxt == total):  # the chunk's last tile
+            if SPLIT:
+                _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, start // CHUNK, t, head, row_ok, d, d_ok, m_c,
+                                l_c, acc_c, stride_mc, stride_mt, stride_ac, stride_at, stride_ah)
+            else:
+                m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c)
+            m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_c = tl.zeros([BLOCK_M], tl.float32)
+            acc_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t, head, row_ok, d, d_ok, m_c, l_c, acc_c, stride_mc,
                     stride_mt, stride_ac, stride_at, stride_ah):
     """One chunk's (m, l, acc) of a tile's rows into the split launch's partials [chunks, T, H(, D)]."""
@@ -532,6 +578,13 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
         stop = tl.cdiv(end, CHUNK)  # (a chunk from the end on holds no key any row sees)
         if HAS_MASK:  # the programs of whole chunks stop before the first chunk holding tree tiles
             stop = tl.where(whole, tl.minimum(stop, tail_start // CHUNK), stop)
+        if not HAS_MASK:
+            if first < stop:
+                _walk_chunks(q, pos, row_ok, first, stop, walkers, end, b, t, head, k_cache_ptr, v_cache_ptr,
+                             tables_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2, stride_bt, stride_kb,
+                             stride_ks, stride_kh, stride_mc, stride_mt, stride_ac, stride_at, stride_ah, kvh, d, d_ok,
+                             BLOCK_M, BLOCK_N, BLOCK_D, CHUNK, BLOCK_SIZE, True, PRECISION, DOT_DTYPE)
+            return
         for c in range(first, stop, tl.where(per_token, 1, walkers)):
             lo = c * CHUNK
             m_c, l_c, acc_c = _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, tl.minimum(lo + CHUNK, end), b, t0,
@@ -544,12 +597,20 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for lo in range(0, end, CHUNK):
-            m_c, l_c, acc_c = _chunk(q, pos, row_ok, row_tok, 0, n_tok, lo, tl.minimum(lo + CHUNK, end), b, t0,
-                                     m_start, tail_start, k_cache_ptr, v_cache_ptr, tables_ptr, table_ptr, scale_log2,
-                                     stride_bt, stride_kb, stride_ks, stride_kh, stride_tab, tab_cols, kvh, d, d_ok,
-                                     BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, HAS_MASK, PRECISION, DOT_DTYPE)
-            m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c)
+        if HAS_MASK:
+            for lo in range(0, end, CHUNK):
+                m_c, l_c, acc_c = _chunk(q, pos, row_ok, row_tok, 0, n_tok, lo, tl.minimum(lo + CHUNK, end), b, t0,
+                                         m_start, tail_start, k_cache_ptr, v_cache_ptr, tables_ptr, table_ptr,
+                                         scale_log2, stride_bt, stride_kb, stride_ks, stride_kh, stride_tab, tab_cols,
+                                         kvh, d, d_ok, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, HAS_MASK,
+                                         PRECISION, DOT_DTYPE)
+                m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c)
+        elif end > 0:
+            m_i, l_i, acc = _walk_chunks(q, pos, row_ok, 0, tl.cdiv(end, CHUNK), 1, end, b, t, head, k_cache_ptr,
+                                         v_cache_ptr, tables_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2,
+                                         stride_bt, stride_kb, stride_ks, stride_kh, stride_mc, stride_mt, stride_ac,
+                                         stride_at, stride_ah, kvh, d, d_ok, BLOCK_M, BLOCK_N, BLOCK_D, CHUNK,
+                                         BLOCK_SIZE, False, PRECISION, DOT_DTYPE)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
