@@ -188,6 +188,11 @@ assert TREE_SPLIT_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_TREE_SPLIT_PROGRAMS: progr
 # 4 tiles (tried) spilled registers and lost everywhere (40.2 and 81.6 us).
 TREE_TILES = int(os.environ.get("EAGLE3_EXACT_TREE_TILES", "2"))
 assert TREE_TILES in (1, 2), "EAGLE3_EXACT_TREE_TILES: 1 or 2"
+# A step without a tree walks a program's key tiles in one loop across its chunks (``_walk_chunks``)
+# where a chunk holds at least this many tiles, else a loop a chunk (the same bits either way). On an
+# H200 the one loop took 8B decode attention at batch 64 and 4K from 279.0 to 252.7 us (512-key
+# chunks) but SmolLM2's at batch 64 and 512 from 18.6 to 19.0 us (128-key chunks: two tiles).
+FLAT_TILES = 4
 
 
 def _sms(device: torch.device) -> int:
@@ -298,6 +303,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32), USE_GDC=pdl,
         RAGGED=meta.ragged, BLOCK_B=triton.next_power_of_2(meta.num_seqs) if meta.ragged else 1,
+        FLAT=not has_mask and chunk >= FLAT_TILES * BLOCK_N,
         num_warps=warps, num_stages=stages, **launch_options(pdl))
     if split:
         _fold_chunks_kernel[(T, H)](part_m, part_l, part_acc, out, meta.positions,
@@ -485,29 +491,42 @@ def _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part
     p0 = tl.load(pos_ptr + t0, mask=ok0, other=-1)
     p1 = tl.load(pos_ptr + t1, mask=ok1, other=-1)
     stop = tail_start // CHUNK  # (each row's position is past the tree's first tile)
-    for c in range(first, stop, walkers):
-        lo = c * CHUNK
-        m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l0 = tl.zeros([BLOCK_M], tl.float32)
-        a0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        m1, l1, a1 = m0, l0, a0
-        ahead = lo + tl.arange(0, BLOCK_N)  # block ids an iteration ahead, as in ``_chunk``
-        ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE)
-        for start in range(lo, lo + CHUNK, BLOCK_N):
-            keys = start + tl.arange(0, BLOCK_N)
-            block = ids
-            ahead = keys + BLOCK_N
-            ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < lo + CHUNK, other=0)
-            k, v = _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, keys, keys < lo + CHUNK, kvh, d, d_ok, stride_kb,
-                                 stride_ks, stride_kh, BLOCK_SIZE)
-            a0, m0, l0 = _tile(a0, m0, l0, q0, k, v, (keys[None, :] <= p0[:, None]) & ok0[:, None], ok0 & (p0 >= start),
-                               scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
-            a1, m1, l1 = _tile(a1, m1, l1, q1, k, v, (keys[None, :] <= p1[:, None]) & ok1[:, None], ok1 & (p1 >= start),
-                               scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
-        _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t0, h0, ok0, d, d_ok, m0, l0, a0, stride_mc, stride_mt,
-                        stride_ac, stride_at, stride_ah)
-        _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t1, h1, ok1, d, d_ok, m1, l1, a1, stride_mc, stride_mt,
-                        stride_ac, stride_at, stride_ah)
+    if first >= stop:
+        return
+    # One loop over the key tiles of all its chunks, as ``_walk_chunks`` (every chunk here whole)
+    TILES: tl.constexpr = CHUNK // BLOCK_N
+    m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l0 = tl.zeros([BLOCK_M], tl.float32)
+    a0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m1, l1, a1 = m0, l0, a0
+    total = (tl.cdiv(stop - first, walkers) * TILES).to(tl.int32)
+    limit = stop * CHUNK
+    ahead = (first * CHUNK + tl.arange(0, BLOCK_N)).to(tl.int32)  # block ids an iteration ahead, as in ``_chunk``
+    ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE)
+    for i in range(0, total):
+        start = (first + (i // TILES) * walkers) * CHUNK + (i % TILES) * BLOCK_N
+        keys = start + tl.arange(0, BLOCK_N)
+        block = ids
+        nxt = i + 1
+        ahead = (first + (nxt // TILES) * walkers) * CHUNK + (nxt % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ahead = ahead.to(tl.int32)
+        ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < limit, other=0)
+        k, v = _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, keys, keys < limit, kvh, d, d_ok, stride_kb,
+                             stride_ks, stride_kh, BLOCK_SIZE)
+        a0, m0, l0 = _tile(a0, m0, l0, q0, k, v, (keys[None, :] <= p0[:, None]) & ok0[:, None], ok0 & (p0 >= start),
+                           scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+        a1, m1, l1 = _tile(a1, m1, l1, q1, k, v, (keys[None, :] <= p1[:, None]) & ok1[:, None], ok1 & (p1 >= start),
+                           scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+        if (i % TILES) == TILES - 1:  # the chunk's last tile
+            c = start // CHUNK
+            _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t0, h0, ok0, d, d_ok, m0, l0, a0, stride_mc,
+                            stride_mt, stride_ac, stride_at, stride_ah)
+            _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t1, h1, ok1, d, d_ok, m1, l1, a1, stride_mc,
+                            stride_mt, stride_ac, stride_at, stride_ah)
+            m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l0 = tl.zeros([BLOCK_M], tl.float32)
+            a0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            m1, l1, a1 = m0, l0, a0
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_tab", "tab_cols", "stride_mc", "stride_mt", "stride_ac",
@@ -520,7 +539,8 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
                             CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, SUB: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                            USE_GDC: tl.constexpr, RAGGED: tl.constexpr, BLOCK_B: tl.constexpr):
+                            USE_GDC: tl.constexpr, RAGGED: tl.constexpr, BLOCK_B: tl.constexpr,
+                            FLAT: tl.constexpr):
     if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load and any early return
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -578,7 +598,7 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
         stop = tl.cdiv(end, CHUNK)  # (a chunk from the end on holds no key any row sees)
         if HAS_MASK:  # the programs of whole chunks stop before the first chunk holding tree tiles
             stop = tl.where(whole, tl.minimum(stop, tail_start // CHUNK), stop)
-        if not HAS_MASK:
+        if FLAT:
             if first < stop:
                 _walk_chunks(q, pos, row_ok, first, stop, walkers, end, b, t, head, k_cache_ptr, v_cache_ptr,
                              tables_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2, stride_bt, stride_kb,
@@ -597,7 +617,7 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        if HAS_MASK:
+        if not FLAT:
             for lo in range(0, end, CHUNK):
                 m_c, l_c, acc_c = _chunk(q, pos, row_ok, row_tok, 0, n_tok, lo, tl.minimum(lo + CHUNK, end), b, t0,
                                          m_start, tail_start, k_cache_ptr, v_cache_ptr, tables_ptr, table_ptr,

@@ -190,6 +190,32 @@ def check_tree_rows(prefix, kvh, g, d, dtype):
     assert torch.equal(chunk, got_tree["fold"][PATH])
 
 
+@pytest.mark.parametrize("mode", ["fold", "split"])
+def test_one_loop_over_the_chunks_gives_a_loop_a_chunks_bits(monkeypatch, mode):
+    """A step without a tree (decodes ending mid-chunk, on a chunk's end, and a prefill chunk across
+    one) walks a program's key tiles in one loop where chunks hold ``FLAT_TILES`` tiles or more:
+    the bits of a loop a chunk (128-key chunks of two tiles here)."""
+    from kernels import attention_exact
+
+    monkeypatch.setattr(attention_exact, "CHUNK", 128)
+    monkeypatch.setattr(attention_exact, "SPLIT_PROGRAMS_PER_SM", 1)  # (split: some programs walk 2 chunks)
+    kvh, g, d = 2, 3, 64
+    gen = torch.Generator().manual_seed(9)
+    lengths = [300, 256, 37, 170]
+    cache = Cache([torch.randn(2, n, kvh, d, generator=gen).to(torch.bfloat16) for n in lengths], seed=2)
+    step = [SeqChunk([0], n - 1, table) for n, table in zip(lengths[:3], cache.tables)]
+    step.append(SeqChunk(list(range(60)), 110, cache.tables[3]))
+    q = torch.randn(63, kvh * g, d, generator=gen).to(torch.bfloat16)
+    got = {}
+    for flat_tiles in (2, 1000):
+        monkeypatch.setattr(attention_exact, "FLAT_TILES", flat_tiles)
+        got[flat_tiles] = attend(cache, step, q, mode)
+    assert torch.equal(got[2], got[1000])
+    meta = layout_step(step, BLOCK, torch.device(DEVICE), REFERENCE).meta
+    want = paged_attention_ref(q.to(DEVICE), cache.k.nan_to_num(0.0), cache.v.nan_to_num(0.0), meta, d ** -0.5)
+    torch.testing.assert_close(got[2].float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_prefill_rows_do_not_depend_on_chunking(monkeypatch):
     """A 160-token prompt prefilled whole, in uneven chunks, or token by token: the same bits
     (128-key chunks, so the prompt crosses one: 512 on the GPU)."""
