@@ -368,6 +368,19 @@ def _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, kv_idx, ok, kvh, d, d_ok, str
 
 
 @triton.jit
+def _causal_tile(acc, m_i, l_i, q, pos, row_ok, block, start, limit, k_cache_ptr, v_cache_ptr, kvh, d, d_ok,
+                 stride_kb, stride_ks, stride_kh, scale_log2, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """``_tile`` over the keys at positions [start, start + BLOCK_N) below ``limit``, each at its own
+    position (``block``: their cache blocks), each row seeing those at or before its position."""
+    keys = start + tl.arange(0, BLOCK_N)
+    k, v = _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, keys, keys < limit, kvh, d, d_ok, stride_kb, stride_ks,
+                         stride_kh, BLOCK_SIZE)
+    visible = (keys[None, :] <= pos[:, None]) & row_ok[:, None]
+    return _tile(acc, m_i, l_i, q, k, v, visible, row_ok & (pos >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+
+
+@triton.jit
 def _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, hi, b, t0, m_start, tail_start, k_cache_ptr, v_cache_ptr, tables_ptr,
            table_ptr, scale_log2, stride_bt, stride_kb, stride_ks, stride_kh, stride_tab, tab_cols, kvh, d, d_ok,
            BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -384,15 +397,12 @@ def _chunk(q, pos, row_ok, row_tok, j_lo, j_hi, lo, hi, b, t0, m_start, tail_sta
     ahead = lo + tl.arange(0, BLOCK_N)
     ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < hi, other=0)
     for start in range(lo, shared_end, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
         block = ids
-        ahead = keys + BLOCK_N
+        ahead = start + tl.arange(0, BLOCK_N) + BLOCK_N
         ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < hi, other=0)
-        k, v = _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, keys, keys < hi, kvh, d, d_ok, stride_kb, stride_ks,
-                             stride_kh, BLOCK_SIZE)
-        visible = (keys[None, :] <= pos[:, None]) & row_ok[:, None]
-        acc, m_i, l_i = _tile(acc, m_i, l_i, q, k, v, visible, row_ok & (pos >= start), scale_log2,
-                              BLOCK_N, PRECISION, DOT_DTYPE)
+        acc, m_i, l_i = _causal_tile(acc, m_i, l_i, q, pos, row_ok, block, start, hi, k_cache_ptr, v_cache_ptr, kvh, d,
+                                     d_ok, stride_kb, stride_ks, stride_kh, scale_log2, BLOCK_N, BLOCK_SIZE, PRECISION,
+                                     DOT_DTYPE)
     if HAS_MASK:
         # Tiles holding tree positions: one gather per token, each column the key at that position
         # on the token's own path (a prefix key, or its ancestor at depth position - m_start).
@@ -439,16 +449,13 @@ def _walk_chunks(q, pos, row_ok, first, stop, step, end, b, t, head, k_cache_ptr
     ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
     for i in range(0, total):
         start = (first + (i // TILES) * step) * CHUNK + (i % TILES) * BLOCK_N
-        keys = start + tl.arange(0, BLOCK_N)
         block = ids
         nxt = i + 1
         ahead = ((first + (nxt // TILES) * step) * CHUNK + (nxt % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int32)
         ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < end, other=0)
-        k, v = _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, keys, keys < end, kvh, d, d_ok, stride_kb, stride_ks,
-                             stride_kh, BLOCK_SIZE)
-        visible = (keys[None, :] <= pos[:, None]) & row_ok[:, None]
-        acc_c, m_c, l_c = _tile(acc_c, m_c, l_c, q, k, v, visible, row_ok & (pos >= start), scale_log2,
-                                BLOCK_N, PRECISION, DOT_DTYPE)
+        acc_c, m_c, l_c = _causal_tile(acc_c, m_c, l_c, q, pos, row_ok, block, start, end, k_cache_ptr, v_cache_ptr,
+                                       kvh, d, d_ok, stride_kb, stride_ks, stride_kh, scale_log2, BLOCK_N, BLOCK_SIZE,
+                                       PRECISION, DOT_DTYPE)
         if ((i % TILES) == TILES - 1) | (nxt == total):  # the chunk's last tile
             if SPLIT:
                 _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, start // CHUNK, t, head, row_ok, d, d_ok, m_c,
