@@ -2,14 +2,11 @@
 killed and restarted and the verify service restarts once; outputs stay exact and whole, and
 the system ends idle with every KV block free."""
 
-import pytest
-
 from benchmarks import soak
 from tiny_eagle import make_eagle_dir
 from tiny_models import make_model_dir, tiny_config
 
 
-@pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else (lambda f: f)
 def test_short_soak_with_faults(tmp_path):
     model = make_model_dir(tmp_path / "target", "llama3", seed=5, std=0.3)
     draft = make_eagle_dir(tmp_path / "draft", tiny_config("llama3"), draft_vocab=64, seed=1)
