@@ -55,7 +55,7 @@ def compile_config(block_m: int, block_n: int, warps: int, stages: int, group: i
                  DOT_DTYPE=tl.bfloat16)
     const.update(CHUNK=attention_exact.CHUNK, USE_GDC=False, RAGGED=False, BLOCK_B=1,
                  SUB=attention_exact.TREE_TILES if masked and split else 1,
-                 FLAT=not masked and attention_exact.CHUNK >= attention_exact.FLAT_TILES * block_n) if exact else const.update(
+                 FLAT=attention_exact.walks_flat(masked, attention_exact.CHUNK)) if exact else const.update(
         EVEN_D=True, RAGGED=False, BLOCK_B=1, USE_GDC=False, PREFETCH_TILES=prefetch,
         ROW_LINES=max(1, head_dim * 2 // 128), LINE=64)
     out_type = "*bf16" if exact else "*fp32"  # (the exact kernel writes bf16 outputs, its partials float32)

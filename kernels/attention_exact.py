@@ -195,6 +195,11 @@ assert TREE_TILES in (1, 2), "EAGLE3_EXACT_TREE_TILES: 1 or 2"
 FLAT_TILES = 4
 
 
+def walks_flat(has_mask: bool, chunk: int) -> bool:
+    """Whether a launch's programs walk their chunks' key tiles in one loop (``FLAT_TILES``)."""
+    return not has_mask and chunk >= FLAT_TILES * BLOCK_N
+
+
 def _sms(device: torch.device) -> int:
     """The device's SMs; 8 off the GPU (Triton's interpreter: a launch shape, not bits)."""
     return _sm_count(device) if device.type == "cuda" else 8
@@ -303,7 +308,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32), USE_GDC=pdl,
         RAGGED=meta.ragged, BLOCK_B=triton.next_power_of_2(meta.num_seqs) if meta.ragged else 1,
-        FLAT=not has_mask and chunk >= FLAT_TILES * BLOCK_N,
+        FLAT=walks_flat(has_mask, chunk),
         num_warps=warps, num_stages=stages, **launch_options(pdl))
     if split:
         _fold_chunks_kernel[(T, H)](part_m, part_l, part_acc, out, meta.positions,
