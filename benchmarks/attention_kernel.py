@@ -99,18 +99,18 @@ def setup(context: int, tokens: int, heads: int, kv_heads: int, head_dim: int, b
     return q, k_cache, v_cache, meta, tree
 
 
-def time_us(fn, reps: int = 20, calls: int = 10) -> float:
-    """Device time of one call: ``calls`` calls captured in a CUDA graph (no host launch cost
-    between them), the replay timed with CUDA events, median over ``reps``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compiles
-    torch.cuda.current_stream().wait_stream(side)
+# Bytes read before each timed call (``--l2-flush``), so its keys, values and partials come from HBM
+# as in a model's step, where a layer's weights pass through the L2 between its attention calls (a
+# read, not a write: written lines would be written back while the call runs, costing it bandwidth).
+L2_FLUSH: torch.Tensor | None = None
+
+
+def _graph_us(body, reps: int, calls: int) -> list[float]:
+    """Each replay's time over ``calls``: ``body`` captured ``calls`` times in one CUDA graph."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            fn()
+            body()
     graph.replay()
     times = []
     for _ in range(reps):
@@ -120,7 +120,28 @@ def time_us(fn, reps: int = 20, calls: int = 10) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+    return times
+
+
+def time_us(fn, reps: int = 20, calls: int = 10) -> float:
+    """Device time of one call: ``calls`` calls captured in a CUDA graph (no host launch cost
+    between them), the replay timed with CUDA events, median over ``reps``. With ``L2_FLUSH`` each
+    call follows a read of that buffer, and the reads' own time (timed alone) is taken off."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles
+    torch.cuda.current_stream().wait_stream(side)
+    if L2_FLUSH is None:
+        return statistics.median(_graph_us(fn, reps, calls))
+    flush = L2_FLUSH
+
+    def flushed():
+        flush.amax()
+        fn()
+
+    return statistics.median(_graph_us(flushed, reps, calls)) - \
+        statistics.median(_graph_us(flush.amax, reps, calls))
 
 
 def splits_of(cfg: AttentionConfig, meta: AttentionMetadata, group: int, kv_heads: int) -> int:
@@ -216,14 +237,20 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="an earlier kernels/attention_triton.py, timed beside this one")
     ap.add_argument("--exact-baseline", default=None,
                     help="with --exact: an earlier kernels/attention_exact.py, timed beside this one")
+    ap.add_argument("--l2-flush", type=int, default=0, metavar="MB",
+                    help="read this many MB before each timed call (its time taken off), so the call reads "
+                         "its keys from HBM as inside a model's step (0: off; 200 covers an H200's L2)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    global L2_FLUSH
+    if args.l2_flush:
+        L2_FLUSH = torch.empty(args.l2_flush << 20, dtype=torch.uint8, device="cuda")
     baseline = load_file(args.baseline, "attention_baseline") if args.baseline else None
     exact_baseline = load_file(args.exact_baseline, "attention_exact_baseline") if args.exact_baseline else None
     bw = copy_bandwidth_gbs(torch.device("cuda"))
     g = args.heads // args.kv_heads
     results = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": round(bw, 1), "batch": args.batch,
-               "tree_depth": args.tree_depth,
+               "tree_depth": args.tree_depth, "l2_flush_mb": args.l2_flush,
                "cases": []}
     for context in args.context:
         for tokens in args.tokens:

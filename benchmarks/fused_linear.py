@@ -39,8 +39,8 @@ from kernels.fused_linear_triton import (WIDE_ROW_TILE, RowLinearConfig, linear_
                                          scaled_linear_triton)
 from kernels.fused_triton import rms_norm_triton, silu_mul_triton  # noqa: E402
 
-SWEEP = [RowLinearConfig(n, k, w, s) for n in (16, 32, 64) for k in (128, 256, 512) for w in (4, 8) for s in (3, 4)
-         if n * k <= 16384]
+SWEEP = [RowLinearConfig(n, k, w, s) for n in (16, 32, 64, 128) for k in (128, 256, 512) for w in (4, 8)
+         for s in (3, 4) if n * k <= 16384]
 WIDE_SWEEP = [RowLinearConfig(n, k, w, s, group_m=g) for n in (64, 128, 256) for k in (64, 128) for w in (4, 8)
               for s in (3, 4) for g in (1, 8) if n * k <= 16384]
 LM_HEADS = {"8b.lm_head": (128256, 4096), "smol.lm_head": (49152, 576)}
@@ -124,7 +124,8 @@ def main() -> None:
                    "separate_us": time_us(_cycling(separate, ws)), "fused_us": time_us(_cycling(fused, ws)),
                    "config": list(dataclasses.astuple(config))}
             if args.sweep:
-                row["sweep_best"] = sorted(_sweep(fused, ws, m, config.partial_columns))[:4]
+                row["sweep"] = sorted(_sweep(fused, ws, m, config.partial_columns))
+                row["sweep_best"] = row["sweep"][:4]
             results.append(row)
             print(f"{name:>14} rows {m:>3}: separate {row['separate_us']:7.1f} us  fused {row['fused_us']:7.1f} us"
                   f"  floor {floor:6.1f} us" + (f"  best {row['sweep_best'][:2]}" if args.sweep else ""), flush=True)

@@ -119,6 +119,10 @@ WIDE_ROW_TILE = 128
 EXACT_ROW_TILE = 64
 
 
+# Column tiles of one wave: the SMs of an H100 / H200 (the tiles are a function of the shapes alone).
+ONE_WAVE = 132
+
+
 def every_step(hidden: int) -> int:
     """The batch-invariant set's ``fused_rows``: every step takes the fused projections."""
     return 1 << 62
@@ -126,12 +130,17 @@ def every_step(hidden: int) -> int:
 
 def row_linear_config(n: int, k: int, weight_tiles: int = 1, block_m: int = 16, elem_bytes: int = 2) -> RowLinearConfig:
     """Tiles from the sweep of ``benchmarks/fused_linear.py`` on an H200 (one row, cold weights):
-    the narrowest column tile (16, 32, 64) whose programs fit one wave of 132 SMs (qkv of
-    Llama-3-8B: 64 columns, 96 programs; o_proj and down: 32, 128), 32 with gate and up (two weight
-    tiles a step); K steps of 512 weight-tile bytes a row over the column tile (256 for 64-row
-    tiles), 128 for a short K; as many stages of copies as fit ``SHARED_BUDGET``, at least two (a
-    shorter K step where two stages of ``elem_bytes`` elements would not fit: float32). A function
-    of the shapes, the row tile and the element size alone: the batch-invariant set relies on it.
+    the narrowest column tile (16, 32, 64; 32 with gate and up, two weight tiles a step) whose
+    programs fit one wave of 132 SMs (qkv of Llama-3-8B: 64 columns, 96 programs; o_proj and down:
+    32, 128), with K steps of 512 weight-tile bytes a row over the column tile (256 for 64-row
+    tiles), 128 for a short K. A projection whose column tiles take more than a wave even so (the
+    8B's gate and up: 448 programs of 32; LM heads) takes 64 columns and K steps of 128: a
+    program's copies then leave room for more than one program an SM, so the last wave's tail is
+    short (8B gate_up at one row 58.8 against 63.0 us, at 64 rows 65.8 against 83.9, floor 54.9;
+    ``benchmarks/results/fused_linear/sweep_h200_2b50a5b/``). As many stages of copies as fit
+    ``SHARED_BUDGET``, at most ``MAX_STAGES``, at least two (a shorter K step where two stages of
+    ``elem_bytes`` elements would not fit: float32). A function of the shapes, the row tile and the
+    element size alone: the batch-invariant set relies on it.
     The 128-row tile (``WIDE_ROW_TILE``) takes 128 columns (64 with gate and up; fewer where two
     stages of float32 copies would not fit), K steps of 64 (128 for a short K, as the few-row
     tiles take) and eight warps, its partial sums of h^2 over the few-row tile's columns."""
@@ -148,8 +157,12 @@ def row_linear_config(n: int, k: int, weight_tiles: int = 1, block_m: int = 16, 
             block_k //= 2
         return RowLinearConfig(block_n, block_k, num_warps=8, num_stages=max(2, min(4, SHARED_BUDGET // stage())),
                                part_n=part_n)
-    block_n = 32 if weight_tiles == 2 else next((b for b in (16, 32) if triton.cdiv(n, b) <= 132), 64)
-    block_k = 128 if k < 1024 else min(512, 16384 // (block_n * weight_tiles), 16384 // block_m)
+    widths = (32,) if weight_tiles == 2 else (16, 32, 64)
+    block_n = next((b for b in widths if triton.cdiv(n, b) <= ONE_WAVE), None)
+    if block_n is None:  # more column tiles than a wave
+        block_n, block_k = 64, 128
+    else:
+        block_k = 128 if k < 1024 else min(512, 16384 // (block_n * weight_tiles), 16384 // block_m)
     while 2 * (stage_bytes := (block_m + weight_tiles * block_n) * block_k * elem_bytes) > SHARED_BUDGET:
         block_k //= 2
     return RowLinearConfig(block_n, block_k, num_stages=max(2, min(MAX_STAGES, SHARED_BUDGET // stage_bytes)))
