@@ -181,6 +181,30 @@ def test_tiles_fit_shared_memory_and_cover_the_sms(n, k, tiles, block_m, elem_by
         assert cfg.partial_columns == row_linear_config(n, k, tiles, 16, elem_bytes).block_n
 
 
+@pytest.mark.parametrize("n, k, tiles", [(14336, 4096, 2), (128256, 4096, 1), (49152, 576, 1)])
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_projections_of_more_than_a_wave_take_short_k_steps(n, k, tiles, block_m):
+    """The 8B's gate_up and LM heads: column tiles that take more than a wave even at their widest
+    get 64 columns and 128-long K steps (copies small enough for several programs an SM)."""
+    from kernels.fused_linear_triton import ONE_WAVE
+
+    assert -(-n // (32 if tiles == 2 else 64)) > ONE_WAVE
+    cfg = row_linear_config(n, k, tiles, block_m)
+    assert (cfg.block_n, cfg.block_k) == (64, 128)
+
+
+@pytest.mark.parametrize("rows", [1, 17])
+def test_a_gate_up_of_more_than_a_wave_matches_the_reference(poisoned_empty, rows):
+    """Just over a wave of 32-column tiles (133 of them), on the multi-wave tile."""
+    n, k = 133 * 32, 64
+    assert row_linear_config(n, k, 2).block_n == 64
+    h = row_view(rows, k, torch.float32, seed=rows)
+    w = randn(2 * n, k, seed=6, scale=0.1)
+    ss = partial_sums(h, 2)
+    got = scaled_gate_up_silu_triton(h, ss, 1e-5, w)
+    torch.testing.assert_close(got, scaled_gate_up_silu_ref(h, ss, 1e-5, w), **TOL[torch.float32])
+
+
 def test_no_rows():
     w = torch.randn(8, 16, device=DEVICE)
     assert scaled_linear_triton(torch.empty(0, 16, device=DEVICE), None, 1e-6, w).shape == (0, 8)
