@@ -230,6 +230,10 @@ def main() -> None:
                     help="with --exact: also time it with this TREE_SPLIT_PROGRAMS_PER_SM (repeatable)")
     ap.add_argument("--exact-tree-tiles", type=int, choices=(1, 2), action="append", default=[],
                     help="with --exact: also time it with this TREE_TILES (repeatable)")
+    ap.add_argument("--exact-tree-wide", type=int, choices=(0, 1), action="append", default=[],
+                    help="with --exact: also time it with TREE_WIDE off (0) or on (1) (repeatable)")
+    ap.add_argument("--exact-tree-wide-programs", type=int, action="append", default=[],
+                    help="with --exact: also time it with this TREE_WIDE_PROGRAMS_PER_SM (repeatable)")
     ap.add_argument("--exact-mode", choices=("fold", "split"), action="append", default=[],
                     help="with --exact: also time it with its launch shape forced (repeatable; the same bits)")
     ap.add_argument("--capacity", type=int, default=None,
@@ -304,6 +308,8 @@ def main() -> None:
                             for n in args.exact_split_programs] + \
                     [{"TREE_SPLIT_PROGRAMS_PER_SM": n} for n in args.exact_tree_split_programs] + \
                     [{"TREE_TILES": n} for n in args.exact_tree_tiles] + \
+                    [{"TREE_WIDE": bool(n)} for n in args.exact_tree_wide] + \
+                    [{"TREE_WIDE_PROGRAMS_PER_SM": n} for n in args.exact_tree_wide_programs] + \
                     [{"TREE_TILES": n, "TREE_SPLIT_PROGRAMS_PER_SM": p} for n in args.exact_tree_tiles
                      for p in args.exact_tree_split_programs]
                 for values in switches:

@@ -44,17 +44,22 @@ _POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "
 
 
 def compile_config(block_m: int, block_n: int, warps: int, stages: int, group: int, head_dim: int, masked: bool,
-                   split: bool, exact: bool = False, capability: int = 90, prefetch: int = 0):
+                   split: bool, exact: bool = False, capability: int = 90, prefetch: int = 0,
+                   tree_wide: bool = False):
     """The attention kernel (``exact``: the batch-invariant one, whose tiles are fixed: ``block_m`` and
     ``block_n`` are its module's) compiled for ``sm_<capability>`` with these tiles and launch constants
-    (``prefetch``: key tiles asked of L2 before the dependent launch's wait, EAGLE3_ATTN_PREFETCH)."""
+    (``prefetch``: key tiles asked of L2 before the dependent launch's wait, EAGLE3_ATTN_PREFETCH;
+    ``tree_wide``: a tree's split launch with its whole-chunk programs on ``TREE_WIDE_ROWS`` rows)."""
     kernel = attention_exact._exact_attention_kernel if exact else _attention_kernel
     names = kernel.arg_names
     const = dict(G=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
                  BLOCK_D=head_dim, BLOCK_SIZE=16, HAS_MASK=masked, SPLIT=split, PRECISION="tf32",
                  DOT_DTYPE=tl.bfloat16)
-    const.update(CHUNK=attention_exact.CHUNK, USE_GDC=False, RAGGED=False, BLOCK_B=1,
-                 SUB=attention_exact.TREE_TILES if masked and split else 1,
+    wide = tree_wide and masked and split
+    sub = attention_exact.TREE_WIDE_ROWS // block_m if wide else attention_exact.TREE_TILES if masked and split else 1
+    const.update(CHUNK=attention_exact.CHUNK, USE_GDC=False, RAGGED=False, BLOCK_B=1, SUB=sub,
+                 SHARED_Q=block_m // group * (sub if wide else 1), SHARED_M=block_m * (sub if wide else 1),
+                 SHARED_TWO=not wide,
                  FLAT=attention_exact.walks_flat(masked, attention_exact.CHUNK)) if exact else const.update(
         EVEN_D=True, RAGGED=False, BLOCK_B=1, USE_GDC=False, PREFETCH_TILES=prefetch,
         ROW_LINES=max(1, head_dim * 2 // 128), LINE=64)
@@ -91,6 +96,8 @@ def main() -> None:
     ap.add_argument("--one-split", action="store_true", help="no key splits")
     ap.add_argument("--exact", action="store_true",
                     help="the batch-invariant kernel (--exact); --config M,N its fixed tiles, W,S its launch's")
+    ap.add_argument("--tree-wide", action="store_true",
+                    help="with --exact: a tree's whole-chunk programs on TREE_WIDE_ROWS rows (the wide tree tile)")
     ap.add_argument("--prefetch", type=int, default=0,
                     help="key tiles asked of L2 before the wait (EAGLE3_ATTN_PREFETCH; not with --exact)")
     ap.add_argument("--out", default=None)
@@ -99,7 +106,7 @@ def main() -> None:
     for text in args.config:
         m, n, w, s = (int(x) for x in text.split(","))
         r = resources(compile_config(m, n, w, s, args.group, args.head_dim, not args.causal, not args.one_split,
-                                     args.exact, prefetch=args.prefetch))
+                                     args.exact, prefetch=args.prefetch, tree_wide=args.tree_wide))
         rows.append({"config": [m, n, w, s], **r})
         print(f"m{m:>3} n{n:>3} w{w} s{s}: {r['registers']:>3} registers, {r['stack_bytes']:>4} stack bytes, "
               f"{r['shared_bytes']:>6} shared bytes, in flight {r['in_flight']}", flush=True)

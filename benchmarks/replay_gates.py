@@ -61,13 +61,13 @@ WARMUP_TOKENS = 8  # per sequence, untimed: CUDA graphs are captured, kernels co
 
 
 def build_target(raw: dict, context: int, batch: int, new_tokens: int, device: str, dtype: str, kernels: str,
-                 tree_slots: int) -> Target:
+                 tree_slots: int, exact: bool | None = None) -> Target:
     """A target with random weights, its KV cache sized for ``batch`` sequences of the case."""
     max_len = context + WARMUP_TOKENS + new_tokens + 16
     mcfg = ModelConfig.from_hf(raw)
     torch_dtype = getattr(torch, dtype)
     cfg = EngineConfig("<random>", device=device, dtype=dtype, max_model_len=max_len, max_num_seqs=batch,
-                       max_batch_tokens=8192, kernels=kernels,
+                       max_batch_tokens=8192, kernels=kernels, exact=exact,
                        num_kv_blocks=batch * blocks_for(max_len + tree_slots, 16) + 4)
     tensors = random_tensors(mcfg, seed=0, device=device, dtype=torch_dtype)
     model = build_model(mcfg, tensors.items(), torch_dtype, torch.device(device), max_len)
@@ -124,7 +124,8 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
     context, batch = (int(x) for x in case.split(":"))
     specs = {name: parse_config(name, head) for name in args.config}
     slots = max(s.settings.tree_kv_slots for s in specs.values())
-    target = build_target(raw, context, batch, args.steps, args.device, args.dtype, args.kernels, slots)
+    target = build_target(raw, context, batch, args.steps, args.device, args.dtype, args.kernels, slots, args.exact)
+    args.exact_numerics = target.exact
     g = torch.Generator().manual_seed(context + batch)
     prompts = [torch.randint(0, raw["vocab_size"] - 1, (context,), generator=g).tolist() for _ in range(batch)]
     # As a server starts: every graph either engine replays is captured before anything is timed (a
@@ -190,6 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", default="auto", choices=["auto", "triton", "reference"])
+    ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                    help="the target's batch-invariant kernels (default: the engine's, on CUDA)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     trace = json.loads(Path(args.trace).read_text())
@@ -209,6 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         head = str(write_random_head(tmp, raw, min(args.draft_vocab, raw["vocab_size"])))
         for case in args.case or DEFAULT_CASES:
             report["cases"] += run_case(args, raw, head, trace["configs"], case)
+            report["exact_numerics"] = args.exact_numerics
             if args.out:  # after each case: what was measured survives a run cut short
                 Path(args.out).write_text(json.dumps(report, indent=2))
     return report

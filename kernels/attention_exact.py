@@ -72,7 +72,7 @@ SPLIT_BYTES = 256 * 2**20  # the most the split mode's float32 partials may take
 NUM_WARPS = 4
 NUM_STAGES = 3  # the next key tile's copies in flight while a tile is computed (kernel_resources.py --exact)
 MODES = ("auto", "fold", "split")
-TILES = ("auto", "narrow", "wide")
+TILES = ("auto", "narrow", "wide", "tree")
 
 # A prefill-sized step's tile (rows, warps, stages), where ``wide_tile_ok``: the 16-row tile reads
 # every key tile for four tokens of the 8B's query groups and made its 4K-token prefill chunks' attention
@@ -84,16 +84,27 @@ TILES = ("auto", "narrow", "wide")
 WIDE_TILE = (64, 8, 3)
 WIDE_QUERY_LEN = 64  # a step without a tree whose longest run of new tokens is at least this long takes it
 WIDE_PROBE_TOKENS = 600  # the probe's prompt: across a 512-key chunk's end
-_WIDE_OK: dict[tuple, bool] = {}  # (device, dtype, query heads a KV head, head_dim) -> the probe's verdict
+_WIDE_OK: dict[tuple, bool] = {}  # (device, dtype, query heads a KV head, head_dim, tile) -> the probe's verdict
+
+
+def tile_shape(tile: str) -> tuple[int, int, int]:
+    """(rows, warps, stages) of a named tile: ``narrow`` (every step's), ``wide`` (prompt-sized
+    steps, ``WIDE_TILE``), ``tree`` (a tree step's whole-chunk programs: ``TREE_WIDE_ROWS`` rows on
+    the narrow tile's warps and stages)."""
+    return {"narrow": (BLOCK_M, NUM_WARPS, NUM_STAGES), "wide": WIDE_TILE,
+            "tree": (TREE_WIDE_ROWS, NUM_WARPS, NUM_STAGES)}[tile]
 
 
 def probe_wide_tile(device: torch.device, dtype: torch.dtype, group: int, head_dim: int,
-                    chunk: int | None = None) -> bool:
-    """Whether ``WIDE_TILE`` gives every query row the bits of the narrow tile on this device and
-    dtype, for a KV head of ``group`` query heads of ``head_dim``: one random prompt of
-    ``WIDE_PROBE_TOKENS`` tokens attended in one launch on each tile, compared bit for bit. The
-    narrow tile's rows do not depend on the step, so equal bits here make the wide tile's rows
-    those of any step. Kept for the device, dtype and geometry. Not inside a CUDA graph's capture."""
+                    chunk: int | None = None, tile: str = "wide") -> bool:
+    """Whether the ``tile`` (``wide`` or ``tree``, ``tile_shape``) gives every query row the bits of
+    the narrow tile on this device and dtype, for a KV head of ``group`` query heads of
+    ``head_dim``: one random prompt of ``WIDE_PROBE_TOKENS`` tokens attended in one launch on each
+    tile, compared bit for bit. The narrow tile's rows do not depend on the step, so equal bits here
+    make the other tile's rows those of any step: a row's dots, its maximum and its sums are the same
+    ``_tile`` steps in a prompt's programs and in a tree's whole-chunk ones. Kept for the device,
+    dtype, geometry and tile. Not inside a CUDA graph's capture."""
+    assert tile in ("wide", "tree"), tile
     gen = torch.Generator().manual_seed(2)
     n, blocks, size = WIDE_PROBE_TOKENS, triton.cdiv(WIDE_PROBE_TOKENS, 16), 16
     k, v = (torch.randn(blocks, size, 1, head_dim, generator=gen).to(device, dtype) for _ in range(2))
@@ -105,29 +116,36 @@ def probe_wide_tile(device: torch.device, dtype: torch.dtype, group: int, head_d
     meta = AttentionMetadata(query_start_loc=ints([0, n]), seq_lens=ints([n]), block_tables=ints([list(range(blocks))]),
                              slot_mapping=ints(range(n)), positions=ints(range(n)), token_seq=ints([0] * n),
                              token_q_idx=ints(range(n)), max_query_len=n, max_seq_len=n)
-    outs = [paged_attention_exact(q, k, v, meta, head_dim ** -0.5, "fold", chunk, tile=t) for t in ("narrow", "wide")]
+    outs = [paged_attention_exact(q, k, v, meta, head_dim ** -0.5, "fold", chunk, tile=t) for t in ("narrow", tile)]
     same = torch.equal(*outs)
-    _WIDE_OK[(q.device, dtype, group, head_dim)] = same  # (the tensor's device: "cuda" names cuda:0 there)
+    _WIDE_OK[(q.device, dtype, group, head_dim, tile)] = same  # (the tensor's device: "cuda" names cuda:0 there)
     if not same:
-        log.warning("the batch-invariant attention's %d-row tile changes a row's bits on %s (%s, %s): prefill "
-                    "steps keep the %d-row tile there (slower, as invariant)", WIDE_TILE[0], device,
+        log.warning("the batch-invariant attention's %d-row %s tile changes a row's bits on %s (%s, %s): %s keep "
+                    "the %d-row tile there (slower, as invariant)", tile_shape(tile)[0], tile, device,
                     torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu", dtype,
-                    BLOCK_M)
+                    "prefill steps" if tile == "wide" else "trees' whole-chunk programs", BLOCK_M)
     return same
 
 
-def wide_tile_ok(q: torch.Tensor, group: int, chunk: int | None = None) -> bool:
-    """Whether prefill-sized steps of these queries may take ``WIDE_TILE``: on a GPU where the probe
-    found that it agrees with the narrow tile (probed here at first use when the engine did not probe
-    at start-up); never in Triton's interpreter, whose dots are no matrix instructions."""
+def tree_wide_wanted(max_seq_len: int) -> bool:
+    """Whether a tree step over at most ``max_seq_len`` keys asks for the wide rows (``TREE_WIDE``,
+    ``TREE_WIDE_MIN_KEYS``); ``wide_tile_ok(..., "tree")`` then says whether it gets them."""
+    return TREE_WIDE and max_seq_len >= TREE_WIDE_MIN_KEYS
+
+
+def wide_tile_ok(q: torch.Tensor, group: int, chunk: int | None = None, tile: str = "wide") -> bool:
+    """Whether steps of these queries may take the ``tile`` (``wide``: prefill-sized steps; ``tree``:
+    a tree's whole-chunk programs): on a GPU where the probe found that it agrees with the narrow
+    tile (probed here at first use when the engine did not probe at start-up); never in Triton's
+    interpreter, whose dots are no matrix instructions."""
     if not q.is_cuda:
         return False
-    key = (q.device, q.dtype, group, q.shape[-1])
+    key = (q.device, q.dtype, group, q.shape[-1], tile)
     if key not in _WIDE_OK:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"the batch-invariant attention's tile probe has not run for {key}: run "
                                "kernels.attention_exact.probe_wide_tile before capturing graphs")
-        probe_wide_tile(q.device, q.dtype, group, q.shape[-1], chunk)
+        probe_wide_tile(q.device, q.dtype, group, q.shape[-1], chunk, tile)
     return _WIDE_OK[key]
 
 
@@ -188,6 +206,28 @@ assert TREE_SPLIT_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_TREE_SPLIT_PROGRAMS: progr
 # 4 tiles (tried) spilled registers and lost everywhere (40.2 and 81.6 us).
 TREE_TILES = int(os.environ.get("EAGLE3_EXACT_TREE_TILES", "2"))
 assert TREE_TILES in (1, 2), "EAGLE3_EXACT_TREE_TILES: 1 or 2"
+# A tree step's whole-chunk programs may instead take one tile of ``TREE_WIDE_ROWS`` rows (the query
+# tiles of ``TREE_WIDE_ROWS // BLOCK_M`` narrow ones) on the narrow tiles' warps and stages, where
+# ``wide_tile_ok(..., "tree")`` found that such a tile gives every row the narrow tile's bits on this
+# GPU. Narrow tiles make a tree over a long prefix read each key tile once for every 32 rows: on an
+# H200 a 64-token tree over 32K keys of the 8B took 453.6 us a layer, against 107.3 for the fast
+# kernel's 64-row tiles (``attention_kernel.py --context 32768 --tokens 64 --exact --sweep
+# --l2-flush 200``). ``EAGLE3_EXACT_TREE_WIDE`` (read at import): 0 keeps the narrow tiles. Speed
+# only, as ``TREE_TILES``: a row's partials are the narrow tile's bits where the probe says so.
+TREE_WIDE = os.environ.get("EAGLE3_EXACT_TREE_WIDE", "1") != "0"
+TREE_WIDE_ROWS = 64
+# ... for a launch over at least this many keys (``meta.max_seq_len``: in a graph the cache's
+# capacity). On the H200 (``attention_kernel.py --exact --exact-tree-wide 0``, keys from HBM) the
+# 8B's 64-token tree took 329 against 456 us at 32K keys and 69 against 72 at 4K (capacity 32K);
+# SmolLM2's 60-token tree (capacity 8,192, 128-key chunks) 20.8 against 22.2 us at 2,048 keys but
+# 14.8 against 12.6 at 512, where fewer programs share the prefix's few chunks.
+TREE_WIDE_MIN_KEYS = 16384
+# The wide tiles' whole-chunk programs, about this many an SM over the step's (wide tile, KV head)
+# pairs (``chunk_programs``; ``EAGLE3_EXACT_TREE_WIDE_PROGRAMS``, read at import). 2 (the 8B's
+# 64-token tree, capacity 32K): at 32K keys 1 / 2 / 3 / 4 took 380 / 329 / 303 / 293 us, at 4K
+# 67.6 / 69.3 / 74.7 / 75.5 us.
+TREE_WIDE_PROGRAMS_PER_SM = int(os.environ.get("EAGLE3_EXACT_TREE_WIDE_PROGRAMS", "2"))
+assert TREE_WIDE_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_TREE_WIDE_PROGRAMS: programs an SM, 0 for one a chunk"
 # A step without a tree walks a program's key tiles in one loop across its chunks (``_walk_chunks``)
 # where a chunk holds at least this many tiles, else a loop a chunk (the same bits either way). On an
 # H200 the one loop took 8B decode attention at batch 64 and 4K from 279.0 to 252.7 us (512-key
@@ -256,17 +296,22 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     T, H, D = q.shape
     _, block_size, kvh, _ = k_cache.shape
     g = H // kvh
+    has_mask = meta.custom_mask is not None
     if tile == "auto":
-        tile = ("wide" if meta.custom_mask is None and meta.max_query_len >= WIDE_QUERY_LEN
-                and wide_tile_ok(q, g, chunk) else "narrow")
-    rows, warps, stages = WIDE_TILE if tile == "wide" else (BLOCK_M, NUM_WARPS, NUM_STAGES)
+        if has_mask:
+            tile = "tree" if tree_wide_wanted(meta.max_seq_len) and wide_tile_ok(q, g, chunk, "tree") else "narrow"
+        else:
+            tile = "wide" if meta.max_query_len >= WIDE_QUERY_LEN and wide_tile_ok(q, g, chunk) else "narrow"
+    # a tree step's "tree" tile: its whole-chunk programs (split launch) take the wide rows, the rest
+    # of the launch the narrow tile
+    wide_tree = has_mask and tile == "tree"
+    rows, warps, stages = tile_shape("narrow" if wide_tree else tile)
     block_m = max(rows, triton.next_power_of_2(g))
     block_q = block_m // g
     out = torch.empty_like(q)
     if T == 0:
         return out
     q_tiles = triton.cdiv(meta.max_query_len, block_q)
-    has_mask = meta.custom_mask is not None
     if meta.ragged:
         assert not has_mask, "a ragged step is causal"
     # The split launch: no ragged step, and a masked step's gathered tiles within two chunks (they run
@@ -286,12 +331,15 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         part_m = part_l = part_acc = out  # never touched
     table = meta.custom_mask if has_mask else meta.seq_lens  # any tensor: never read without a mask
     mask_start = meta.mask_start if has_mask else meta.seq_lens
-    # a tree's split launch: programs of whole chunks over TREE_TILES query tiles (a group), then of
-    # the tree chunks one a token of the group's tiles
-    sub = TREE_TILES if split and has_mask else 1
+    # a tree's split launch: programs of whole chunks over TREE_TILES query tiles (a group), or over the
+    # wide rows of TREE_WIDE_ROWS // block_m of them in one tile, then of the tree chunks one a token of
+    # the group's tiles
+    wide_rows = split and wide_tree and TREE_WIDE_ROWS // block_m > 1
+    sub = (TREE_WIDE_ROWS // block_m if wide_rows else TREE_TILES) if split and has_mask else 1
     q_groups = triton.cdiv(q_tiles, sub)
     per_token = sub * block_q if split and has_mask else 0
-    walkers = chunk_programs(chunks, meta.num_seqs * q_groups * kvh, q.device, tree=has_mask) if split else 1
+    walkers = chunk_programs(chunks, meta.num_seqs * q_groups * kvh, q.device,
+                             per_sm=TREE_WIDE_PROGRAMS_PER_SM if wide_rows else None, tree=has_mask) if split else 1
     pdl = dependent(q, PDL_ALL)  # (speed only: the bits are the same either way)
     # A ragged step (a graphed prompt step): its programs find their chunk and tile from query_start_loc,
     # the grid fixed by the step's capacity of tokens (``attention_triton._program_tile``).
@@ -304,6 +352,8 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         part_m.stride(0) if split else 0, part_m.stride(1) if split else 0, part_acc.stride(0) if split else 0,
         part_acc.stride(1) if split else 0, part_acc.stride(2) if split else 0, q_groups, walkers, meta.num_seqs,
         G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CHUNK=chunk, HEAD_DIM=D, SUB=sub,
+        SHARED_Q=block_q * sub if wide_rows else block_q, SHARED_M=block_m * sub if wide_rows else block_m,
+        SHARED_TWO=not wide_rows,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_SIZE=block_size, HAS_MASK=has_mask, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32), USE_GDC=pdl,
@@ -490,27 +540,34 @@ def _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part
                    stride_kb, stride_ks, stride_kh, stride_bt, stride_mc, stride_mt, stride_ac, stride_at, stride_ah,
                    G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """A tree step's whole-chunk program for query tiles 2 * pair and 2 * pair + 1: chunks first,
-    first + walkers, ... before the tree's first (every key at its own position, every row sees them
-    all), each key tile loaded once and attended by the two tiles in turn, each with the very
+                   PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, TWO: tl.constexpr):
+    """A tree step's whole-chunk program for query tiles 2 * pair and 2 * pair + 1 (``TWO``), or for
+    the one tile ``pair`` of ``BLOCK_Q`` tokens in ``BLOCK_M`` rows (the caller's wide rows): chunks
+    first, first + walkers, ... before the tree's first (every key at its own position, every row
+    sees them all), each key tile loaded once and attended by the tiles in turn, each with the very
     ``_tile`` steps (dots of its own rows, its own state) that ``_chunk`` gives one tile: the same
-    partials, bit for bit."""
-    _, h0, ok0, t0, d, d_ok, q0 = _query_tile(q_ptr, q_start, q_len, 2 * pair, kvh, stride_qt, stride_qh,
-                                              G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
-    _, h1, ok1, t1, _, _, q1 = _query_tile(q_ptr, q_start, q_len, 2 * pair + 1, kvh, stride_qt, stride_qh,
-                                           G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
-    p0 = tl.load(pos_ptr + t0, mask=ok0, other=-1)
-    p1 = tl.load(pos_ptr + t1, mask=ok1, other=-1)
+    partials, bit for bit (for the wide rows, where ``wide_tile_ok(..., "tree")``)."""
     stop = tail_start // CHUNK  # (each row's position is past the tree's first tile)
-    if first >= stop:
+    if first >= stop:  # (before any load: in a graph, sized by the cache's capacity, most programs stop here)
         return
+    if TWO:
+        tile0 = 2 * pair
+    else:
+        tile0 = pair
+    _, h0, ok0, t0, d, d_ok, q0 = _query_tile(q_ptr, q_start, q_len, tile0, kvh, stride_qt, stride_qh,
+                                              G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
+    p0 = tl.load(pos_ptr + t0, mask=ok0, other=-1)
+    if TWO:
+        _, h1, ok1, t1, _, _, q1 = _query_tile(q_ptr, q_start, q_len, 2 * pair + 1, kvh, stride_qt, stride_qh,
+                                               G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
+        p1 = tl.load(pos_ptr + t1, mask=ok1, other=-1)
     # One loop over the key tiles of all its chunks, as ``_walk_chunks`` (every chunk here whole)
     TILES: tl.constexpr = CHUNK // BLOCK_N
     m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l0 = tl.zeros([BLOCK_M], tl.float32)
     a0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    m1, l1, a1 = m0, l0, a0
+    if TWO:
+        m1, l1, a1 = m0, l0, a0
     total = (tl.cdiv(stop - first, walkers) * TILES).to(tl.int32)
     limit = stop * CHUNK
     ahead = (first * CHUNK + tl.arange(0, BLOCK_N)).to(tl.int32)  # block ids an iteration ahead, as in ``_chunk``
@@ -527,18 +584,20 @@ def _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part
                              stride_ks, stride_kh, BLOCK_SIZE)
         a0, m0, l0 = _tile(a0, m0, l0, q0, k, v, (keys[None, :] <= p0[:, None]) & ok0[:, None], ok0 & (p0 >= start),
                            scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
-        a1, m1, l1 = _tile(a1, m1, l1, q1, k, v, (keys[None, :] <= p1[:, None]) & ok1[:, None], ok1 & (p1 >= start),
-                           scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+        if TWO:
+            a1, m1, l1 = _tile(a1, m1, l1, q1, k, v, (keys[None, :] <= p1[:, None]) & ok1[:, None],
+                               ok1 & (p1 >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
         if (i % TILES) == TILES - 1:  # the chunk's last tile
             c = start // CHUNK
             _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t0, h0, ok0, d, d_ok, m0, l0, a0, stride_mc,
                             stride_mt, stride_ac, stride_at, stride_ah)
-            _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t1, h1, ok1, d, d_ok, m1, l1, a1, stride_mc,
-                            stride_mt, stride_ac, stride_at, stride_ah)
             m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l0 = tl.zeros([BLOCK_M], tl.float32)
             a0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            m1, l1, a1 = m0, l0, a0
+            if TWO:
+                _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t1, h1, ok1, d, d_ok, m1, l1, a1, stride_mc,
+                                stride_mt, stride_ac, stride_at, stride_ah)
+                m1, l1, a1 = m0, l0, a0
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_tab", "tab_cols", "stride_mc", "stride_mt", "stride_ac",
@@ -549,6 +608,7 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
                             stride_mc, stride_mt, stride_ac, stride_at, stride_ah, q_tiles, walkers, num_seqs,
                             G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, SUB: tl.constexpr,
+                            SHARED_Q: tl.constexpr, SHARED_M: tl.constexpr, SHARED_TWO: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
                             USE_GDC: tl.constexpr, RAGGED: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -568,13 +628,13 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
     tile = group
     if SUB > 1:  # a tree's split launch (SPLIT and HAS_MASK)
         pid = tl.program_id(2)
-        if pid < walkers:  # whole chunks, before the tree's, for the two tiles at once
+        if pid < walkers:  # whole chunks, before the tree's, for the group's tiles at once
             m_start = tl.load(mask_start_ptr + b)
             _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, tables_ptr,
                             b, group, kvh, q_start, q_len, pid, walkers, (m_start // BLOCK_N) * BLOCK_N, scale_log2,
                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_mc, stride_mt,
-                            stride_ac, stride_at, stride_ah, G, BLOCK_Q, BLOCK_M, BLOCK_N, CHUNK, HEAD_DIM, BLOCK_D,
-                            BLOCK_SIZE, PRECISION, DOT_DTYPE)
+                            stride_ac, stride_at, stride_ah, G, SHARED_Q, SHARED_M, BLOCK_N, CHUNK, HEAD_DIM, BLOCK_D,
+                            BLOCK_SIZE, PRECISION, DOT_DTYPE, SHARED_TWO)
             return
         tile = group * SUB + (pid - walkers) // BLOCK_Q
         if tile * BLOCK_Q >= q_len:

@@ -147,6 +147,61 @@ def test_a_tree_of_several_query_tiles_gives_the_fold_launchs_bits(monkeypatch):
         assert torch.equal(attend(cache, step, q, "split"), want), (tiles, per_sm)
 
 
+@pytest.mark.parametrize("g, d, dtype", [(3, 64, torch.bfloat16), (4, 32, torch.float32)])
+@pytest.mark.parametrize("per_sm", [0, 1])
+def test_a_trees_wide_whole_chunk_tile_attends_as_the_narrow_one(g, d, dtype, per_sm, monkeypatch):
+    """A 24-token tree after 700 keys (whole chunks before the tree's) beside a decoding neighbour,
+    its whole-chunk programs forced onto the wide rows (``tile="tree"``: 20 or 16 tokens a tile),
+    however many programs walk the chunks: attention (against the reference), and on a GPU where the
+    probe says so the narrow tiles' bits (in Triton's interpreter a dot's rounding depends on the
+    tile's shape). The fold launch never takes the wide rows."""
+    from kernels import attention_exact
+
+    monkeypatch.setattr(attention_exact, "CHUNK", 128)
+    monkeypatch.setattr(attention_exact, "TREE_WIDE_PROGRAMS_PER_SM", per_sm)
+    kvh, n, prefix = 2, 24, 700
+    parents = [-1] + [(i - 1) // 2 for i in range(1, n - 1)]
+    depths = [0]
+    for p in parents:
+        depths.append(depths[p + 1] + 1)
+    gen = torch.Generator().manual_seed(6)
+    kv = torch.randn(2, prefix + n, kvh, d, generator=gen).to(dtype)
+    other = torch.randn(2, 300, kvh, d, generator=gen).to(dtype)
+    q = torch.randn(n + 1, kvh * g, d, generator=gen).to(dtype).to(DEVICE)
+    cache = Cache([kv, other], seed=3)
+    step = [SeqChunk(list(range(n)), prefix, cache.tables[0], positions=[prefix + x for x in depths],
+                     custom_mask=tree_mask(parents), mask_start=prefix),
+            SeqChunk([0], 299, cache.tables[1])]
+    meta = layout_step(step, BLOCK, torch.device(DEVICE), EXACT).meta
+    scale = d ** -0.5
+    wide = paged_attention_exact(q, cache.k, cache.v, meta, scale, "split", tile="tree")
+    narrow = paged_attention_exact(q, cache.k, cache.v, meta, scale, "split", tile="narrow")
+    assert torch.equal(paged_attention_exact(q, cache.k, cache.v, meta, scale, "fold", tile="tree"),
+                       paged_attention_exact(q, cache.k, cache.v, meta, scale, "fold", tile="narrow"))
+    ref_meta = layout_step(step, BLOCK, torch.device(DEVICE), REFERENCE).meta
+    want = paged_attention_ref(q, cache.k.nan_to_num(0.0), cache.v.nan_to_num(0.0), ref_meta, scale)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(wide.float(), want.float(), atol=tol, rtol=tol)
+    if DEVICE == "cuda" and attention_exact.probe_wide_tile(torch.device(DEVICE), dtype, g, d, tile="tree"):
+        assert torch.equal(wide, narrow)
+        monkeypatch.setattr(attention_exact, "TREE_WIDE_MIN_KEYS", 0)  # (auto: the wide rows from any length)
+        assert torch.equal(paged_attention_exact(q, cache.k, cache.v, meta, scale, "split"), narrow)
+
+
+def test_trees_ask_for_the_wide_rows_over_long_prefixes_only(monkeypatch):
+    """``tree_wide_wanted``: launches over at least ``TREE_WIDE_MIN_KEYS`` keys (in a graph, the
+    cache's capacity), not with ``TREE_WIDE`` off; off the GPU the probe's answer keeps them narrow."""
+    from kernels import attention_exact
+
+    keys = attention_exact.TREE_WIDE_MIN_KEYS
+    assert attention_exact.tree_wide_wanted(keys) and attention_exact.tree_wide_wanted(4 * keys)
+    assert not attention_exact.tree_wide_wanted(keys - 1)
+    monkeypatch.setattr(attention_exact, "TREE_WIDE", False)
+    assert not attention_exact.tree_wide_wanted(4 * keys)
+    if DEVICE != "cuda":
+        assert not attention_exact.wide_tile_ok(torch.zeros(1, 4, 32), 4, tile="tree")
+
+
 def test_chunk_programs(monkeypatch):
     from kernels import attention_exact
 
@@ -590,7 +645,7 @@ def test_the_wide_tile_probe_sees_a_tile_that_changes_bits(monkeypatch, caplog):
                         lambda q, k, v, meta, scale, mode="auto", chunk=None, tile="auto":
                         real(q, k, v, meta, scale, mode, chunk, tile="narrow"))
     assert attention_exact.probe_wide_tile(torch.device(DEVICE), torch.float32, 4, 32)
-    assert attention_exact._WIDE_OK == {(torch.zeros(1, device=DEVICE).device, torch.float32, 4, 32): True}
+    assert attention_exact._WIDE_OK == {(torch.zeros(1, device=DEVICE).device, torch.float32, 4, 32, "wide"): True}
 
 
 def test_no_wide_tile_off_the_gpu():

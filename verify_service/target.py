@@ -48,13 +48,17 @@ class Target:
         kernels = select_kernels(self.device, cfg.kernels, exact=exact, exact_chunk=chunk)
         self.exact = kernels.name == "exact"  # batch-invariant numerics (ServerInfo.exact_numerics)
         if kernels.name == "exact" and self.device.type == "cuda":  # before any step and any graph's capture
-            from kernels.attention_exact import WIDE_TILE, probe_wide_tile
+            from kernels.attention_exact import TREE_WIDE_ROWS, WIDE_TILE, probe_wide_tile, tree_wide_wanted
             from kernels.exact_set import probe_layer
             mc = self.model_config
+            g = mc.num_heads // mc.num_kv_heads
             log.info("exact numerics: attention folds chunks of %d keys; the fast path's row tiles keep a row's "
                      "bits on %s: %s; the attention's %d-row tile for prompts keeps them: %s", chunk, self.device,
                      probe_layer(model.model.layers[0]), WIDE_TILE[0],
-                     probe_wide_tile(self.device, self.dtype, mc.num_heads // mc.num_kv_heads, mc.head_dim, chunk))
+                     probe_wide_tile(self.device, self.dtype, g, mc.head_dim, chunk))
+            if tree_wide_wanted(self.max_model_len):  # (graphed steps see the capacity as their keys)
+                log.info("exact numerics: the attention's %d-row tile for a tree's prefix keeps a row's bits: %s",
+                         TREE_WIDE_ROWS, probe_wide_tile(self.device, self.dtype, g, mc.head_dim, chunk, tile="tree"))
         graphs = not cfg.enforce_eager and (self.device.type == "cuda" and kernels.name in ("triton", "exact")
                                             or self.device.type == "cpu" and cfg.graphs_on_cpu)
         self.runner = ModelRunner(model, self.kv_cache, kernels, capture_layers, graphs, cfg.max_num_seqs)
