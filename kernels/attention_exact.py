@@ -259,12 +259,17 @@ def chunk_programs(chunks: int, pairs: int, device: torch.device, per_sm: int | 
 
 
 def _mode(meta: AttentionMetadata, T: int, heads: int, kvh: int, head_dim: int, q_tiles: int,
-          device: torch.device, chunk: int) -> bool:
+          device: torch.device, chunk: int, wide_tree: bool = False) -> bool:
     """True: one program per chunk and a fold kernel; False: each program folds its chunks itself
-    (``SPLIT_RULE`` says when). A choice of speed only. Host sizes only."""
+    (``SPLIT_RULE`` says when; a tree step that takes the wide rows always splits where its
+    partials fit: only the split launch's whole-chunk programs share a key tile among a wide tile's
+    rows, and the fold launch's 16-row programs read each key tile once for every 16 rows). A
+    choice of speed only. Host sizes only."""
     chunks = triton.cdiv(max(meta.max_seq_len, 1), chunk)
     if chunks == 1 or chunks * T * heads * head_dim * 4 > SPLIT_BYTES:
         return False
+    if wide_tree:
+        return True
     sms = _sms(device)
     programs = meta.num_seqs * q_tiles * kvh
     if programs < 2 * sms:
@@ -321,7 +326,8 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if mode == "split" and not split_ok:
         raise ValueError(f"the split launch takes masked steps of at most {chunk} tokens a sequence and no "
                          f"ragged step, not {meta.max_query_len} tokens{' (ragged)' if meta.ragged else ''}")
-    split = (_mode(meta, T, H, kvh, D, q_tiles, q.device, chunk) and split_ok) if mode == "auto" else mode == "split"
+    split = (_mode(meta, T, H, kvh, D, q_tiles, q.device, chunk, wide_tree) and split_ok) if mode == "auto" \
+        else mode == "split"
     chunks = triton.cdiv(max(meta.max_seq_len, 1), chunk) if split else 1
     if split:
         part_m = torch.empty(chunks, T, H, dtype=torch.float32, device=q.device)

@@ -202,6 +202,24 @@ def test_trees_ask_for_the_wide_rows_over_long_prefixes_only(monkeypatch):
         assert not attention_exact.wide_tile_ok(torch.zeros(1, 4, 32), 4, tile="tree")
 
 
+def test_a_tree_on_the_wide_rows_always_takes_the_split_launch():
+    """``_mode``: a step with more than two programs an SM folds in its programs, unless it is a tree
+    on the wide rows (only the split launch shares key tiles among them), whose partials fit."""
+    from types import SimpleNamespace
+
+    from kernels import attention_exact
+
+    cpu = torch.device("cpu")  # (8 SMs counted off the GPU)
+    meta = SimpleNamespace(max_seq_len=16504, num_seqs=4)
+    args = (240, 32, 8, 128, 15, cpu, 512)  # T, heads, KV heads, head_dim, query tiles, device, chunk
+    assert not attention_exact._mode(meta, *args)  # 480 programs
+    assert attention_exact._mode(meta, *args, wide_tree=True)
+    huge = SimpleNamespace(max_seq_len=1 << 22, num_seqs=4)  # partials past SPLIT_BYTES
+    assert not attention_exact._mode(huge, *args, wide_tree=True)
+    one_chunk = SimpleNamespace(max_seq_len=300, num_seqs=4)
+    assert not attention_exact._mode(one_chunk, *args, wide_tree=True)
+
+
 def test_chunk_programs(monkeypatch):
     from kernels import attention_exact
 
