@@ -127,19 +127,7 @@ def test_a_tree_of_several_query_tiles_gives_the_fold_launchs_bits(monkeypatch):
     from kernels import attention_exact
 
     monkeypatch.setattr(attention_exact, "CHUNK", 128)
-    kvh, g, d, dtype, n, prefix = 2, 3, 64, torch.bfloat16, 24, 300
-    parents = [-1] + [(i - 1) // 2 for i in range(1, n - 1)]  # node j below node (j - 1) // 2
-    depths = [0]
-    for p in parents:
-        depths.append(depths[p + 1] + 1)
-    gen = torch.Generator().manual_seed(4)
-    kv = torch.randn(2, prefix + n, kvh, d, generator=gen).to(dtype)
-    other = torch.randn(2, 300, kvh, d, generator=gen).to(dtype)
-    q = torch.randn(n + 1, kvh * g, d, generator=gen).to(dtype)
-    cache = Cache([kv, other], seed=3)
-    step = [SeqChunk(list(range(n)), prefix, cache.tables[0], positions=[prefix + x for x in depths],
-                     custom_mask=tree_mask(parents), mask_start=prefix),
-            SeqChunk([0], 299, cache.tables[1])]
+    cache, step, q = binary_tree_step(24, 300, 2, 3, 64, torch.bfloat16, seed=4)
     want = attend(cache, step, q, "fold")
     for tiles, per_sm in ((2, 0), (2, 1), (1, 0), (1, 1)):
         monkeypatch.setattr(attention_exact, "TREE_TILES", tiles)
@@ -159,19 +147,8 @@ def test_a_trees_wide_whole_chunk_tile_attends_as_the_narrow_one(g, d, dtype, pe
 
     monkeypatch.setattr(attention_exact, "CHUNK", 128)
     monkeypatch.setattr(attention_exact, "TREE_WIDE_PROGRAMS_PER_SM", per_sm)
-    kvh, n, prefix = 2, 24, 700
-    parents = [-1] + [(i - 1) // 2 for i in range(1, n - 1)]
-    depths = [0]
-    for p in parents:
-        depths.append(depths[p + 1] + 1)
-    gen = torch.Generator().manual_seed(6)
-    kv = torch.randn(2, prefix + n, kvh, d, generator=gen).to(dtype)
-    other = torch.randn(2, 300, kvh, d, generator=gen).to(dtype)
-    q = torch.randn(n + 1, kvh * g, d, generator=gen).to(dtype).to(DEVICE)
-    cache = Cache([kv, other], seed=3)
-    step = [SeqChunk(list(range(n)), prefix, cache.tables[0], positions=[prefix + x for x in depths],
-                     custom_mask=tree_mask(parents), mask_start=prefix),
-            SeqChunk([0], 299, cache.tables[1])]
+    cache, step, q = binary_tree_step(24, 700, 2, g, d, dtype, seed=6)
+    q = q.to(DEVICE)
     meta = layout_step(step, BLOCK, torch.device(DEVICE), EXACT).meta
     scale = d ** -0.5
     wide = paged_attention_exact(q, cache.k, cache.v, meta, scale, "split", tile="tree")
@@ -232,6 +209,24 @@ def test_chunk_programs(monkeypatch):
     monkeypatch.setattr(attention_exact, "TREE_SPLIT_PROGRAMS_PER_SM", 2)
     assert attention_exact.chunk_programs(64, 3, cpu) == 3
     assert attention_exact.chunk_programs(64, 3, cpu, tree=True) == 6
+
+
+def binary_tree_step(n: int, prefix: int, kvh: int, g: int, d: int, dtype, seed: int):
+    """A step of an ``n``-token binary tree (node j below node (j - 1) // 2) after ``prefix`` keys,
+    beside a neighbour decoding its 300th token: (cache, chunks, queries [n + 1, heads, d])."""
+    parents = [-1] + [(i - 1) // 2 for i in range(1, n - 1)]
+    depths = [0]
+    for p in parents:
+        depths.append(depths[p + 1] + 1)
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, prefix + n, kvh, d, generator=gen).to(dtype)
+    other = torch.randn(2, 300, kvh, d, generator=gen).to(dtype)
+    q = torch.randn(n + 1, kvh * g, d, generator=gen).to(dtype)
+    cache = Cache([kv, other], seed=3)
+    step = [SeqChunk(list(range(n)), prefix, cache.tables[0], positions=[prefix + x for x in depths],
+                     custom_mask=tree_mask(parents), mask_start=prefix),
+            SeqChunk([0], 299, cache.tables[1])]
+    return cache, step, q
 
 
 def check_tree_rows(prefix, kvh, g, d, dtype):
