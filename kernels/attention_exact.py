@@ -326,7 +326,8 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if mode == "split" and not split_ok:
         raise ValueError(f"the split launch takes masked steps of at most {chunk} tokens a sequence and no "
                          f"ragged step, not {meta.max_query_len} tokens{' (ragged)' if meta.ragged else ''}")
-    split = (_mode(meta, T, H, kvh, D, q_tiles, q.device, chunk, wide_tree) and split_ok) if mode == "auto" \
+    wants_rows = wide_tree and TREE_WIDE_ROWS // block_m > 1  # (a group of query heads may fill the wide rows)
+    split = (_mode(meta, T, H, kvh, D, q_tiles, q.device, chunk, wants_rows) and split_ok) if mode == "auto" \
         else mode == "split"
     chunks = triton.cdiv(max(meta.max_seq_len, 1), chunk) if split else 1
     if split:
@@ -340,7 +341,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # a tree's split launch: programs of whole chunks over TREE_TILES query tiles (a group), or over the
     # wide rows of TREE_WIDE_ROWS // block_m of them in one tile, then of the tree chunks one a token of
     # the group's tiles
-    wide_rows = split and wide_tree and TREE_WIDE_ROWS // block_m > 1
+    wide_rows = split and wants_rows
     sub = (TREE_WIDE_ROWS // block_m if wide_rows else TREE_TILES) if split and has_mask else 1
     q_groups = triton.cdiv(q_tiles, sub)
     per_token = sub * block_q if split and has_mask else 0
