@@ -189,6 +189,17 @@ def exact_settings(**values):
             setattr(attention_exact, name, value)
 
 
+def parse_settings(ap: argparse.ArgumentParser, text: str) -> dict[str, int]:
+    """``NAME=INT[,NAME=INT...]`` -> the batch-invariant kernel's constants to set (``--exact-settings``)."""
+    values = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if not hasattr(attention_exact, name) or not value.lstrip("-").isdigit():
+            ap.error(f"--exact-settings {text!r}: {item!r} is not NAME=INT for a constant of kernels/attention_exact.py")
+        values[name] = int(value)
+    return values
+
+
 def exact_launch(block_m: int, block_n: int, num_warps: int, num_stages: int):
     """The batch-invariant kernel launched with these query rows and keys a tile, warps and stages,
     for the block."""
@@ -234,6 +245,10 @@ def main() -> None:
                     help="with --exact: also time it with TREE_WIDE off (0) or on (1) (repeatable)")
     ap.add_argument("--exact-tree-wide-programs", type=int, action="append", default=[],
                     help="with --exact: also time it with this TREE_WIDE_PROGRAMS_PER_SM (repeatable)")
+    ap.add_argument("--exact-settings", action="append", default=[],
+                    help="with --exact: also time it with these module constants, NAME=INT[,NAME=INT...] "
+                         "(repeatable; e.g. TREE_WIDE_PROGRAMS_PER_SM=4,TREE_TILES=1), and say whether the output "
+                         "has the default's bits")
     ap.add_argument("--exact-mode", choices=("fold", "split"), action="append", default=[],
                     help="with --exact: also time it with its launch shape forced (repeatable; the same bits)")
     ap.add_argument("--capacity", type=int, default=None,
@@ -246,6 +261,7 @@ def main() -> None:
                          "its keys from HBM as inside a model's step (0: off; 200 covers an H200's L2)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    settings = [parse_settings(ap, text) for text in args.exact_settings]
     global L2_FLUSH
     if args.l2_flush:
         L2_FLUSH = torch.empty(args.l2_flush << 20, dtype=torch.uint8, device="cuda")
@@ -311,14 +327,19 @@ def main() -> None:
                     [{"TREE_WIDE": bool(n)} for n in args.exact_tree_wide] + \
                     [{"TREE_WIDE_PROGRAMS_PER_SM": n} for n in args.exact_tree_wide_programs] + \
                     [{"TREE_TILES": n, "TREE_SPLIT_PROGRAMS_PER_SM": p} for n in args.exact_tree_tiles
-                     for p in args.exact_tree_split_programs]
+                     for p in args.exact_tree_split_programs] + \
+                    settings
+                reference = exact()
                 for values in switches:
                     with exact_settings(**values):
                         us = time_us(exact)
+                        same = torch.equal(exact(), reference)
                     config = "exact " + " ".join(f"{k}={v}" for k, v in values.items())
                     results["cases"].append({"context": context, "tokens": tokens, "config": config,
-                                             "us": round(us, 1), "kv_read_us": round(read_us, 1)})
-                    print(f"ctx {context:>6} tokens {tokens:>3} {config}: {us:8.1f} us", flush=True)
+                                             "us": round(us, 1), "kv_read_us": round(read_us, 1),
+                                             "same_bits_as_default": same})
+                    print(f"ctx {context:>6} tokens {tokens:>3} {config}: {us:8.1f} us"
+                          f"{'' if same else ' (OTHER BITS than the default)'}", flush=True)
                 if args.exact_sweep:
                     chunk = args.exact_chunk or attention_exact.CHUNK
                     for m, n, w, st in EXACT_SWEEP:

@@ -53,7 +53,7 @@ from verify_service.target import Target  # noqa: E402
 TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0,
         "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "eos_token_id": 255}
-DEFAULT_TRACE = Path(__file__).parent / "results" / "acceptance_smollm2_mtbench_cpu.json"
+DEFAULT_TRACE = Path(__file__).parent / "results" / "acceptance_smollm2_mtbench80_h200.json"
 DEFAULT_CASES = ("32768:1", "16384:4", "4096:1", "4096:16")
 # The seed documents' gates (../shared/REFERENCE.md): speed-up over target-only and tau at least these.
 GATES = {(32768, 1): {"speedup": 2.0, "tau": 3.0}, (16384, 4): {"speedup": 1.0, "tau": 2.2}}

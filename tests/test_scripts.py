@@ -154,6 +154,21 @@ def test_attention_benchmark_trees():
         tree_of(8, 0)
 
 
+def test_attention_benchmark_exact_settings():
+    """``attention_kernel.py --exact-settings``: NAME=INT pairs of the exact kernel's constants; a
+    name the module lacks, or a value that is no integer, is a usage error before anything runs."""
+    import argparse
+
+    from benchmarks.attention_kernel import parse_settings
+
+    ap = argparse.ArgumentParser()
+    assert parse_settings(ap, "TREE_WIDE_PROGRAMS_PER_SM=4,TREE_TILES=1") == {"TREE_WIDE_PROGRAMS_PER_SM": 4,
+                                                                               "TREE_TILES": 1}
+    for bad in ("NO_SUCH_CONSTANT=1", "TREE_TILES=two", "TREE_TILES", "TREE_TILES=1,"):
+        with pytest.raises(SystemExit):
+            parse_settings(ap, bad)
+
+
 @pytest.mark.parametrize("mode", ["ab", "plain"])
 def test_profile_spec_step_decodes_plainly_with_the_draft_attached(tmp_path, mode):
     """``profile_spec_step.py --mode ab|plain``: its always-plain policy is one the engine accepts
