@@ -115,6 +115,20 @@ def timed_run(engine: Engine, prompts: list[list[int]], new_tokens: int, profile
     return out
 
 
+def policy_report(policy: AdaptivePolicy, engine: Engine) -> dict:
+    """Why the adaptive rows chose what they did: the calibrated forward costs, the switches between
+    plain decoding and trees (and their reasons), probes and vetoes, the requests that ran without
+    the draft, and what the cost model learned against what it measured."""
+    table, detacher = policy.table, engine.speculation.detacher
+    return {"forward_ms": {f"b{b} q{q}": round(float(policy.table.ms[0, i, j]), 3)
+                           for i, b in enumerate(table.batches) for j, q in enumerate(table.tokens)},
+            "switches": dict(policy.switches), "probes": policy.probes, "vetoes": policy.vetoes,
+            "detached_requests": detacher.detached_requests if detacher else None,
+            "left_requests": detacher.left_requests if detacher else None,
+            "reattached_requests": detacher.reattached_requests if detacher else None,
+            "costs": policy.costs.diagnostics()}
+
+
 def sync(engine: Engine) -> None:
     if engine.target.device.type == "cuda":
         torch.cuda.synchronize(engine.target.device)
@@ -160,6 +174,7 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
                 row["efficiency"] = round(row["speedup"] / r["tau"], 3)
             if policy is not None:
                 row["decisions"] = {str(k): v for k, v in sorted(policy.decisions.items())}
+                row["policy"] = policy_report(policy, engine)
             gate = GATES.get((context, batch))
             if gate:
                 row["gate"] = {**gate, "met": row["speedup"] >= gate["speedup"] and r.get("tau", 0) >= gate["tau"]}

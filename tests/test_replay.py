@@ -67,6 +67,21 @@ def test_replay_gates_runs_small_and_says_replay(tmp_path):
         assert [p.name for p in plot.main([str(out), "--out-dir", str(tmp_path / "png")])] == ["replay_gates.png"]
 
 
+def test_replay_gates_adaptive_rows_say_why(tmp_path):
+    """``--adaptive``: the policy's row carries its decisions and why: the calibrated forward costs
+    it priced them with, its switches, probes and vetoes, the requests that ran without the draft,
+    and what its cost model learned."""
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps(TRACE))
+    report = replay_gates.main(["--geometry", "tiny", "--device", "cpu", "--dtype", "float32", "--case", "32:1",
+                                "--steps", "6", "--trace", str(trace), "--adaptive"])
+    row = next(r for r in report["cases"] if r["config"].endswith("(replay+adaptive)"))
+    policy = row["policy"]
+    assert sum(row["decisions"].values()) >= 1
+    assert set(policy["forward_ms"]) >= {"b1 q1", "b1 q4"} and all(v > 0 for v in policy["forward_ms"].values())
+    assert policy["detached_requests"] >= 0 and "draft_ms" in policy["costs"] and "steps" in policy["costs"]
+
+
 def plot_available() -> bool:
     try:
         import matplotlib  # noqa: F401
