@@ -42,7 +42,7 @@ from draft_service.eagle_init import write_random_head  # noqa: E402
 from runtime.block_manager import blocks_for  # noqa: E402
 from tools.evaluate import parse_config  # noqa: E402
 from common.tree_settings import tree_sizes  # noqa: E402
-from verify_service.adaptive import AdaptivePolicy  # noqa: E402
+from verify_service.adaptive import AdaptivePolicy, policy_variant  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
 from verify_service.cost_table import CostGrid, calibrate  # noqa: E402
 from verify_service.engine import Engine  # noqa: E402
@@ -144,7 +144,11 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
     prompts = [torch.randint(0, raw["vocab_size"] - 1, (context,), generator=g).tolist() for _ in range(batch)]
     # As a server starts: every graph either engine replays is captured before anything is timed (a
     # batch that shrinks as its sequences finish would otherwise capture in the first timed run).
-    trees = tuple(sorted({s.settings.node_budget + 1 for s in specs.values()}))
+    # With the adaptive rows, every size the policy may pick, as the services and the in-process engine
+    # warm up (``tools/inprocess.build_engine``): a size left out is captured, or its step padded to a
+    # captured one, while timed.
+    sizes = {name: tree_sizes(s.settings) if args.adaptive else (s.settings.node_budget,) for name, s in specs.items()}
+    trees = tuple(sorted({n + 1 for v in sizes.values() for n in v}))
     target.runner.warm_up(target.cfg.max_batch_tokens, trees)
     base = timed_run(Engine(target), prompts, args.steps)
     rows = [{"context": context, "batch": batch, "config": "target-only", **base}]
@@ -153,12 +157,17 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
     for name, spec in specs.items():
         drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                                batch, target.max_model_len, args.kernels)
-        drafter.warm_up(chained=True)  # as a server does: no graph captured while timed (batches shrink at the end)
+        # as a server does: no graph captured while timed (batches shrink at the end), with the policy
+        # every size it may pick
+        drafter.warm_up([spec.settings.capped(n) for n in sizes[name]] if args.adaptive else None, chained=True)
         runs = [("replay", None)] + ([("replay, unchained", None)] if args.unchained else [])
         if args.adaptive:
-            grid = CostGrid(tuple(sorted({1, batch})), tuple(sorted({1, *(n + 1 for n in tree_sizes(spec.settings))})),
+            grid = CostGrid(tuple(sorted({1, batch})), tuple(sorted({1, *(n + 1 for n in sizes[name])})),
                             (context,), reps=3)
-            runs.append(("replay+adaptive", AdaptivePolicy(calibrate(target, grid), spec.settings)))
+            table = calibrate(target, grid)
+            runs.append(("replay+adaptive", AdaptivePolicy(table, spec.settings)))
+            runs += [(f"replay+adaptive {text}", AdaptivePolicy(table, spec.settings, policy_variant(text)))
+                     for text in args.adaptive_variant]
         for mode, policy in runs:
             replay = AcceptanceReplay(traces[name]["traces"])
             engine = Engine(target, drafter, spec.settings, policy, replay)
@@ -198,6 +207,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=128, help="timed new tokens per sequence")
     ap.add_argument("--draft-vocab", type=int, default=32000, help="the random head's draft vocabulary")
     ap.add_argument("--adaptive", action="store_true", help="also run the adaptive policy (cost table measured first)")
+    ap.add_argument("--adaptive-variant", action="append", default=[], metavar="FIELD=VALUE[,...]",
+                    help="with --adaptive: also a policy with these PolicyConfig fields changed (repeatable), "
+                         "e.g. prior_acceptance=0.85 or leave_from=0")
     ap.add_argument("--unchained", action="store_true",
                     help="also run each tree with the draft called after the step's sync (not chained behind "
                          "acceptance on the device): the two side by side")
@@ -210,6 +222,13 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the target's batch-invariant kernels (default: the engine's, on CUDA)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.adaptive_variant and not args.adaptive:
+        ap.error("--adaptive-variant needs --adaptive")
+    for text in args.adaptive_variant:
+        try:
+            policy_variant(text)
+        except ValueError as exc:
+            ap.error(f"--adaptive-variant {text!r}: {exc}")
     trace = json.loads(Path(args.trace).read_text())
     args.config = args.config or list(trace["configs"])
     raw = TINY if args.geometry == "tiny" else GEOMETRIES[args.geometry]

@@ -74,12 +74,18 @@ def test_replay_gates_adaptive_rows_say_why(tmp_path):
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps(TRACE))
     report = replay_gates.main(["--geometry", "tiny", "--device", "cpu", "--dtype", "float32", "--case", "32:1",
-                                "--steps", "6", "--trace", str(trace), "--adaptive"])
+                                "--steps", "6", "--trace", str(trace), "--adaptive",
+                                "--adaptive-variant", "prior_acceptance=0.9,leave_from=0"])
+    configs = [r["config"] for r in report["cases"]]
+    assert "chain:3 (replay+adaptive prior_acceptance=0.9,leave_from=0)" in configs
     row = next(r for r in report["cases"] if r["config"].endswith("(replay+adaptive)"))
     policy = row["policy"]
     assert sum(row["decisions"].values()) >= 1
     assert set(policy["forward_ms"]) >= {"b1 q1", "b1 q4"} and all(v > 0 for v in policy["forward_ms"].values())
     assert policy["detached_requests"] >= 0 and "draft_ms" in policy["costs"] and "steps" in policy["costs"]
+    for bad in (["--adaptive-variant", "leave_from=0"], ["--adaptive", "--adaptive-variant", "no_such_field=1"]):
+        with pytest.raises(SystemExit):
+            replay_gates.main(["--geometry", "tiny", "--device", "cpu", "--case", "32:1", "--trace", str(trace), *bad])
 
 
 def plot_available() -> bool:
