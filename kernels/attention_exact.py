@@ -127,6 +127,12 @@ def probe_wide_tile(device: torch.device, dtype: torch.dtype, group: int, head_d
     return same
 
 
+def few_tree(meta: AttentionMetadata) -> bool:
+    """Whether a tree step is small enough (at most ``TREE_FEW_TOKENS`` tokens a sequence) to take a
+    one-token step's launch shape: the narrow tile, ``SPLIT_PROGRAMS_PER_SM`` programs an SM."""
+    return meta.max_query_len <= TREE_FEW_TOKENS
+
+
 def tree_wide_wanted(max_seq_len: int) -> bool:
     """Whether a tree step over at most ``max_seq_len`` keys asks for the wide rows (``TREE_WIDE``,
     ``TREE_WIDE_MIN_KEYS``); ``wide_tile_ok(..., "tree")`` then says whether it gets them."""
@@ -228,6 +234,18 @@ TREE_WIDE_MIN_KEYS = 16384
 # 67.6 / 69.3 / 74.7 / 75.5 us.
 TREE_WIDE_PROGRAMS_PER_SM = int(os.environ.get("EAGLE3_EXACT_TREE_WIDE_PROGRAMS", "2"))
 assert TREE_WIDE_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_TREE_WIDE_PROGRAMS: programs an SM, 0 for one a chunk"
+# A tree step of at most this many tokens a sequence takes a one-token step's launch shape: the
+# narrow tile, whose tree launch holds two programs an SM (sm_90: 234 registers, 81.9 KB of shared
+# memory; the wide rows' one, 255 and 149.5 KB), and ``SPLIT_PROGRAMS_PER_SM`` programs an SM for
+# its chunks (a program a chunk or two over a long prefix). The calibrated exact forward of the 8B
+# over 32K keys took 8.74 / 8.92 / 9.14 ms for trees of 1 / 4 / 8 nodes against 5.65 for one token
+# (H200, fba4dd1, ``replay_gates_h200_fba4dd1_adaptive_diag.json``): a cost that does not grow with
+# the tree, the wide rows' programs (33 a KV head, two chunks each, one an SM) rather than its
+# tokens. ``EAGLE3_EXACT_TREE_FEW_TOKENS`` (read at import); 0, the default until it is measured
+# (``attention_kernel.py --exact-settings TREE_FEW_TOKENS=9``), keeps every tree on the tree launch
+# shapes. Speed only: a row's partials are the narrow tile's either way.
+TREE_FEW_TOKENS = int(os.environ.get("EAGLE3_EXACT_TREE_FEW_TOKENS", "0"))
+assert TREE_FEW_TOKENS >= 0, "EAGLE3_EXACT_TREE_FEW_TOKENS: tokens a sequence, 0 for none"
 # A step without a tree walks a program's key tiles in one loop across its chunks (``_walk_chunks``)
 # where a chunk holds at least this many tiles, else a loop a chunk (the same bits either way). On an
 # H200 the one loop took 8B decode attention at batch 64 and 4K from 279.0 to 252.7 us (512-key
@@ -304,7 +322,8 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     has_mask = meta.custom_mask is not None
     if tile == "auto":
         if has_mask:
-            tile = "tree" if tree_wide_wanted(meta.max_seq_len) and wide_tile_ok(q, g, chunk, "tree") else "narrow"
+            tile = "tree" if not few_tree(meta) and tree_wide_wanted(meta.max_seq_len) and \
+                wide_tile_ok(q, g, chunk, "tree") else "narrow"
         else:
             tile = "wide" if meta.max_query_len >= WIDE_QUERY_LEN and wide_tile_ok(q, g, chunk) else "narrow"
     # a tree step's "tree" tile: its whole-chunk programs (split launch) take the wide rows, the rest
@@ -345,8 +364,9 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     sub = (TREE_WIDE_ROWS // block_m if wide_rows else TREE_TILES) if split and has_mask else 1
     q_groups = triton.cdiv(q_tiles, sub)
     per_token = sub * block_q if split and has_mask else 0
-    walkers = chunk_programs(chunks, meta.num_seqs * q_groups * kvh, q.device,
-                             per_sm=TREE_WIDE_PROGRAMS_PER_SM if wide_rows else None, tree=has_mask) if split else 1
+    per_sm = TREE_WIDE_PROGRAMS_PER_SM if wide_rows else SPLIT_PROGRAMS_PER_SM if has_mask and few_tree(meta) else None
+    walkers = chunk_programs(chunks, meta.num_seqs * q_groups * kvh, q.device, per_sm=per_sm, tree=has_mask) \
+        if split else 1
     pdl = dependent(q, PDL_ALL)  # (speed only: the bits are the same either way)
     # A ragged step (a graphed prompt step): its programs find their chunk and tile from query_start_loc,
     # the grid fixed by the step's capacity of tokens (``attention_triton._program_tile``).

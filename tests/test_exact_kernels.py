@@ -165,6 +165,38 @@ def test_a_trees_wide_whole_chunk_tile_attends_as_the_narrow_one(g, d, dtype, pe
         assert torch.equal(paged_attention_exact(q, cache.k, cache.v, meta, scale, "split"), narrow)
 
 
+def test_a_few_token_tree_takes_the_one_token_launch_shape(monkeypatch):
+    """``TREE_FEW_TOKENS``: a tree step of at most that many tokens a sequence keeps the narrow tile
+    where the wide rows are wanted and allowed, and sizes its chunks' programs as a one-token step
+    does (``SPLIT_PROGRAMS_PER_SM``); the split launch still gives the fold launch's bits (a 5-token
+    tree after 700 keys beside a decoding neighbour, 128-key chunks). Off (0), the tree's own."""
+    from kernels import attention_exact
+
+    monkeypatch.setattr(attention_exact, "CHUNK", 128)
+    monkeypatch.setattr(attention_exact, "SPLIT_PROGRAMS_PER_SM", 1)  # (programs that walk several chunks)
+    cache, step, q = binary_tree_step(5, 700, 2, 3, 64, torch.bfloat16, seed=9)
+    want = attend(cache, step, q, "fold")
+    asked, real = [], attention_exact.chunk_programs
+    monkeypatch.setattr(attention_exact, "chunk_programs",
+                        lambda *a, per_sm=None, tree=False: asked.append((per_sm, tree)) or real(*a, per_sm=per_sm,
+                                                                                                  tree=tree))
+    monkeypatch.setattr(attention_exact, "TREE_WIDE_MIN_KEYS", 0)  # the wide rows wanted at any length ...
+    monkeypatch.setattr(attention_exact, "wide_tile_ok", lambda *a, **k: True)  # ... and allowed
+    wide = attention_exact.TREE_WIDE_PROGRAMS_PER_SM
+    for few, per_sm in ((0, wide), (4, wide), (5, 1)):  # (the wide rows' programs an SM, else a one-token step's)
+        monkeypatch.setattr(attention_exact, "TREE_FEW_TOKENS", few)
+        asked.clear()
+        got = attend(cache, step, q, "split")
+        assert asked == [(per_sm, True)], (few, asked)
+        if few >= 5:  # the narrow tile: the fold launch's bits (the wide rows' are the probe's matter)
+            assert torch.equal(got, want)
+    meta = layout_step(step, BLOCK, torch.device(DEVICE), EXACT).meta
+    monkeypatch.setattr(attention_exact, "TREE_FEW_TOKENS", 5)
+    assert attention_exact.few_tree(meta)
+    monkeypatch.setattr(attention_exact, "TREE_FEW_TOKENS", 4)
+    assert not attention_exact.few_tree(meta)
+
+
 def test_trees_ask_for_the_wide_rows_over_long_prefixes_only(monkeypatch):
     """``tree_wide_wanted``: launches over at least ``TREE_WIDE_MIN_KEYS`` keys (in a graph, the
     cache's capacity), not with ``TREE_WIDE`` off; off the GPU the probe's answer keeps them narrow."""
