@@ -748,6 +748,33 @@ def test_a_backlog_larger_than_one_draft_call_goes_in_pieces_and_in_order(dirs):
     assert out == want
 
 
+@pytest.mark.parametrize("feed_prompt_rows", [0, 1])
+def test_prompt_rows_reach_the_draft_at_once_where_the_policy_says(dirs, feed_prompt_rows):
+    """``feed_prompt_rows``: a 40-token prompt in chunks of at most 16 rows, then plain decoding: with
+    it, every prompt row reaches the draft by the end of the prompt's steps (no tree asked for) and
+    only the plain steps' rows wait; without it, the prompt's last chunk waits with them for the first
+    tree. The output is target-only's either way."""
+    cfg = PolicyConfig(feed_prompt_rows=feed_prompt_rows)
+    engine = eagle_engine(dirs, "dynamic", lambda cost, limits: PlainThenTrees(cost, limits, cfg), table(1.0),
+                          max_batch_tokens=16)
+    params = SamplingParams(max_tokens=70, ignore_eos=True)
+    want = Engine(target_for(dirs[0])).generate([PROMPTS[1]], params)[0].token_ids
+    seq_id = engine.add_request(PROMPTS[1], params)
+    out = []
+    while engine.sequences[seq_id].prefilling:
+        out += [t for ev in engine.step() for t in ev.token_ids]
+    for _ in range(5):  # plain steps (the first 60 decisions)
+        out += [t for ev in engine.step() for t in ev.token_ids]
+    seq, fed = engine.sequences[seq_id], engine.drafter.rows.get(seq_id, 0)
+    assert fed + engine.feed_buffer.rows == seq.num_tokens - 1  # every committed row, once
+    if feed_prompt_rows:
+        assert fed >= len(PROMPTS[1]) - 1 and engine.feed_buffer.rows <= 6
+    else:
+        assert fed < len(PROMPTS[1]) - 1  # (the last chunk's rows wait)
+    out += [t for ev in engine.run_until_done() for t in ev.token_ids]
+    assert out == want and engine.speculation_totals().steps > 0
+
+
 class CountingOracle(OracleDrafter):
     calls = 0
 

@@ -89,6 +89,9 @@ class PolicyConfig:
     #                              decoding's tokens per ms (or vetoed) runs without the draft (0: never)
     leave_from: int = 4  # from a batch of this many: where the global estimate picks plain decoding for the
     #                      whole batch, requests run without the draft, and running ones leave it (0: never)
+    feed_prompt_rows: int = 0  # 1: a step of prompt chunks that asks for no tree sends the draft every
+    #                            waiting row at once, rather than the first tree after plain steps
+    #                            extending them (``DraftCoordinator._feed_prompts``; off until measured)
 
 
 def policy_variant(text: str) -> PolicyConfig:
