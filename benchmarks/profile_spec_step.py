@@ -47,6 +47,7 @@ from common.sampling_params import SamplingParams  # noqa: E402
 from draft_service.drafter import EagleDrafter  # noqa: E402
 from draft_service.eagle_init import write_random_head  # noqa: E402
 from tools.evaluate import parse_config  # noqa: E402
+from verify_service.adaptive import PolicyConfig  # noqa: E402
 from verify_service.engine import Engine  # noqa: E402
 
 SHIPPED_HEAD = str(Path(__file__).resolve().parent.parent / "hub" / "heads" / "smollm2-135m-instruct")
@@ -60,6 +61,7 @@ class _AlwaysPlain:
     choice = 0
     backlog_rows = 0  # set by the draft coordinator
     chainable = False  # likewise
+    cfg = PolicyConfig()  # the defaults the coordinator reads (``feed_prompt_rows``)
 
     def detaches(self, batch, context) -> bool:
         return False  # the draft stays attached: its cost on plain steps is what --mode plain/ab measure
