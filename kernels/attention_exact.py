@@ -61,6 +61,14 @@ from kernels.pdl import PDL_ALL, dependent, launch_options
 
 log = logging.getLogger(__name__)
 
+
+def _env_count(name: str, default: int, unit: str) -> int:
+    """A setting of this module from the environment (read at import): a count of ``unit``, at least 0."""
+    text = os.environ.get(name, str(default))
+    if not text.isdigit():
+        raise ValueError(f"{name}={text!r}: {unit}, a whole number at least 0")
+    return int(text)
+
 # Query rows per program (tokens x the query heads sharing a KV head), at least the group of query
 # heads: a function of the model alone. 16 (H200, 52a76bf, decode_baseline.py --exact-attention-rows
 # 16): the 8B batch-64 step at 4K 14.132 ms against 16.659 with 64 rows, batch 1 5.276 against
@@ -193,16 +201,14 @@ WAVE_FILL = 0.75
 # chunk of ``meta.max_seq_len`` (in a graph, of the cache's capacity: SmolLM2 at batch 64 launched
 # 12,288 programs for about 1,000 chunks holding keys). ``EAGLE3_EXACT_SPLIT_PROGRAMS``, read at
 # import. Speed only: a chunk's partials are the same whichever program computes them.
-SPLIT_PROGRAMS_PER_SM = int(os.environ.get("EAGLE3_EXACT_SPLIT_PROGRAMS", "4"))
-assert SPLIT_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_SPLIT_PROGRAMS: programs an SM, 0 for one a chunk"
+SPLIT_PROGRAMS_PER_SM = _env_count("EAGLE3_EXACT_SPLIT_PROGRAMS", 4, "programs an SM, 0 for one a chunk")
 # The same for a tree step, whose whole-chunk programs share the GPU with one program a token for
 # its tree chunks (``EAGLE3_EXACT_TREE_SPLIT_PROGRAMS``, read at import). 1 (H200, a541014, SmolLM2's
 # 60-token tree at a capacity of 8,192, ``attention_kernel.py --exact-tree-split-programs``): at 128 /
 # 256 / 384 / 512 / 1,024 keys 9.8 / 10.5 / 13.4 / 14.8 / 15.8 us against 10.8 / 11.5 / 13.8 / 14.5 /
 # 17.2 with 4; MT-bench at batch 1 (one round, exact_mode/tree_split_programs_h200_a541014/) 2,824.9
 # against 2,725.7 speculative tok/s.
-TREE_SPLIT_PROGRAMS_PER_SM = int(os.environ.get("EAGLE3_EXACT_TREE_SPLIT_PROGRAMS", "1"))
-assert TREE_SPLIT_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_TREE_SPLIT_PROGRAMS: programs an SM, 0 for one a chunk"
+TREE_SPLIT_PROGRAMS_PER_SM = _env_count("EAGLE3_EXACT_TREE_SPLIT_PROGRAMS", 1, "programs an SM, 0 for one a chunk")
 # Query tiles a whole-chunk program of a tree step's split launch takes at once (``EAGLE3_EXACT_TREE_TILES``,
 # read at import): 2 loads each key tile of the chunks before the tree's once for two 16-row tiles, each
 # attending it with its own dots and state (``_shared_chunks``: a row's arithmetic is the one tile's, so
@@ -232,8 +238,7 @@ TREE_WIDE_MIN_KEYS = 16384
 # pairs (``chunk_programs``; ``EAGLE3_EXACT_TREE_WIDE_PROGRAMS``, read at import). 2 (the 8B's
 # 64-token tree, capacity 32K): at 32K keys 1 / 2 / 3 / 4 took 380 / 329 / 303 / 293 us, at 4K
 # 67.6 / 69.3 / 74.7 / 75.5 us.
-TREE_WIDE_PROGRAMS_PER_SM = int(os.environ.get("EAGLE3_EXACT_TREE_WIDE_PROGRAMS", "2"))
-assert TREE_WIDE_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_TREE_WIDE_PROGRAMS: programs an SM, 0 for one a chunk"
+TREE_WIDE_PROGRAMS_PER_SM = _env_count("EAGLE3_EXACT_TREE_WIDE_PROGRAMS", 2, "programs an SM, 0 for one a chunk")
 # A tree step of at most this many tokens a sequence takes a one-token step's launch shape: the
 # narrow tile, whose tree launch holds two programs an SM (sm_90: 234 registers, 81.9 KB of shared
 # memory; the wide rows' one, 255 and 149.5 KB), and ``SPLIT_PROGRAMS_PER_SM`` programs an SM for
@@ -244,8 +249,7 @@ assert TREE_WIDE_PROGRAMS_PER_SM >= 0, "EAGLE3_EXACT_TREE_WIDE_PROGRAMS: program
 # tokens. ``EAGLE3_EXACT_TREE_FEW_TOKENS`` (read at import); 0, the default until it is measured
 # (``attention_kernel.py --exact-settings TREE_FEW_TOKENS=9``), keeps every tree on the tree launch
 # shapes. Speed only: a row's partials are the narrow tile's either way.
-TREE_FEW_TOKENS = int(os.environ.get("EAGLE3_EXACT_TREE_FEW_TOKENS", "0"))
-assert TREE_FEW_TOKENS >= 0, "EAGLE3_EXACT_TREE_FEW_TOKENS: tokens a sequence, 0 for none"
+TREE_FEW_TOKENS = _env_count("EAGLE3_EXACT_TREE_FEW_TOKENS", 0, "tokens a sequence, 0 for none")
 # A step without a tree walks a program's key tiles in one loop across its chunks (``_walk_chunks``)
 # where a chunk holds at least this many tiles, else a loop a chunk (the same bits either way). On an
 # H200 the one loop took 8B decode attention at batch 64 and 4K from 279.0 to 252.7 us (512-key
