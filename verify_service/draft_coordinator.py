@@ -268,9 +268,11 @@ class DraftCoordinator:
         tree sends the draft every waiting row now, without a tree request, rather than letting the
         prompt's rows wait for the next tree: a long prompt's last chunk would otherwise make the first
         tree after plain steps pay its extend (8,254 rows, 358 ms at 32K on the 8B, after which the
-        learned catch-up cost priced trees out). A no-op where off or where nothing waits."""
+        learned catch-up cost priced trees out). A no-op where off, where nothing waits, or while the
+        draft is not connected (its rows keep waiting, as for a tree)."""
         policy = self.policy
-        if prompt and policy is not None and policy.cfg.feed_prompt_rows and self.feed_buffer.rows:
+        if prompt and policy is not None and policy.cfg.feed_prompt_rows and self.feed_buffer.rows and \
+                getattr(self.drafter, "connected", True):
             self._send(self.feed_buffer.take(), [])
             policy.backlog_rows = 0
 
