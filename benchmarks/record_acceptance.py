@@ -7,6 +7,13 @@ accepted, with a real target and head (default: SmolLM2 and the shipped head, fp
 ``benchmarks/replay_gates.py`` replays such a trace on models whose trained weights are not at hand
 (``verify_service/replay.py``). A config is ``TREE:DEPTH[:TOP_K[:NODES]]``; each records its own
 trace. Accepted node k of a step sits at depth k (a path), so the counts give acceptance per depth.
+
+A dynamic tree's entry also holds, per step, what every smaller size the adaptive policy may pick
+would have accepted (``per_size``: the tree's best n nodes, ``TreeSettings.capped``, which hold the
+accepted path's nodes up to its first node outside them; ``accepted_within``, exact under greedy
+verification; a request's last trees, cut short by its token budget and not shown to a policy,
+min(count, n)): the replay of a smaller tree takes its own count from the same step, where the
+full tree's count would credit it with nodes it does not have.
 """
 
 from __future__ import annotations
@@ -19,29 +26,83 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.policy_replay import flat_table  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from hub.default_model import ensure_default_model  # noqa: E402
 from tools.evaluate import parse_config  # noqa: E402
 from tools.inprocess import build_engine  # noqa: E402
 from tools.train.data import load_prompts  # noqa: E402
+from verify_service.adaptive import AdaptivePolicy, PolicyConfig  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
 
 
-def record(engine, prompts: list[list[int]], max_tokens: int, batch: int) -> list[list[int]]:
-    """Generate ``prompts`` (greedy, ``batch`` at a time); returns each one's accepted count per step."""
+class SizeRecorder(AdaptivePolicy):
+    """A policy that picks the full tree for every request at every step and keeps, per sequence per
+    verified tree, what each size it could have picked would have accepted (``observe_accepted``)."""
+
+    def __init__(self, limits):
+        super().__init__(flat_table(), limits, PolicyConfig(probe_every=0, veto_span=0, leave_from=0))
+        self.per_size: dict[int, list[list[int]]] = {}
+        self.cut_short_trees = 0
+
+    def choose(self, batch, context, seq_ids, budgets, quick_key=None) -> int:
+        self.choice = self.sizes[-1] if seq_ids else 0
+        self.decisions[self.choice] += 1
+        self.decided += 1
+        self.last_held = False
+        return self.choice
+
+    def choose_held(self, quick_key) -> bool:
+        return False
+
+    def detaches(self, batch, context) -> bool:
+        return False
+
+    def trees_pay(self, batch, context) -> bool:
+        return True
+
+    def observe_accepted(self, seq_id, acc, nodes) -> None:
+        self.per_size.setdefault(seq_id, []).append([int(a) for a in acc])
+
+    def cut_short(self, seq_id, accepted: int) -> None:
+        """A tree cut short by the request's end (the engine does not show it to a policy): a tree of n
+        nodes is at most n deep, so n of it at most."""
+        self.per_size.setdefault(seq_id, []).append([min(accepted, n) for n in self.sizes])
+        self.cut_short_trees += 1
+
+
+def record(engine, prompts: list[list[int]], max_tokens: int, batch: int,
+           per_size: list | None = None) -> list[list[int]]:
+    """Generate ``prompts`` (greedy, ``batch`` at a time); returns each one's accepted count per step.
+    With a ``SizeRecorder`` as the engine's policy, ``per_size`` (a list) gets each one's per-size
+    counts per step."""
     traces = []
     params = SamplingParams(max_tokens=max_tokens)
     for i in range(0, len(prompts), batch):
         seqs = [engine.sequences[engine.add_request(p, params)] for p in prompts[i:i + batch]]
         group = [[] for _ in seqs]
+        recorder = engine.policy if per_size is not None else None
         while engine.has_work:
             before = [(s.speculation.steps, s.speculation.accepted_tokens) for s in seqs]
+            seen = [len(recorder.per_size.get(s.seq_id, ())) for s in seqs] if recorder else None
             engine.step()
-            for trace, s, (steps, accepted) in zip(group, seqs, before):
+            for i, (trace, s, (steps, accepted)) in enumerate(zip(group, seqs, before)):
                 if s.speculation.steps > steps:  # one tree per sequence per step
                     trace.append(s.speculation.accepted_tokens - accepted)
+                    if recorder and len(recorder.per_size.get(s.seq_id, ())) == seen[i]:
+                        recorder.cut_short(s.seq_id, trace[-1])
         traces += group
+        if per_size is not None:
+            per_size += [engine.policy.per_size.pop(s.seq_id, []) for s in seqs]
     return traces
+
+
+def check_per_size(traces: list[list[int]], per_size: list[list[list[int]]]) -> None:
+    """The per-size counts match the trees' own: a step each, the full size's count the step's."""
+    for trace, sizes in zip(traces, per_size, strict=True):
+        if [c[-1] for c in sizes] != trace:
+            raise RuntimeError(f"per-size acceptance disagrees with the recorded counts: {trace[:8]} against "
+                               f"{[c[-1] for c in sizes][:8]}")
 
 
 def summary(traces: list[list[int]], depth: int) -> dict:
@@ -73,17 +134,27 @@ def main() -> None:
               "configs": {}}
     for text in configs:
         spec = parse_config(text, args.head)
-        engine = build_engine(cfg, spec)
+        recorder = SizeRecorder(spec.settings) if spec.settings.tree == "dynamic" else None
+        engine = build_engine(cfg, spec, policy=recorder)
         prompts = [engine.target.encode(messages=[{"role": "user", "content": q}])
                    for q in load_prompts(args.prompts, args.limit)]
         start = time.perf_counter()
-        traces = record(engine, prompts, args.max_tokens, args.batch)
+        per_size = [] if recorder else None
+        traces = record(engine, prompts, args.max_tokens, args.batch, per_size)
         s = spec.settings
         entry = {"tree": {"tree": s.tree, "depth": s.depth, "top_k": s.top_k, "max_nodes": s.max_nodes},
                  **summary(traces, s.depth), "seconds": round(time.perf_counter() - start, 1), "traces": traces}
+        if recorder:
+            check_per_size(traces, per_size)
+            entry["per_size"] = {"sizes": list(recorder.sizes), "traces": per_size,
+                                 "cut_short_trees": recorder.cut_short_trees,
+                                 "tau": [round(1 + sum(c[i] for t in per_size for c in t) / entry["steps"], 4)
+                                         for i in range(len(recorder.sizes))]}
         report["configs"][text] = entry
         print(f"{text}: tau {entry['tau']}, {entry['steps']} steps, per depth {entry['acceptance_per_depth']} "
               f"({entry['seconds']} s)", flush=True)
+        if recorder:
+            print(f"  per size {dict(zip(entry['per_size']['sizes'], entry['per_size']['tau']))} (tau)", flush=True)
         Path(args.out).write_text(json.dumps(report, separators=(",", ":")))  # after each config: kept if stopped
         del engine
 

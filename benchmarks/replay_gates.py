@@ -15,7 +15,8 @@ A case is CONTEXT:BATCH (default: the gates 32768:1 and 16384:4, then 4096:1 and
 case runs target-only once, then every ``--config`` of the trace (default chain:3, the gates' three
 speculative tokens, and dynamic:7:10:59), and with ``--adaptive`` the adaptive policy on top.
 Reported per row: tok/s, speed-up over target-only, tau (tokens per verification step, replayed),
-efficiency = speed-up / tau.
+efficiency = speed-up / tau. The policy's smaller trees accept what that size accepted at the same
+recorded step (a dynamic config's per-size counts, which ``--adaptive`` requires of the trace).
 """
 
 from __future__ import annotations
@@ -169,7 +170,9 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
             runs += [(f"replay+adaptive {text}", AdaptivePolicy(table, spec.settings, policy_variant(text)))
                      for text in args.adaptive_variant]
         for mode, policy in runs:
-            replay = AcceptanceReplay(traces[name]["traces"])
+            per_size = traces[name].get("per_size")
+            replay = AcceptanceReplay(per_size["traces"], per_size["sizes"]) if per_size else \
+                AcceptanceReplay(traces[name]["traces"])
             engine = Engine(target, drafter, spec.settings, policy, replay)
             engine.speculation.chain = mode != "replay, unchained"
             target.runner.warm_up(target.cfg.max_batch_tokens, trees)  # a drafter's capture layers: new graphs
@@ -231,6 +234,14 @@ def main(argv: list[str] | None = None) -> dict:
             ap.error(f"--adaptive-variant {text!r}: {exc}")
     trace = json.loads(Path(args.trace).read_text())
     args.config = args.config or list(trace["configs"])
+    unknown = [name for name in args.config if name not in trace["configs"]]
+    if unknown:
+        ap.error(f"--config {unknown[0]!r}: the trace has {sorted(trace['configs'])}")
+    cut = [name for name in args.config if trace["configs"][name]["tree"]["tree"] == "dynamic"
+           and "per_size" not in trace["configs"][name]]
+    if args.adaptive and cut:
+        ap.error(f"--adaptive: the trace's {cut[0]} has no per-size counts (record_acceptance.py records them): "
+                 "the policy's smaller trees would replay the full tree's acceptance")
     raw = TINY if args.geometry == "tiny" else GEOMETRIES[args.geometry]
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     report = {"kind": "replay_gates",
@@ -239,7 +250,10 @@ def main(argv: list[str] | None = None) -> dict:
                         "timing real",
               "device": device_name, "torch": torch.__version__, "geometry": args.geometry, "dtype": args.dtype,
               "kernels": args.kernels, "new_tokens": args.steps,
-              "trace": {name: {k: trace["configs"][name][k] for k in ("tree", "tau", "acceptance_per_depth")}
+              "trace": {name: {**{k: trace["configs"][name][k] for k in ("tree", "tau", "acceptance_per_depth")},
+                               **({"tau_per_size": dict(zip(*(trace["configs"][name]["per_size"][k]
+                                                              for k in ("sizes", "tau"))))}
+                                  if "per_size" in trace["configs"][name] else {})}
                         for name in args.config},
               "cases": []}
     with tempfile.TemporaryDirectory(prefix="eagle3-replay-head-") as tmp:

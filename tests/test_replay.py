@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 
 from benchmarks import plot, policy_host_cost, policy_replay, replay_gates, row_breakdown, speed_report
-from benchmarks.record_acceptance import record, summary
+from benchmarks.record_acceptance import SizeRecorder, check_per_size, record, summary
 from draft_service.drafter import EagleDrafter
 from draft_service.spec_config import SpecConfig
 from tiny_eagle import make_eagle_dir
 from tiny_models import make_model_dir, target_for, tiny_config
+from tools.inprocess import build_engine
+from verify_service.config import EngineConfig
 from verify_service.adaptive import PolicyConfig
 from verify_service.engine import Engine
 from verify_service.replay import AcceptanceReplay
@@ -52,6 +54,41 @@ def test_an_engine_with_a_replay_accepts_what_the_trace_says(graphs, tmp_path):
     assert summary(traces, 3)["tau"] > 2 and target.blocks.num_used_blocks == 0
 
 
+def test_a_smaller_tree_replays_what_its_size_accepted_at_the_same_step():
+    """Per-size counts: a tree of n nodes takes the count of the largest recorded size it holds; the
+    recorded tree (or no size given) the last. Without them a tree takes the step's count."""
+    replay = AcceptanceReplay([[[0, 1, 1, 2], [1, 1, 3, 5]]], sizes=[1, 2, 4, 8])
+    first, second = (replay.pool[0], replay.pool[1])
+    assert replay.next_accepted(7, 3) == first[1] and replay.next_accepted(7, 8) == second[3]
+    assert replay.next_accepted(8, 1) == replay.pool[replay.start_of(1)][0]
+    assert replay.next_accepted(7) == replay.pool[0][3]  # wrapped around: the recorded tree's count
+    plain = AcceptanceReplay([[3, 0, 2]])
+    assert plain.next_accepted(1, 1) == plain.pool[0]
+
+
+def test_recorder_keeps_what_every_size_would_have_accepted(tmp_path):
+    """``record_acceptance``'s recorder: the full dynamic tree every step, and per step what each size
+    the policy may pick would have accepted: never more for a smaller size, the full size's count the
+    step's own (``check_per_size``), a request's last trees (cut short, not shown to a policy) capped
+    by size."""
+    target_dir = make_model_dir(tmp_path / "t", "llama3", seed=5, std=0.3)
+    head = make_eagle_dir(tmp_path / "d", tiny_config("llama3"), draft_vocab=64, seed=1)
+    spec = SpecConfig(str(head), tree="dynamic", depth=4, top_k=3, max_nodes=12)
+    recorder = SizeRecorder(spec.settings)
+    engine = build_engine(EngineConfig(str(target_dir), device="cpu", dtype="float32", max_model_len=256,
+                                       max_num_seqs=2), spec, policy=recorder)
+    per_size: list = []
+    traces = record(engine, [list(range(10, 30)), [5, 6, 7]], max_tokens=24, batch=2, per_size=per_size)
+    check_per_size(traces, per_size)
+    assert recorder.sizes == (1, 2, 4, 8, 12) and sum(len(t) for t in per_size) == sum(len(t) for t in traces) > 4
+    assert recorder.decisions and set(recorder.decisions) == {12} and recorder.cut_short_trees >= 1
+    steps = [c for t in per_size for c in t]
+    assert all(c == sorted(c) and len(c) == 5 and all(a <= n for a, n in zip(c, recorder.sizes)) for c in steps)
+    assert any(c[-1] > 0 for c in steps)
+    with pytest.raises(RuntimeError, match="disagrees"):
+        check_per_size([[1, 2]], [[[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]])
+
+
 def test_replay_gates_runs_small_and_says_replay(tmp_path):
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps(TRACE))
@@ -83,7 +120,16 @@ def test_replay_gates_adaptive_rows_say_why(tmp_path):
     assert sum(row["decisions"].values()) >= 1
     assert set(policy["forward_ms"]) >= {"b1 q1", "b1 q4"} and all(v > 0 for v in policy["forward_ms"].values())
     assert policy["detached_requests"] >= 0 and "draft_ms" in policy["costs"] and "steps" in policy["costs"]
-    for bad in (["--adaptive-variant", "leave_from=0"], ["--adaptive", "--adaptive-variant", "no_such_field=1"]):
+    dynamic = {**TRACE, "configs": {"dynamic:3:2:4": {"tree": {"tree": "dynamic", "depth": 3, "top_k": 2,
+                                                                 "max_nodes": 4}, "tau": 2.0,
+                                                        "acceptance_per_depth": [0.5, 0.3, 0.2], "traces": [[1, 2]]}}}
+    old_trace = tmp_path / "dynamic.json"
+    old_trace.write_text(json.dumps(dynamic))
+    with pytest.raises(SystemExit):  # no per-size counts: the policy's smaller trees cannot be replayed
+        replay_gates.main(["--geometry", "tiny", "--device", "cpu", "--case", "32:1", "--trace", str(old_trace),
+                           "--adaptive"])
+    for bad in (["--adaptive-variant", "leave_from=0"], ["--adaptive", "--adaptive-variant", "no_such_field=1"],
+                ["--config", "chain:9"]):
         with pytest.raises(SystemExit):
             replay_gates.main(["--geometry", "tiny", "--device", "cpu", "--case", "32:1", "--trace", str(trace), *bad])
 

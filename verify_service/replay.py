@@ -12,6 +12,12 @@ The accepted nodes are the tree's first-child path (each node's best-ranked chil
 goes; where the recorded length is longer than that path (a random head's tree is shallow and
 wide), the next nodes in tree order stand in for the rest, so the compaction and the extend move
 the recorded number of rows.
+
+A tree smaller than the recorded one (the adaptive policy's sizes) accepts what that size accepted
+at the same recorded step (``sizes``: a trace of per-size counts, ``record_acceptance.py``). Without
+them a tree of n nodes accepts min(count, n): exact for a chain (its acceptance is a prefix), but it
+credits a smaller dynamic tree with nodes it lacks, so ``replay_gates.py`` runs a policy only on
+traces with per-size counts.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from runtime.step_layout import Staging
 
 
 class AcceptanceReplay:
-    def __init__(self, traces: list[list[int]]):
-        """``traces``: accepted-node counts per verification step, one list per recorded sequence.
+    def __init__(self, traces: list[list], sizes: list[int] | None = None):
+        """``traces``: accepted-node counts per verification step, one list per recorded sequence; with
+        ``sizes`` each step is a list, what each of those tree sizes accepted there.
 
         Every recorded step goes into one pool, in a fixed pseudo-random order (seed 0), so that a short
         run or a single sequence replays a sample of all the steps of all the prompts: its mean
@@ -35,8 +42,10 @@ class AcceptanceReplay:
         (both run low). Sequence j of a run starts at its own offset in the pool (spread evenly, one per
         trace) and walks it, wrapping around."""
         assert traces and all(traces), "a replay needs non-empty traces"
-        self.traces = traces
+        self.traces, self.sizes = traces, sizes
         steps = np.concatenate([np.asarray(t, dtype=np.int64) for t in traces])
+        if sizes is not None:
+            assert steps.ndim == 2 and steps.shape[1] == len(sizes), "a count per size at every step"
         self.pool = steps[np.random.default_rng(0).permutation(len(steps))].tolist()
         self._next_seq = itertools.count()
         self._cursor: dict[int, int] = {}  # seq_id -> position in the pool
@@ -48,18 +57,28 @@ class AcceptanceReplay:
         n = len(self.traces)
         return (j % n) * len(self.pool) // n + j // n
 
-    def next_accepted(self, seq_id: int) -> int:
+    def next_accepted(self, seq_id: int, nodes: int | None = None) -> int:
+        """The sequence's next recorded step, for a tree of ``nodes`` nodes (None: the recorded tree)."""
         if seq_id not in self._cursor:
             self._cursor[seq_id] = self.start_of(next(self._next_seq))
         pos = self._cursor[seq_id]
         self._cursor[seq_id] = pos + 1
-        return self.pool[pos % len(self.pool)]
+        step = self.pool[pos % len(self.pool)]
+        if self.sizes is None:
+            return step
+        if nodes is None:
+            return step[-1]
+        i = int(np.searchsorted(self.sizes, nodes, side="right")) - 1  # the largest recorded size it holds
+        if i < 0:
+            raise ValueError(f"a tree of {nodes} nodes: the trace starts at {self.sizes[0]}")
+        return step[i]
 
     def accept(self, seq_ids: list[int], parents: np.ndarray, num_nodes: np.ndarray,
                logits: torch.Tensor) -> AcceptResult:
         """``parents`` [B, N+1] (root in column 0, kernel convention), ``num_nodes`` [B] (root included),
         ``logits`` [B, N+1, V]: the target's, for the bonus token after the last accepted node."""
-        paths = [self._path(parents[i], int(num_nodes[i]), self.next_accepted(s)) for i, s in enumerate(seq_ids)]
+        paths = [self._path(parents[i], int(num_nodes[i]), self.next_accepted(s, int(num_nodes[i]) - 1))
+                 for i, s in enumerate(seq_ids)]
         width = max(len(p) for p in paths)
         path = np.full((len(paths), width), -1, dtype=np.int64)
         for i, p in enumerate(paths):
