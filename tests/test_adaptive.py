@@ -748,6 +748,33 @@ def test_a_backlog_larger_than_one_draft_call_goes_in_pieces_and_in_order(dirs):
     assert out == want
 
 
+class TreesAlways(AdaptivePolicy):
+    """The largest tree every step; keeps what each draft call told the cost model."""
+
+    def choose(self, batch, context, seq_ids, budgets, quick_key=None):
+        self.choice = self.sizes[-1]
+        self.decisions[self.choice] += 1
+        return self.choice
+
+    def observe_draft(self, speculating, levels, ms, backlog=0):
+        self.__dict__.setdefault("draft_backlogs", []).append(backlog)
+        super().observe_draft(speculating, levels, ms, backlog)
+
+
+def test_the_prompt_rows_a_first_tree_extends_are_catch_up_not_the_trees_cost(dirs):
+    """A request's first draft call extends its whole prompt (a 16K prompt of the 8B geometry: 24 ms,
+    learned as every later tree's fixed cost, priced trees out for good). Its prompt rows count as
+    the call's catch-up rows, which the cost model keeps apart from the trees' cost; the calls after
+    it bring a tree's few accepted rows."""
+    engine = eagle_engine(dirs, "dynamic", TreesAlways, table(1.0), max_batch_tokens=64)
+    engine.speculation.chain = False  # every tree a draft call of its own (a chained one is timed with its step)
+    prompt = PROMPTS[1]
+    engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
+    first, *rest = engine.policy.draft_backlogs
+    assert first >= len(prompt) - 1 and rest and max(rest) <= 5  # a tree of depth 4 commits at most 5 rows
+    assert engine.policy.costs.observed["draft after plain steps b1"][2] == first
+
+
 @pytest.mark.parametrize("feed_prompt_rows", [0, 1])
 def test_prompt_rows_reach_the_draft_at_once_where_the_policy_says(dirs, feed_prompt_rows):
     """``feed_prompt_rows``: a 40-token prompt in chunks of at most 16 rows, then plain decoding: with

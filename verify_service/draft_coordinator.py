@@ -115,11 +115,14 @@ class DraftCoordinator:
             self._asked.pop(s.seq_id, None)
         self.detacher.leave(seqs, batch)
 
-    def draft(self, feeds: dict[int, DraftFeed], rows: FeedRows | None = None, prompt: bool = False) -> float:
+    def draft(self, feeds: dict[int, DraftFeed], rows: FeedRows | None = None, prompt_rows: int = 0) -> float:
         """Send the draft what became final (``feeds`` per sequence, ``rows`` for many; of live
         sequences only); ask for trees for every decoding sequence, of the size the policy picks when
         there is one (plain decoding: the rows wait in the feed buffer and the draft is not called).
-        Returns the seconds the call for trees took (0: none was made)."""
+        ``prompt_rows``: how many of ``rows`` are prompt chunks' (the draft's catch-up, as the rows of
+        earlier plain steps are: no tree's cost). Returns the seconds the call for trees took (0: none
+        was made)."""
+        prompt = prompt_rows > 0
         decided, self._decided = self._decided, None
         if not feeds and rows is None and not self.speculating:  # no request uses the draft: nothing to do
             policy = self.policy  # (the backlog told only when it changed: a host-bound plain step's microseconds)
@@ -150,7 +153,7 @@ class DraftCoordinator:
         seconds = time.perf_counter() - start  # the trees are on the host: the draft's work is done
         if self.policy is not None and requests:  # a backlog's extend is no tree's cost: counted apart
             levels = max(r.settings.depth for r in requests)
-            self.policy.observe_draft(len(requests), levels, seconds * 1e3, backlog)
+            self.policy.observe_draft(len(requests), levels, seconds * 1e3, backlog + prompt_rows)
         proposed = [(req, trees[req.seq_id]) for req in requests if trees.get(req.seq_id) is not None
                     and trees[req.seq_id].num_nodes]
         vocab = self.vocab_size

@@ -274,7 +274,8 @@ class Engine:
         draft_s = 0.0
         if self.speculation and chained is None:
             fed = rows.build(out.captured, out.query_start_loc) if rows is not None else None
-            draft_s = self.speculation.draft(feeds, fed, prompt=rows is not None and bool(rows.chunked))
+            prompt_rows = sum(len(t) for *_, t in rows.chunked) if rows is not None else 0
+            draft_s = self.speculation.draft(feeds, fed, prompt_rows)
         if self.policy is not None and decode_only:
             steps = 1
             if not tree_nodes and not self.speculation.speculating:  # no request uses the draft: one step in
