@@ -177,6 +177,9 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
             engine.speculation.chain = mode != "replay, unchained"
             target.runner.warm_up(target.cfg.max_batch_tokens, trees)  # a drafter's capture layers: new graphs
             warm = set(target.runner.graphs._graphs)
+            # A policy that has already served (``--adaptive-warm``): as many runs of the same requests
+            # first, the policy keeping what it learned, as a running server's has.
+            before = [timed_run(engine, prompts, args.steps)["tok_s"] for _ in range(args.adaptive_warm if policy else 0)]
             r = timed_run(engine, prompts, args.steps, args.profile_slowest)
             if set(target.runner.graphs._graphs) - warm:  # a capture while timed: the warm-up missed a shape
                 print(f"graphs captured while timed: {sorted(map(str, set(target.runner.graphs._graphs) - warm))}")
@@ -184,6 +187,8 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
                    "speedup": round(r["tok_s"] / base["tok_s"], 3), "trace_tau": traces[name]["tau"]}
             if "tau" in r:
                 row["efficiency"] = round(row["speedup"] / r["tau"], 3)
+            if before:
+                row["speedups_before"] = [round(t / base["tok_s"], 3) for t in before]  # the warm runs', in order
             if policy is not None:
                 row["decisions"] = {str(k): v for k, v in sorted(policy.decisions.items())}
                 row["policy"] = policy_report(policy, engine)
@@ -193,7 +198,8 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
             rows.append(row)
             print(f"ctx {context:>6} batch {batch:>3} {row['config']:<28} {r['tok_s']:9.1f} tok/s  x{row['speedup']:<6} "
                   f"tau {r.get('tau', '-')}  efficiency {row.get('efficiency', '-')}  step median {r['step_ms_median']} ms, "
-                  f"max {r['step_ms_max']} ms (step {r['step_max_at']} of {r['steps']})", flush=True)
+                  f"max {r['step_ms_max']} ms (step {r['step_max_at']} of {r['steps']})"
+                  + (f"; warm runs before it x{row['speedups_before']}" if before else ""), flush=True)
         del drafter
     del target
     if args.device.startswith("cuda"):
@@ -213,6 +219,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--adaptive-variant", action="append", default=[], metavar="FIELD=VALUE[,...]",
                     help="with --adaptive: also a policy with these PolicyConfig fields changed (repeatable), "
                          "e.g. prior_acceptance=0.85 or leave_from=0")
+    ap.add_argument("--adaptive-warm", type=int, default=0, metavar="N",
+                    help="with --adaptive: each policy first serves the same requests N times untimed-for-the-row "
+                         "(their speed-ups listed as speedups_before), then the timed run: a policy that has "
+                         "learned, as a running server's has")
     ap.add_argument("--unchained", action="store_true",
                     help="also run each tree with the draft called after the step's sync (not chained behind "
                          "acceptance on the device): the two side by side")
@@ -225,8 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the target's batch-invariant kernels (default: the engine's, on CUDA)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.adaptive_variant and not args.adaptive:
-        ap.error("--adaptive-variant needs --adaptive")
+    if (args.adaptive_variant or args.adaptive_warm) and not args.adaptive:
+        ap.error("--adaptive-variant and --adaptive-warm need --adaptive")
     for text in args.adaptive_variant:
         try:
             policy_variant(text)

@@ -112,7 +112,7 @@ def test_replay_gates_adaptive_rows_say_why(tmp_path):
     trace.write_text(json.dumps(TRACE))
     report = replay_gates.main(["--geometry", "tiny", "--device", "cpu", "--dtype", "float32", "--case", "32:1",
                                 "--steps", "6", "--trace", str(trace), "--adaptive",
-                                "--adaptive-variant", "prior_acceptance=0.9,leave_from=0"])
+                                "--adaptive-variant", "prior_acceptance=0.9,leave_from=0", "--adaptive-warm", "1"])
     configs = [r["config"] for r in report["cases"]]
     assert "chain:3 (replay+adaptive prior_acceptance=0.9,leave_from=0)" in configs
     row = next(r for r in report["cases"] if r["config"].endswith("(replay+adaptive)"))
@@ -120,6 +120,8 @@ def test_replay_gates_adaptive_rows_say_why(tmp_path):
     assert sum(row["decisions"].values()) >= 1
     assert set(policy["forward_ms"]) >= {"b1 q1", "b1 q4"} and all(v > 0 for v in policy["forward_ms"].values())
     assert policy["detached_requests"] >= 0 and "draft_ms" in policy["costs"] and "steps" in policy["costs"]
+    assert len(row["speedups_before"]) == 1 and row["speedups_before"][0] > 0  # --adaptive-warm 1
+    assert all("speedups_before" not in r for r in report["cases"] if "adaptive" not in r["config"])
     dynamic = {**TRACE, "configs": {"dynamic:3:2:4": {"tree": {"tree": "dynamic", "depth": 3, "top_k": 2,
                                                                  "max_nodes": 4}, "tau": 2.0,
                                                         "acceptance_per_depth": [0.5, 0.3, 0.2], "traces": [[1, 2]]}}}
@@ -129,6 +131,7 @@ def test_replay_gates_adaptive_rows_say_why(tmp_path):
         replay_gates.main(["--geometry", "tiny", "--device", "cpu", "--case", "32:1", "--trace", str(old_trace),
                            "--adaptive"])
     for bad in (["--adaptive-variant", "leave_from=0"], ["--adaptive", "--adaptive-variant", "no_such_field=1"],
+                ["--adaptive-warm", "1"],
                 ["--config", "chain:9"]):
         with pytest.raises(SystemExit):
             replay_gates.main(["--geometry", "tiny", "--device", "cpu", "--case", "32:1", "--trace", str(trace), *bad])
