@@ -8,12 +8,14 @@ accepted, with a real target and head (default: SmolLM2 and the shipped head, fp
 (``verify_service/replay.py``). A config is ``TREE:DEPTH[:TOP_K[:NODES]]``; each records its own
 trace. Accepted node k of a step sits at depth k (a path), so the counts give acceptance per depth.
 
-A dynamic tree's entry also holds, per step, what every smaller size the adaptive policy may pick
-would have accepted (``per_size``: the tree's best n nodes, ``TreeSettings.capped``, which hold the
-accepted path's nodes up to its first node outside them; ``accepted_within``, exact under greedy
-verification; a request's last trees, cut short by its token budget and not shown to a policy,
-min(count, n)): the replay of a smaller tree takes its own count from the same step, where the
-full tree's count would credit it with nodes it does not have.
+A dynamic tree's entry also holds, per step, the accepted path's nodes' ranks in the tree
+(``path_ranks``, as ``acceptance_estimate.path_ranks`` gives them: a running maximum along the
+path), from which what a tree of any n nodes would have accepted follows: the tree's best n
+nodes (``TreeSettings.capped``) hold the path up to its first node ranked n or lower; exact
+under greedy verification. A request's last trees, cut short by its token budget and not shown
+to a policy, are recorded as ranks 0, 1, ... (min(count, n)). ``per_size`` has the counts of the
+sizes the policy picks from. The replay of a smaller tree takes its own count from the same
+step, where the full tree's count would credit it with nodes it does not have.
 """
 
 from __future__ import annotations
@@ -32,17 +34,19 @@ from hub.default_model import ensure_default_model  # noqa: E402
 from tools.evaluate import parse_config  # noqa: E402
 from tools.inprocess import build_engine  # noqa: E402
 from tools.train.data import load_prompts  # noqa: E402
+from verify_service.acceptance_estimate import path_ranks  # noqa: E402
 from verify_service.adaptive import AdaptivePolicy, PolicyConfig  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
 
 
 class SizeRecorder(AdaptivePolicy):
     """A policy that picks the full tree for every request at every step and keeps, per sequence per
-    verified tree, what each size it could have picked would have accepted (``observe_accepted``)."""
+    verified tree, the accepted path's ranks in the tree (``observe_tree``): what a tree of any size
+    would have accepted."""
 
     def __init__(self, limits):
         super().__init__(flat_table(), limits, PolicyConfig(probe_every=0, veto_span=0, leave_from=0))
-        self.per_size: dict[int, list[list[int]]] = {}
+        self.ranks: dict[int, list[list[int]]] = {}
         self.cut_short_trees = 0
 
     def choose(self, batch, context, seq_ids, budgets, quick_key=None) -> int:
@@ -61,48 +65,53 @@ class SizeRecorder(AdaptivePolicy):
     def trees_pay(self, batch, context) -> bool:
         return True
 
-    def observe_accepted(self, seq_id, acc, nodes) -> None:
-        self.per_size.setdefault(seq_id, []).append([int(a) for a in acc])
+    def observe_tree(self, seq_id, tree, accepted, asked) -> None:
+        self.ranks.setdefault(seq_id, []).append(path_ranks(tree, accepted).tolist() if accepted else [])
 
     def cut_short(self, seq_id, accepted: int) -> None:
         """A tree cut short by the request's end (the engine does not show it to a policy): a tree of n
         nodes is at most n deep, so n of it at most."""
-        self.per_size.setdefault(seq_id, []).append([min(accepted, n) for n in self.sizes])
+        self.ranks.setdefault(seq_id, []).append(list(range(accepted)))
         self.cut_short_trees += 1
 
 
+def counts_of(ranks: list[list[list[int]]], sizes) -> list[list[list[int]]]:
+    """Per sequence per step, what each of ``sizes`` accepted, from the steps' path ranks."""
+    return [[[sum(r < n for r in step) for n in sizes] for step in seq] for seq in ranks]
+
+
 def record(engine, prompts: list[list[int]], max_tokens: int, batch: int,
-           per_size: list | None = None) -> list[list[int]]:
+           ranks: list | None = None) -> list[list[int]]:
     """Generate ``prompts`` (greedy, ``batch`` at a time); returns each one's accepted count per step.
-    With a ``SizeRecorder`` as the engine's policy, ``per_size`` (a list) gets each one's per-size
-    counts per step."""
+    With a ``SizeRecorder`` as the engine's policy, ``ranks`` (a list) gets each one's accepted path
+    ranks per step."""
     traces = []
     params = SamplingParams(max_tokens=max_tokens)
     for i in range(0, len(prompts), batch):
         seqs = [engine.sequences[engine.add_request(p, params)] for p in prompts[i:i + batch]]
         group = [[] for _ in seqs]
-        recorder = engine.policy if per_size is not None else None
+        recorder = engine.policy if ranks is not None else None
         while engine.has_work:
             before = [(s.speculation.steps, s.speculation.accepted_tokens) for s in seqs]
-            seen = [len(recorder.per_size.get(s.seq_id, ())) for s in seqs] if recorder else None
+            seen = [len(recorder.ranks.get(s.seq_id, ())) for s in seqs] if recorder else None
             engine.step()
             for i, (trace, s, (steps, accepted)) in enumerate(zip(group, seqs, before)):
                 if s.speculation.steps > steps:  # one tree per sequence per step
                     trace.append(s.speculation.accepted_tokens - accepted)
-                    if recorder and len(recorder.per_size.get(s.seq_id, ())) == seen[i]:
+                    if recorder and len(recorder.ranks.get(s.seq_id, ())) == seen[i]:
                         recorder.cut_short(s.seq_id, trace[-1])
         traces += group
-        if per_size is not None:
-            per_size += [engine.policy.per_size.pop(s.seq_id, []) for s in seqs]
+        if ranks is not None:
+            ranks += [engine.policy.ranks.pop(s.seq_id, []) for s in seqs]
     return traces
 
 
-def check_per_size(traces: list[list[int]], per_size: list[list[list[int]]]) -> None:
-    """The per-size counts match the trees' own: a step each, the full size's count the step's."""
-    for trace, sizes in zip(traces, per_size, strict=True):
-        if [c[-1] for c in sizes] != trace:
-            raise RuntimeError(f"per-size acceptance disagrees with the recorded counts: {trace[:8]} against "
-                               f"{[c[-1] for c in sizes][:8]}")
+def check_ranks(traces: list[list[int]], ranks: list[list[list[int]]]) -> None:
+    """The path ranks match the trees' own counts: a step each, a rank for each accepted node."""
+    for trace, steps in zip(traces, ranks, strict=True):
+        if [len(r) for r in steps] != trace:
+            raise RuntimeError(f"the accepted paths' ranks disagree with the recorded counts: {trace[:8]} against "
+                               f"{[len(r) for r in steps][:8]}")
 
 
 def summary(traces: list[list[int]], depth: int) -> dict:
@@ -139,13 +148,15 @@ def main() -> None:
         prompts = [engine.target.encode(messages=[{"role": "user", "content": q}])
                    for q in load_prompts(args.prompts, args.limit)]
         start = time.perf_counter()
-        per_size = [] if recorder else None
-        traces = record(engine, prompts, args.max_tokens, args.batch, per_size)
+        ranks = [] if recorder else None
+        traces = record(engine, prompts, args.max_tokens, args.batch, ranks)
         s = spec.settings
         entry = {"tree": {"tree": s.tree, "depth": s.depth, "top_k": s.top_k, "max_nodes": s.max_nodes},
                  **summary(traces, s.depth), "seconds": round(time.perf_counter() - start, 1), "traces": traces}
         if recorder:
-            check_per_size(traces, per_size)
+            check_ranks(traces, ranks)
+            per_size = counts_of(ranks, recorder.sizes)
+            entry["path_ranks"] = ranks
             entry["per_size"] = {"sizes": list(recorder.sizes), "traces": per_size,
                                  "cut_short_trees": recorder.cut_short_trees,
                                  "tau": [round(1 + sum(c[i] for t in per_size for c in t) / entry["steps"], 4)

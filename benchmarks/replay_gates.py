@@ -170,9 +170,7 @@ def run_case(args, raw: dict, head: str, traces: dict, case: str) -> list[dict]:
             runs += [(f"replay+adaptive {text}", AdaptivePolicy(table, spec.settings, policy_variant(text)))
                      for text in args.adaptive_variant]
         for mode, policy in runs:
-            per_size = traces[name].get("per_size")
-            replay = AcceptanceReplay(per_size["traces"], per_size["sizes"]) if per_size else \
-                AcceptanceReplay(traces[name]["traces"])
+            replay = AcceptanceReplay.of_config(traces[name])
             engine = Engine(target, drafter, spec.settings, policy, replay)
             engine.speculation.chain = mode != "replay, unchained"
             target.runner.warm_up(target.cfg.max_batch_tokens, trees)  # a drafter's capture layers: new graphs
@@ -248,10 +246,10 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         ap.error(f"--config {unknown[0]!r}: the trace has {sorted(trace['configs'])}")
     cut = [name for name in args.config if trace["configs"][name]["tree"]["tree"] == "dynamic"
-           and "per_size" not in trace["configs"][name]]
+           and not {"per_size", "path_ranks"} & set(trace["configs"][name])]
     if args.adaptive and cut:
-        ap.error(f"--adaptive: the trace's {cut[0]} has no per-size counts (record_acceptance.py records them): "
-                 "the policy's smaller trees would replay the full tree's acceptance")
+        ap.error(f"--adaptive: the trace's {cut[0]} has no per-size counts or ranks (record_acceptance.py records "
+                 "them): the policy's smaller trees would replay the full tree's acceptance")
     raw = TINY if args.geometry == "tiny" else GEOMETRIES[args.geometry]
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     report = {"kind": "replay_gates",

@@ -19,6 +19,7 @@ token, never counted among the nodes)::
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from common.errors import InvalidRequestError
@@ -165,12 +166,28 @@ def tree_settings_from_args(args, device_type: str) -> TreeSettings:
     return TreeSettings(**{k: v for k, v in given.items() if v is not None})
 
 
-def tree_sizes(limits: TreeSettings) -> tuple[int, ...]:
-    """Node counts the policy picks from: every chain length; 1, 2, 4, ... and the budget of a
-    dynamic tree; a static tree whole (the draft's file cannot be cut)."""
+# The dynamic tree sizes the adaptive policy picks from (``EAGLE3_TREE_SIZES``, read at import; the
+# verify service prices and captures them, the draft service captures them: set it alike for both).
+# ``powers``: 1, 2, 4, 8, ... nodes. ``tiles``: 1, 3, 7, 15, ... nodes, whose trees with their root
+# are 2, 4, 8, 16, ... query tokens and fill whole row tiles of the attention kernels where a KV
+# head has 4 query heads (Llama 3 8B: 16 tokens are one 64-row tile, 17 two). On an H200 the 8B's
+# exact tree attention over 32K keys took 167.4 us a layer for 17 tokens against 83.4 for 9, the
+# fast kernel's 60.7 against 51.5 (``attention_kernel.py``, exact_mode/tree_few_tokens_h200_763f31d.json);
+# the policy's calibrated exact forward 9.94 ms for 17 tokens against 6.96 for 9. To be measured
+# through the policy (``replay_gates.py --adaptive`` on a trace with path ranks) before it is the default.
+TREE_SIZES = os.environ.get("EAGLE3_TREE_SIZES", "powers")
+_SIZE_STEPS = {"powers": (1, 2, 4, 8, 16, 32, 64, 128, 256), "tiles": (1, 3, 7, 15, 31, 63, 127, 255)}
+if TREE_SIZES not in _SIZE_STEPS:
+    raise ValueError(f"EAGLE3_TREE_SIZES={TREE_SIZES!r}: one of {sorted(_SIZE_STEPS)}")
+
+
+def tree_sizes(limits: TreeSettings, steps: str | None = None) -> tuple[int, ...]:
+    """Node counts the policy picks from: every chain length; the ``steps`` (default ``TREE_SIZES``)
+    below the budget and the budget of a dynamic tree; a static tree whole (the draft's file cannot
+    be cut)."""
     budget = limits.node_budget
     if limits.tree == "chain":
         return tuple(range(1, budget + 1))
     if limits.tree == "static":
         return (budget,)
-    return tuple(sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n < budget} | {budget}))
+    return tuple(sorted({n for n in _SIZE_STEPS[steps or TREE_SIZES] if n < budget} | {budget}))

@@ -67,6 +67,7 @@ def test_capped_settings_keep_the_best_nodes_and_fewer_levels():
     assert TreeSettings("chain", 5).capped(2).depth == 2 and TreeSettings("chain", 5).capped(2).node_budget == 2
     assert TreeSettings("static", 3).capped(1) == TreeSettings("static", 3)
     assert tree_sizes(dyn) == (1, 2, 4, 8, 16, 32, 59)
+    assert tree_sizes(dyn, "tiles") == (1, 3, 7, 15, 31, 59)  # 2, 4, ... 32 query tokens with the root
     assert tree_sizes(TreeSettings("chain", 3)) == (1, 2, 3)
     assert tree_sizes(TreeSettings("static", 5, 10, 20)) == (20,)
 

@@ -29,8 +29,12 @@ def parse(*flags):
     return server_config.from_args(args, "m")
 
 
-def test_the_flag_turns_it_on_off_and_auto_follows_the_device():
-    assert parse("--device", "cpu").adaptive_speculation is False  # off by default
+def test_the_flag_turns_it_on_off_and_auto_follows_the_device(monkeypatch):
+    assert parse("--device", "cpu").adaptive_speculation is False  # auto by default: off on a CPU ...
+    monkeypatch.setattr(server_config, "engine_config", lambda args, model_dir: None)  # (no CUDA check here)
+    assert parse("--device", "cuda").adaptive_speculation is True  # ... on with CUDA
+    assert parse("--device", "cuda", "--adaptive-speculation", "off").adaptive_speculation is False
+    monkeypatch.undo()
     assert parse("--device", "cpu", "--adaptive-speculation", "auto").adaptive_speculation is False
     assert parse("--device", "cpu", "--adaptive-speculation", "on").adaptive_speculation is True
     assert parse("--device", "cpu", "--adaptive-speculation", "off").adaptive_speculation is False

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from benchmarks import plot, policy_host_cost, policy_replay, replay_gates, row_breakdown, speed_report
-from benchmarks.record_acceptance import SizeRecorder, check_per_size, record, summary
+from benchmarks.record_acceptance import SizeRecorder, check_ranks, counts_of, record, summary
 from draft_service.drafter import EagleDrafter
 from draft_service.spec_config import SpecConfig
 from tiny_eagle import make_eagle_dir
@@ -56,37 +56,43 @@ def test_an_engine_with_a_replay_accepts_what_the_trace_says(graphs, tmp_path):
 
 def test_a_smaller_tree_replays_what_its_size_accepted_at_the_same_step():
     """Per-size counts: a tree of n nodes takes the count of the largest recorded size it holds; the
-    recorded tree (or no size given) the last. Without them a tree takes the step's count."""
+    recorded tree (or no size given) the last. Path ranks: any n, the path's nodes ranked below n.
+    Without either a tree takes the step's count."""
     replay = AcceptanceReplay([[[0, 1, 1, 2], [1, 1, 3, 5]]], sizes=[1, 2, 4, 8])
     first, second = (replay.pool[0], replay.pool[1])
     assert replay.next_accepted(7, 3) == first[1] and replay.next_accepted(7, 8) == second[3]
     assert replay.next_accepted(8, 1) == replay.pool[replay.start_of(1)][0]
     assert replay.next_accepted(7) == replay.pool[0][3]  # wrapped around: the recorded tree's count
+    by_rank = AcceptanceReplay([[[0, 2, 2, 9], []]], ranks=True)
+    path = [0, 2, 2, 9] if by_rank.pool[0] else []
+    assert by_rank.next_accepted(1, 3) == sum(r < 3 for r in path)
+    assert AcceptanceReplay.of_config({"path_ranks": [[[0, 2, 2, 9]]], "per_size": {}, "traces": [[4]]}) \
+        .next_accepted(1, 1) == 1
+    assert AcceptanceReplay.of_config({"traces": [[4]]}).next_accepted(1, 1) == 4
     plain = AcceptanceReplay([[3, 0, 2]])
     assert plain.next_accepted(1, 1) == plain.pool[0]
 
 
 def test_recorder_keeps_what_every_size_would_have_accepted(tmp_path):
-    """``record_acceptance``'s recorder: the full dynamic tree every step, and per step what each size
-    the policy may pick would have accepted: never more for a smaller size, the full size's count the
-    step's own (``check_per_size``), a request's last trees (cut short, not shown to a policy) capped
-    by size."""
+    """``record_acceptance``'s recorder: the full dynamic tree every step, and per step the accepted
+    path's ranks: a rank a node, never decreasing (``check_ranks``), from which a smaller size never
+    accepts more; a request's last trees (cut short, not shown to a policy) ranked 0, 1, ... ."""
     target_dir = make_model_dir(tmp_path / "t", "llama3", seed=5, std=0.3)
     head = make_eagle_dir(tmp_path / "d", tiny_config("llama3"), draft_vocab=64, seed=1)
     spec = SpecConfig(str(head), tree="dynamic", depth=4, top_k=3, max_nodes=12)
     recorder = SizeRecorder(spec.settings)
     engine = build_engine(EngineConfig(str(target_dir), device="cpu", dtype="float32", max_model_len=256,
                                        max_num_seqs=2), spec, policy=recorder)
-    per_size: list = []
-    traces = record(engine, [list(range(10, 30)), [5, 6, 7]], max_tokens=24, batch=2, per_size=per_size)
-    check_per_size(traces, per_size)
-    assert recorder.sizes == (1, 2, 4, 8, 12) and sum(len(t) for t in per_size) == sum(len(t) for t in traces) > 4
+    ranks: list = []
+    traces = record(engine, [list(range(10, 30)), [5, 6, 7]], max_tokens=24, batch=2, ranks=ranks)
+    check_ranks(traces, ranks)
+    assert recorder.sizes == (1, 2, 4, 8, 12) and sum(len(t) for t in ranks) == sum(len(t) for t in traces) > 4
     assert recorder.decisions and set(recorder.decisions) == {12} and recorder.cut_short_trees >= 1
-    steps = [c for t in per_size for c in t]
-    assert all(c == sorted(c) and len(c) == 5 and all(a <= n for a, n in zip(c, recorder.sizes)) for c in steps)
-    assert any(c[-1] > 0 for c in steps)
-    with pytest.raises(RuntimeError, match="disagrees"):
-        check_per_size([[1, 2]], [[[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]])
+    assert all(r == sorted(r) and all(x < 12 for x in r) for t in ranks for r in t) and any(r for t in ranks for r in t)
+    steps = [c for t in counts_of(ranks, recorder.sizes) for c in t]
+    assert all(c == sorted(c) and all(a <= n for a, n in zip(c, recorder.sizes)) for c in steps)
+    with pytest.raises(RuntimeError, match="disagree"):
+        check_ranks([[1, 2]], [[[0], [0]]])
 
 
 def test_replay_gates_runs_small_and_says_replay(tmp_path):

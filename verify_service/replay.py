@@ -14,10 +14,12 @@ wide), the next nodes in tree order stand in for the rest, so the compaction and
 the recorded number of rows.
 
 A tree smaller than the recorded one (the adaptive policy's sizes) accepts what that size accepted
-at the same recorded step (``sizes``: a trace of per-size counts, ``record_acceptance.py``). Without
+at the same recorded step: from the accepted path's ranks in the tree (``ranks``: a tree of n nodes,
+its best n, accepts the path's nodes up to the first ranked n or lower; any n), or from per-size
+counts (``sizes``: the largest recorded size it holds); both ``record_acceptance.py``'s. Without
 them a tree of n nodes accepts min(count, n): exact for a chain (its acceptance is a prefix), but it
 credits a smaller dynamic tree with nodes it lacks, so ``replay_gates.py`` runs a policy only on
-traces with per-size counts.
+traces with per-size counts or ranks.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from runtime.step_layout import Staging
 
 
 class AcceptanceReplay:
-    def __init__(self, traces: list[list], sizes: list[int] | None = None):
+    def __init__(self, traces: list[list], sizes: list[int] | None = None, ranks: bool = False):
         """``traces``: accepted-node counts per verification step, one list per recorded sequence; with
-        ``sizes`` each step is a list, what each of those tree sizes accepted there.
+        ``sizes`` each step is a list, what each of those tree sizes accepted there; with ``ranks``, the
+        accepted path's ranks (``acceptance_estimate.path_ranks``).
 
         Every recorded step goes into one pool, in a fixed pseudo-random order (seed 0), so that a short
         run or a single sequence replays a sample of all the steps of all the prompts: its mean
@@ -42,15 +45,26 @@ class AcceptanceReplay:
         (both run low). Sequence j of a run starts at its own offset in the pool (spread evenly, one per
         trace) and walks it, wrapping around."""
         assert traces and all(traces), "a replay needs non-empty traces"
-        self.traces, self.sizes = traces, sizes
-        steps = np.concatenate([np.asarray(t, dtype=np.int64) for t in traces])
+        assert not (sizes and ranks), "per-size counts or ranks, not both"
+        self.traces, self.sizes, self.ranks = traces, sizes, ranks
+        steps = [step for t in traces for step in t]
         if sizes is not None:
-            assert steps.ndim == 2 and steps.shape[1] == len(sizes), "a count per size at every step"
-        self.pool = steps[np.random.default_rng(0).permutation(len(steps))].tolist()
+            assert all(len(step) == len(sizes) for step in steps), "a count per size at every step"
+        self.pool = [steps[i] for i in np.random.default_rng(0).permutation(len(steps))]
         self._next_seq = itertools.count()
         self._cursor: dict[int, int] = {}  # seq_id -> position in the pool
         self.replayed_steps = 0
         self._staging: Staging | None = None  # pinned: the real acceptance's inputs make no sync either
+
+    @classmethod
+    def of_config(cls, entry: dict) -> "AcceptanceReplay":
+        """The replay of one config of a ``record_acceptance.py`` trace: by ranks, per-size counts or
+        counts alone, whichever it holds (in that order)."""
+        if "path_ranks" in entry:
+            return cls(entry["path_ranks"], ranks=True)
+        if "per_size" in entry:
+            return cls(entry["per_size"]["traces"], entry["per_size"]["sizes"])
+        return cls(entry["traces"])
 
     def start_of(self, j: int) -> int:
         """Where the j-th sequence of a run starts in the pool."""
@@ -64,6 +78,8 @@ class AcceptanceReplay:
         pos = self._cursor[seq_id]
         self._cursor[seq_id] = pos + 1
         step = self.pool[pos % len(self.pool)]
+        if self.ranks:
+            return len(step) if nodes is None else sum(r < nodes for r in step)
         if self.sizes is None:
             return step
         if nodes is None:

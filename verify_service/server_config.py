@@ -123,10 +123,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--internal", default=DEFAULT_INTERNAL, help="address the draft service dials (unix:PATH)")
     p.add_argument("--no-speculation", action="store_true", help="serve without a draft, one token per step")
     add_tree_arguments(p, limits=True, static_file=False)
-    p.add_argument("--adaptive-speculation", default="off", choices=["auto", "on", "off"],
+    p.add_argument("--adaptive-speculation", default="auto", choices=["auto", "on", "off"],
                    help="pick each step's tree size, or plain decoding, for the batch from measured costs and "
-                        "the acceptance seen (on), or always verify the configured tree (off, the default until "
-                        "its GPU path is measured); auto: on with CUDA, off on a CPU")
+                        "the acceptance seen (on), or always verify the configured tree (off); auto (the "
+                        "default): on with CUDA, off on a CPU")
     p.add_argument("--cost-table", metavar="FILE", default=None,
                    help="adaptive speculation's cost table (JSON): read when FILE exists and was measured on this "
                         "device, dtype and model; else measured at start-up (seconds) and written to FILE")
