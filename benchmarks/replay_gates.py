@@ -42,7 +42,7 @@ from draft_service.drafter import EagleDrafter  # noqa: E402
 from draft_service.eagle_init import write_random_head  # noqa: E402
 from runtime.block_manager import blocks_for  # noqa: E402
 from tools.evaluate import parse_config  # noqa: E402
-from common.tree_settings import tree_sizes  # noqa: E402
+from common.tree_settings import TREE_SIZES, TreeSettings, tree_sizes  # noqa: E402
 from verify_service.adaptive import AdaptivePolicy, policy_variant  # noqa: E402
 from verify_service.config import EngineConfig  # noqa: E402
 from verify_service.cost_table import CostGrid, calibrate  # noqa: E402
@@ -250,6 +250,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.adaptive and cut:
         ap.error(f"--adaptive: the trace's {cut[0]} has no per-size counts or ranks (record_acceptance.py records "
                  "them): the policy's smaller trees would replay the full tree's acceptance")
+    for name in args.config if args.adaptive else ():
+        entry = trace["configs"][name]
+        missing = set(tree_sizes(TreeSettings(**entry["tree"]))) - set(entry.get("per_size", {}).get("sizes", ()))
+        if entry["tree"]["tree"] == "dynamic" and "path_ranks" not in entry and missing:
+            ap.error(f"--adaptive: the trace's {name} has counts for sizes {entry['per_size']['sizes']}, not for "
+                     f"{sorted(missing)} the policy picks from (EAGLE3_TREE_SIZES={TREE_SIZES}): record it again "
+                     "(record_acceptance.py keeps path ranks, which replay any size)")
     raw = TINY if args.geometry == "tiny" else GEOMETRIES[args.geometry]
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     report = {"kind": "replay_gates",

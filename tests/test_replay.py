@@ -136,6 +136,11 @@ def test_replay_gates_adaptive_rows_say_why(tmp_path):
     with pytest.raises(SystemExit):  # no per-size counts: the policy's smaller trees cannot be replayed
         replay_gates.main(["--geometry", "tiny", "--device", "cpu", "--case", "32:1", "--trace", str(old_trace),
                            "--adaptive"])
+    dynamic["configs"]["dynamic:3:2:4"]["per_size"] = {"sizes": [1, 4], "traces": [[[0, 1], [1, 2]]]}
+    old_trace.write_text(json.dumps(dynamic))
+    with pytest.raises(SystemExit):  # counts for sizes 1 and 4, the policy picks 1, 2 and 4 too
+        replay_gates.main(["--geometry", "tiny", "--device", "cpu", "--case", "32:1", "--trace", str(old_trace),
+                           "--adaptive"])
     for bad in (["--adaptive-variant", "leave_from=0"], ["--adaptive", "--adaptive-variant", "no_such_field=1"],
                 ["--adaptive-warm", "1"],
                 ["--config", "chain:9"]):
