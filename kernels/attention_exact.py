@@ -239,6 +239,17 @@ TREE_WIDE_MIN_KEYS = 16384
 # 64-token tree, capacity 32K): at 32K keys 1 / 2 / 3 / 4 took 380 / 329 / 303 / 293 us, at 4K
 # 67.6 / 69.3 / 74.7 / 75.5 us.
 TREE_WIDE_PROGRAMS_PER_SM = _env_count("EAGLE3_EXACT_TREE_WIDE_PROGRAMS", 2, "programs an SM, 0 for one a chunk")
+# ... rounded down to whole programs a (wide tile, KV head) pair rather than up (``EAGLE3_EXACT_TREE_WIDE_FLOOR=1``,
+# read at import; ``chunk_programs(..., floor=True)``): the 8B's 64-token tree over 32K keys has 32 pairs,
+# and 2 an SM rounded up is 9 programs a pair, 288 of 132 SMs that hold one each: three waves, the last
+# a sixth full; rounded down, 8 (256: two). Across 1 / 2 / 3 / 4 programs an SM (rounded up) that tree's
+# attention took 380 / 329 / 303 / 293 us a layer, about 68 us plus 1.5 us for each key tile on an SM's
+# longest run of programs, which rounding down shortens. Speed only (a chunk's partials are the same
+# whichever program computes them); 0, the default until it is measured (``attention_kernel.py --exact
+# --exact-settings TREE_WIDE_FLOOR=1``).
+TREE_WIDE_FLOOR = _env_count("EAGLE3_EXACT_TREE_WIDE_FLOOR", 0, "0 or 1")
+if TREE_WIDE_FLOOR > 1:
+    raise ValueError(f"EAGLE3_EXACT_TREE_WIDE_FLOOR={TREE_WIDE_FLOOR}: 0 or 1")
 # A tree step of at most this many tokens a sequence takes a one-token step's launch shape: the
 # narrow tile, whose tree launch holds two programs an SM (sm_90: 234 registers, 81.9 KB of shared
 # memory; the wide rows' one, 255 and 149.5 KB), and ``SPLIT_PROGRAMS_PER_SM`` programs an SM for
@@ -268,16 +279,17 @@ def _sms(device: torch.device) -> int:
 
 
 def chunk_programs(chunks: int, pairs: int, device: torch.device, per_sm: int | None = None,
-                   tree: bool = False) -> int:
+                   tree: bool = False, floor: bool = False) -> int:
     """Programs of the split launch for ``chunks`` chunks of each of ``pairs`` (query tile, KV head)
     pairs: about ``per_sm`` (default ``SPLIT_PROGRAMS_PER_SM``, or ``TREE_SPLIT_PROGRAMS_PER_SM`` for a
-    ``tree`` step) an SM in all, at least 1, at most ``chunks`` (``per_sm`` 0: ``chunks``). Host sizes only."""
+    ``tree`` step) an SM in all, rounded up to whole programs a pair (``floor``: down), at least 1, at
+    most ``chunks`` (``per_sm`` 0: ``chunks``). Host sizes only."""
     if per_sm is None:
         per_sm = TREE_SPLIT_PROGRAMS_PER_SM if tree else SPLIT_PROGRAMS_PER_SM
     if per_sm == 0:
         return chunks
-    sms = _sms(device)
-    return max(1, min(chunks, triton.cdiv(per_sm * sms, max(pairs, 1))))
+    sms, pairs = _sms(device), max(pairs, 1)
+    return max(1, min(chunks, (per_sm * sms) // pairs if floor else triton.cdiv(per_sm * sms, pairs)))
 
 
 def _mode(meta: AttentionMetadata, T: int, heads: int, kvh: int, head_dim: int, q_tiles: int,
@@ -369,8 +381,8 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     q_groups = triton.cdiv(q_tiles, sub)
     per_token = sub * block_q if split and has_mask else 0
     per_sm = TREE_WIDE_PROGRAMS_PER_SM if wide_rows else SPLIT_PROGRAMS_PER_SM if has_mask and few_tree(meta) else None
-    walkers = chunk_programs(chunks, meta.num_seqs * q_groups * kvh, q.device, per_sm=per_sm, tree=has_mask) \
-        if split else 1
+    walkers = chunk_programs(chunks, meta.num_seqs * q_groups * kvh, q.device, per_sm=per_sm, tree=has_mask,
+                             floor=wide_rows and bool(TREE_WIDE_FLOOR)) if split else 1
     pdl = dependent(q, PDL_ALL)  # (speed only: the bits are the same either way)
     # A ragged step (a graphed prompt step): its programs find their chunk and tile from query_start_loc,
     # the grid fixed by the step's capacity of tokens (``attention_triton._program_tile``).

@@ -178,8 +178,8 @@ def test_a_few_token_tree_takes_the_one_token_launch_shape(monkeypatch):
     want = attend(cache, step, q, "fold")
     asked, real = [], attention_exact.chunk_programs
     monkeypatch.setattr(attention_exact, "chunk_programs",
-                        lambda *a, per_sm=None, tree=False: asked.append((per_sm, tree)) or real(*a, per_sm=per_sm,
-                                                                                                  tree=tree))
+                        lambda *a, per_sm=None, tree=False, floor=False: asked.append((per_sm, tree)) or
+                        real(*a, per_sm=per_sm, tree=tree, floor=floor))
     monkeypatch.setattr(attention_exact, "TREE_WIDE_MIN_KEYS", 0)  # the wide rows wanted at any length ...
     monkeypatch.setattr(attention_exact, "wide_tile_ok", lambda *a, **k: True)  # ... and allowed
     wide = attention_exact.TREE_WIDE_PROGRAMS_PER_SM
@@ -190,6 +190,20 @@ def test_a_few_token_tree_takes_the_one_token_launch_shape(monkeypatch):
         assert asked == [(per_sm, True)], (few, asked)
         if few >= 5:  # the narrow tile: the fold launch's bits (the wide rows' are the probe's matter)
             assert torch.equal(got, want)
+    # The wide rows' programs rounded down (TREE_WIDE_FLOOR): other programs, the same bits (10 SMs, one
+    # program an SM for 4 pairs: 3 a pair rounded up, 2 down, of 6 chunks of 128 keys).
+    monkeypatch.setattr(attention_exact, "TREE_FEW_TOKENS", 0)
+    monkeypatch.setattr(attention_exact, "CHUNK", 128)
+    monkeypatch.setattr(attention_exact, "TREE_WIDE_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(attention_exact, "_sms", lambda device: 10)
+    floors = []
+    monkeypatch.setattr(attention_exact, "chunk_programs",
+                        lambda *a, floor=False, **k: floors.append((a[1], floor, real(*a, floor=floor, **k))) or
+                        floors[-1][2])
+    wide_bits = attend(cache, step, q, "split")
+    monkeypatch.setattr(attention_exact, "TREE_WIDE_FLOOR", 1)
+    assert torch.equal(attend(cache, step, q, "split"), wide_bits)
+    assert [(pairs, f, n) for pairs, f, n in floors] == [(4, False, 3), (4, True, 2)]
     meta = layout_step(step, BLOCK, torch.device(DEVICE), EXACT).meta
     monkeypatch.setattr(attention_exact, "TREE_FEW_TOKENS", 5)
     assert attention_exact.few_tree(meta)
@@ -237,6 +251,8 @@ def test_chunk_programs(monkeypatch):
     assert attention_exact.chunk_programs(64, 3, cpu, per_sm=4) == 11
     assert attention_exact.chunk_programs(5, 3, cpu, per_sm=4) == 5
     assert attention_exact.chunk_programs(64, 3, cpu, per_sm=0) == 64
+    assert attention_exact.chunk_programs(64, 3, cpu, per_sm=4, floor=True) == 10  # 32 // 3, not 11
+    assert attention_exact.chunk_programs(64, 192, cpu, per_sm=4, floor=True) == 1  # at least one
     monkeypatch.setattr(attention_exact, "SPLIT_PROGRAMS_PER_SM", 1)
     monkeypatch.setattr(attention_exact, "TREE_SPLIT_PROGRAMS_PER_SM", 2)
     assert attention_exact.chunk_programs(64, 3, cpu) == 3
