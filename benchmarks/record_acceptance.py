@@ -95,10 +95,10 @@ def record(engine, prompts: list[list[int]], max_tokens: int, batch: int,
             before = [(s.speculation.steps, s.speculation.accepted_tokens) for s in seqs]
             seen = [len(recorder.ranks.get(s.seq_id, ())) for s in seqs] if recorder else None
             engine.step()
-            for i, (trace, s, (steps, accepted)) in enumerate(zip(group, seqs, before)):
+            for j, (trace, s, (steps, accepted)) in enumerate(zip(group, seqs, before)):
                 if s.speculation.steps > steps:  # one tree per sequence per step
                     trace.append(s.speculation.accepted_tokens - accepted)
-                    if recorder and len(recorder.ranks.get(s.seq_id, ())) == seen[i]:
+                    if recorder and len(recorder.ranks.get(s.seq_id, ())) == seen[j]:
                         recorder.cut_short(s.seq_id, trace[-1])
         traces += group
         if ranks is not None:
