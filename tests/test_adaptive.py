@@ -20,12 +20,13 @@ from tiny_eagle import make_eagle_dir
 from tiny_models import make_model_dir, target_for, tiny_config
 from common.tree_settings import tree_sizes
 from verify_service.acceptance_estimate import accepted_within
-from verify_service.adaptive import AdaptivePolicy, PolicyConfig, batch_key, policy_for
+from verify_service.adaptive import AdaptivePolicy, PolicyConfig, batch_key, policy_for, policy_variant
 from verify_service.cost_table import CostGrid, CostTable, calibrate, interp1
 from verify_service.engine import Engine
 from verify_service.feed_buffer import FeedBuffer, FeedRows, StepRows
 from verify_service.learned_costs import DraftCost, learned_at
 from verify_service.realized_rates import MIN_STEPS, RealizedRates
+from verify_service.step_costs import head_weight_fraction
 
 PROMPTS = [[5, 6, 7], list(range(10, 50)), [88] * 17, list(range(60, 80)), [1, 2]]
 TOKENS = (1, 2, 3, 4, 5, 6, 9, 17, 33, 60)
@@ -431,6 +432,25 @@ def test_the_draft_cost_has_a_fixed_part_and_a_part_per_level():
     policy.observe_draft(1, 1, 2.4)  # a 1-node tree: 2 levels, 2.4 ms
     prior = 0.15 * 1.0  # draft_prior_fraction x the table's decode forward
     assert policy.draft_ms(1, 7, 1024) == pytest.approx(2.4 + 6 * prior)  # 3.3 ms, not 4 x 2.4
+
+
+def test_the_drafts_prior_cost_can_follow_the_heads_weights_over_the_targets():
+    """``draft_prior_geometry``: the draft's prior cost a level is a decode forward's times an EAGLE-3
+    head's weights over the target's (from the cost table's geometry), where a constant share of the
+    forward priced the 8B's draft at 3x what it took; a table without the geometry keeps the constant."""
+    smollm2 = {"layers": 30, "hidden_size": 576, "vocab_size": 49152}
+    llama8b = {"layers": 32, "hidden_size": 4096, "vocab_size": 128256}
+    assert head_weight_fraction(smollm2) == pytest.approx(0.158, abs=1e-3)
+    assert head_weight_fraction(llama8b) == pytest.approx(0.055, abs=1e-3)
+    assert head_weight_fraction({"layers": 30}) is None
+    limits = TreeSettings("dynamic", 7, 10, 59)
+    for meta, share in ((llama8b, head_weight_fraction(llama8b)), ({}, 0.15)):
+        t = dataclasses.replace(table(per_token_ms=1.0, base_ms=2.0), meta=meta)
+        policy = AdaptivePolicy(t, limits, PolicyConfig(probe_every=0, draft_prior_geometry=1))
+        assert policy.draft_ms(1, 7, 1024) == pytest.approx(share * 2.0 * 8)  # 1 + 7 levels of a 2 ms forward
+    t = dataclasses.replace(table(per_token_ms=1.0, base_ms=2.0), meta=llama8b)
+    assert AdaptivePolicy(t, limits, PolicyConfig(probe_every=0)).draft_ms(1, 7, 1024) == pytest.approx(0.15 * 16)
+    assert policy_variant("draft_prior_geometry=1").draft_prior_geometry == 1
 
 
 # --- the cost table -------------------------------------------------------------------------------

@@ -84,6 +84,10 @@ class PolicyConfig:
     hold_steps: int = 8  # a decision is reused this many steps while nothing but step times (and, on
     #                      trees, the acceptance of the trees it chose) was learned
     draft_prior_fraction: float = 0.15  # draft cost per level before one is measured, x a decode forward
+    draft_prior_geometry: int = 0  # 1: that share is an EAGLE-3 head's weights over the target's, from the cost
+    #                                table's model geometry (``step_costs.head_weight_fraction``: SmolLM2 0.158,
+    #                                the 8B 0.055, whose draft learned 0.27 ms a level at 32K against the
+    #                                constant's 0.86); off until measured through the policy
     veto_span: int = 4096  # decisions a veto of trees, measured slower than plain decoding, lasts (0: no veto)
     detach_below: float = 0.75  # a request starting where trees are modelled below this share of plain
     #                              decoding's tokens per ms (or vetoed) runs without the draft (0: never)

@@ -35,13 +35,32 @@ OUTLIER_FACTOR = 10.0  # a draft call this many times its expected cost is a sta
 OUTLIER_RUN = 3  # ... unless this many come in a row
 BACKLOG_ROWS = 256  # a draft call's catch-up of fewer rows is lost in its own noise: not learned per row
 EVIDENCE_STEPS = 16  # steps (or draft calls) of a kind at a batch bucket before ``lower_bound_ms`` counts them
+DRAFT_VOCAB = 32000  # an EAGLE-3 head's draft vocabulary at most (the Llama 3 heads'), for ``head_weight_fraction``
+
+
+def head_weight_fraction(meta: dict) -> float | None:
+    """An EAGLE-3 head's weights over its target's, from the target's geometry in a cost table's
+    ``meta`` (layers L, hidden size h, vocabulary V): one decoder layer (about 12 h^2: its attention
+    and an MLP of about 3.5 h), the 3h -> h fc and an LM head over at most ``DRAFT_VOCAB`` tokens,
+    against L such layers and the target's LM head. SmolLM2-135M: 0.158; Llama-3-8B: 0.055. None
+    where the meta does not give the geometry."""
+    try:
+        layers, h, vocab = int(meta["layers"]), int(meta["hidden_size"]), int(meta["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    layer = 12 * h * h
+    return (layer + 3 * h * h + h * min(vocab, DRAFT_VOCAB)) / (layers * layer + h * vocab)
 
 
 class StepCosts:
     def __init__(self, table: CostTable, config, sizes: tuple[int, ...], levels: np.ndarray):
-        """``config``: the policy's (``PolicyConfig``: cost_weight, draft_prior_fraction);
-        ``sizes``/``levels``: the tree sizes the policy picks from and their levels."""
+        """``config``: the policy's (``PolicyConfig``: cost_weight, draft_prior_fraction,
+        draft_prior_geometry); ``sizes``/``levels``: the tree sizes the policy picks from and their levels."""
         self.table, self.cfg, self.sizes, self.levels = table, config, sizes, levels
+        # The draft's prior cost a level, as a share of a decode forward: the head's weights over the
+        # target's where the policy asks for it and the table gives the geometry, else the setting.
+        share = head_weight_fraction(table.meta) if config.draft_prior_geometry else None
+        self.prior_fraction = config.draft_prior_fraction if share is None else share
         self.nodes = np.array(sizes, dtype=np.float64)  # nodes the trees of each size really held (the policy says)
         self._residual: dict[bool, dict[int, float]] = {False: {}, True: {}}  # tree step? -> bucket -> ms
         self._chained_residual: dict[int, float] = {}  # bucket -> ms: chained steps', the draft's time in it
@@ -176,7 +195,7 @@ class StepCosts:
         return scale * self._draft[bucket].predict(1 + levels, self._prior_per_level(bucket, context))
 
     def _prior_per_level(self, speculating: int, context: float) -> float:
-        return self.cfg.draft_prior_fraction * self.forward(speculating, 1, context)
+        return self.prior_fraction * self.forward(speculating, 1, context)
 
     def forward(self, batch: int, tokens: float, context: float) -> float:
         """The table's forward ms, memoised on (batch, tokens, context to 128): asked every step."""
