@@ -442,7 +442,7 @@ def test_the_drafts_prior_cost_can_follow_the_heads_weights_over_the_targets():
     llama8b = {"layers": 32, "hidden_size": 4096, "vocab_size": 128256}
     assert head_weight_fraction(smollm2) == pytest.approx(0.158, abs=1e-3)
     assert head_weight_fraction(llama8b) == pytest.approx(0.055, abs=1e-3)
-    assert head_weight_fraction({"layers": 30}) is None
+    assert head_weight_fraction({"layers": 30}) is None and head_weight_fraction({**smollm2, "hidden_size": 0}) is None
     limits = TreeSettings("dynamic", 7, 10, 59)
     for meta, share in ((llama8b, head_weight_fraction(llama8b)), ({}, 0.15)):
         t = dataclasses.replace(table(per_token_ms=1.0, base_ms=2.0), meta=meta)

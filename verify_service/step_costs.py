@@ -48,6 +48,8 @@ def head_weight_fraction(meta: dict) -> float | None:
         layers, h, vocab = int(meta["layers"]), int(meta["hidden_size"]), int(meta["vocab_size"])
     except (KeyError, TypeError, ValueError):
         return None
+    if min(layers, h, vocab) <= 0:
+        return None
     layer = 12 * h * h
     return (layer + 3 * h * h + h * min(vocab, DRAFT_VOCAB)) / (layers * layer + h * vocab)
 
