@@ -16,7 +16,7 @@ case runs target-only once, then every ``--config`` of the trace (default chain:
 speculative tokens, and dynamic:7:10:59), and with ``--adaptive`` the adaptive policy on top.
 Reported per row: tok/s, speed-up over target-only, tau (tokens per verification step, replayed),
 efficiency = speed-up / tau. The policy's smaller trees accept what that size accepted at the same
-recorded step (a dynamic config's per-size counts, which ``--adaptive`` requires of the trace).
+recorded step (a dynamic config's path ranks or per-size counts, which ``--adaptive`` requires of the trace).
 """
 
 from __future__ import annotations
@@ -245,18 +245,14 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [name for name in args.config if name not in trace["configs"]]
     if unknown:
         ap.error(f"--config {unknown[0]!r}: the trace has {sorted(trace['configs'])}")
-    cut = [name for name in args.config if trace["configs"][name]["tree"]["tree"] == "dynamic"
-           and not {"per_size", "path_ranks"} & set(trace["configs"][name])]
-    if args.adaptive and cut:
-        ap.error(f"--adaptive: the trace's {cut[0]} has no per-size counts or ranks (record_acceptance.py records "
-                 "them): the policy's smaller trees would replay the full tree's acceptance")
-    for name in args.config if args.adaptive else ():
+    for name in args.config if args.adaptive else ():  # the policy's smaller trees need their own counts
         entry = trace["configs"][name]
-        missing = set(tree_sizes(TreeSettings(**entry["tree"]))) - set(entry.get("per_size", {}).get("sizes", ()))
+        recorded = entry.get("per_size", {}).get("sizes", ())
+        missing = set(tree_sizes(TreeSettings(**entry["tree"]))) - set(recorded)
         if entry["tree"]["tree"] == "dynamic" and "path_ranks" not in entry and missing:
-            ap.error(f"--adaptive: the trace's {name} has counts for sizes {entry['per_size']['sizes']}, not for "
-                     f"{sorted(missing)} the policy picks from (EAGLE3_TREE_SIZES={TREE_SIZES}): record it again "
-                     "(record_acceptance.py keeps path ranks, which replay any size)")
+            ap.error(f"--adaptive: the trace's {name} has counts for sizes {list(recorded)}, not for {sorted(missing)} "
+                     f"the policy picks from (EAGLE3_TREE_SIZES={TREE_SIZES}): its smaller trees would replay another "
+                     "size's acceptance; record it again (record_acceptance.py keeps path ranks, which replay any size)")
     raw = TINY if args.geometry == "tiny" else GEOMETRIES[args.geometry]
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     report = {"kind": "replay_gates",
