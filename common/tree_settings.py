@@ -168,14 +168,15 @@ def tree_settings_from_args(args, device_type: str) -> TreeSettings:
 
 # The dynamic tree sizes the adaptive policy picks from (``EAGLE3_TREE_SIZES``, read at import; the
 # verify service prices and captures them, the draft service captures them: set it alike for both).
-# ``powers``: 1, 2, 4, 8, ... nodes. ``tiles``: 1, 3, 7, 15, ... nodes, whose trees with their root
-# are 2, 4, 8, 16, ... query tokens and fill whole row tiles of the attention kernels where a KV
-# head has 4 query heads (Llama 3 8B: 16 tokens are one 64-row tile, 17 two). On an H200 the 8B's
-# exact tree attention over 32K keys took 167.4 us a layer for 17 tokens against 83.4 for 9, the
-# fast kernel's 60.7 against 51.5 (``attention_kernel.py``, exact_mode/tree_few_tokens_h200_763f31d.json);
-# the policy's calibrated exact forward 9.94 ms for 17 tokens against 6.96 for 9. To be measured
-# through the policy (``replay_gates.py --adaptive`` on a trace with path ranks) before it is the default.
-TREE_SIZES = os.environ.get("EAGLE3_TREE_SIZES", "powers")
+# ``tiles`` (the default): 1, 3, 7, 15, ... nodes, whose trees with their root are 2, 4, 8, 16, ...
+# query tokens and fill whole row tiles of the attention kernels where a KV head has 4 query heads
+# (Llama 3 8B: 16 tokens are one 64-row tile, 17 two). ``powers``: 1, 2, 4, 8, ... nodes. On an H200
+# the 8B's exact tree attention over 32K keys took 95.3 us a layer for 16 tokens against 147.1 for 17
+# (``attention_kernel.py``, exact_mode/tree_wide_floor_h200_7cfbb22.json); through the policy, with
+# acceptance replayed from MT-bench (``replay_gates.py --exact --adaptive``, replay/replay_sizes_h200_7cfbb22.json),
+# tiles / powers ran 2.276x / 1.871x target-only at 32K batch 1, 2.539x / 2.508x at 4K batch 1 and
+# 1.252x / 1.368x at 16K batch 4.
+TREE_SIZES = os.environ.get("EAGLE3_TREE_SIZES", "tiles")
 _SIZE_STEPS = {"powers": (1, 2, 4, 8, 16, 32, 64, 128, 256), "tiles": (1, 3, 7, 15, 31, 63, 127, 255)}
 if TREE_SIZES not in _SIZE_STEPS:
     raise ValueError(f"EAGLE3_TREE_SIZES={TREE_SIZES!r}: one of {sorted(_SIZE_STEPS)}")

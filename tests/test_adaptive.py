@@ -18,7 +18,7 @@ from link.protocol import DraftFeed
 from runtime.tree import CandidateTree
 from tiny_eagle import make_eagle_dir
 from tiny_models import make_model_dir, target_for, tiny_config
-from common.tree_settings import tree_sizes
+from common.tree_settings import TREE_SIZES, tree_sizes
 from verify_service.acceptance_estimate import accepted_within
 from verify_service.adaptive import AdaptivePolicy, PolicyConfig, batch_key, policy_for, policy_variant
 from verify_service.cost_table import CostGrid, CostTable, calibrate, interp1
@@ -67,8 +67,9 @@ def test_capped_settings_keep_the_best_nodes_and_fewer_levels():
     assert dyn.capped(4) == TreeSettings("dynamic", 4, 10, 4)
     assert TreeSettings("chain", 5).capped(2).depth == 2 and TreeSettings("chain", 5).capped(2).node_budget == 2
     assert TreeSettings("static", 3).capped(1) == TreeSettings("static", 3)
-    assert tree_sizes(dyn) == (1, 2, 4, 8, 16, 32, 59)
-    assert tree_sizes(dyn, "tiles") == (1, 3, 7, 15, 31, 59)  # 2, 4, ... 32 query tokens with the root
+    assert tree_sizes(dyn, "powers") == (1, 2, 4, 8, 16, 32, 59)
+    assert tree_sizes(dyn, "tiles") == (1, 3, 7, 15, 31, 59)
+    assert tree_sizes(dyn) == tree_sizes(dyn, TREE_SIZES)  # 2, 4, ... 32 query tokens with the root
     assert tree_sizes(TreeSettings("chain", 3)) == (1, 2, 3)
     assert tree_sizes(TreeSettings("static", 5, 10, 20)) == (20,)
 
@@ -711,7 +712,7 @@ def eagle_engine(dirs, tree, policy_cls, cost: CostTable, **engine_kw):
     target = target_for(dirs[0], **engine_kw)
     drafter = EagleDrafter.from_checkpoint(spec, target.model_config, target.model.model.embed_tokens.weight,
                                            target.cfg.max_num_seqs, target.max_model_len, target.cfg.kernels)
-    return Engine(target, drafter, spec.settings, policy_cls(cost, spec.settings))
+    return Engine(target, drafter, spec.settings, policy_cls(cost, spec.settings) if policy_cls else None)
 
 
 @pytest.mark.parametrize("tree", ["dynamic", "chain"])
@@ -910,12 +911,16 @@ def test_held_plain_decoding_is_launched_ahead_and_feeds_the_draft_every_row(dir
                                             for a, b in zip(fed, fed_too))  # the draft was fed the same rows
 
 
-def test_requests_that_do_not_speculate_decode_ahead_beside_a_policy(dirs):
-    """Requests that ask for no speculation, on an engine with a draft and a policy: plain decoding
-    whatever the policy would pick, launched ahead as target-only decoding is, the same tokens."""
+@pytest.mark.parametrize("policy", [True, False])
+def test_requests_that_do_not_speculate_decode_ahead_beside_a_draft(dirs, policy):
+    """Requests that ask for no speculation, on an engine with a draft, with a policy or without one:
+    plain decoding whatever the policy would pick, launched ahead as target-only decoding is (without
+    it, a plain request beside a draft waited for every step's tokens before launching the next), the
+    same tokens."""
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     want = [r.token_ids for r in Engine(target_for(dirs[0])).generate(PROMPTS[:2], params)]
-    engine = eagle_engine(dirs, "dynamic", ChaosPolicy, table(1.0))
+    engine = eagle_engine(dirs, "dynamic", ChaosPolicy if policy else None, table(1.0))
+    assert (engine.policy is not None) == policy
     ids = [engine.add_request(p, params, speculate=False) for p in PROMPTS[:2]]
     out = {i: [] for i in ids}
     for ev in engine.run_until_done():

@@ -196,6 +196,7 @@ def test_a_few_token_tree_takes_the_one_token_launch_shape(monkeypatch):
     monkeypatch.setattr(attention_exact, "CHUNK", 128)
     monkeypatch.setattr(attention_exact, "TREE_WIDE_PROGRAMS_PER_SM", 1)
     monkeypatch.setattr(attention_exact, "_sms", lambda device: 10)
+    monkeypatch.setattr(attention_exact, "TREE_WIDE_FLOOR", 0)
     floors = []
     monkeypatch.setattr(attention_exact, "chunk_programs",
                         lambda *a, floor=False, **k: floors.append((a[1], floor, real(*a, floor=floor, **k))) or

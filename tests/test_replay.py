@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import plot, policy_host_cost, policy_replay, replay_gates, row_breakdown, speed_report
 from benchmarks.record_acceptance import SizeRecorder, check_ranks, counts_of, record, summary
+from common.tree_settings import tree_sizes
 from draft_service.drafter import EagleDrafter
 from draft_service.spec_config import SpecConfig
 from tiny_eagle import make_eagle_dir
@@ -86,7 +87,7 @@ def test_recorder_keeps_what_every_size_would_have_accepted(tmp_path):
     ranks: list = []
     traces = record(engine, [list(range(10, 30)), [5, 6, 7]], max_tokens=24, batch=2, ranks=ranks)
     check_ranks(traces, ranks)
-    assert recorder.sizes == (1, 2, 4, 8, 12) and sum(len(t) for t in ranks) == sum(len(t) for t in traces) > 4
+    assert recorder.sizes == tree_sizes(spec.settings) and sum(len(t) for t in ranks) == sum(len(t) for t in traces) > 4
     assert recorder.decisions and set(recorder.decisions) == {12} and recorder.cut_short_trees >= 1
     assert all(r == sorted(r) and all(x < 12 for x in r) for t in ranks for r in t) and any(r for t in ranks for r in t)
     steps = [c for t in counts_of(ranks, recorder.sizes) for c in t]
