@@ -79,14 +79,15 @@ class DraftCoordinator:
     def plain_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step of these sequences (the whole batch, each decoding one token) is plain
         decoding, decided now, before this step's tokens are read, so that the engine may launch it
-        at once: with a policy, and no sequence with a tree. The policy's choice is taken here, as
+        at once: when no live request uses the draft (with a policy or without), or with a policy and
+        no sequence with a tree. The policy's choice is taken here, as
         ``draft`` would take it (the batch's context one token short), and ``draft`` then follows it:
         plain, no trees; a tree size, trees of that size."""
-        if self.policy is None:
-            return False
-        if not self.speculating:  # plain decoding, no look at the sequences
+        if not self.speculating:  # plain decoding, no look at the sequences (a policy or none: no tree is asked)
             self._decided = 0
             return True
+        if self.policy is None:
+            return False
         speculating = 0  # (one pass: asked every plain step, at batch 128 each pass is ~10 us)
         for s in seqs:
             if s.tree is not None:

@@ -100,10 +100,11 @@ class Engine:
         self._readback = Readback(target.device)  # a chained step's acceptance, read while the draft runs
         self._chained = None  # the trees the draft grows behind the last step's acceptance (``attach_trees``)
         self.steps_ahead = 0  # steps verified from the chained trees on the device (``_verify_ahead``)
-        # Plain decoding (target-only, or plain steps a policy chooses with a draft attached): the
-        # next decode step is launched before this one's tokens reach the host (``_launch_decode``),
-        # its token ids taken from the sampled ones on the device.
-        self.decode_ahead = drafter is None or policy is not None
+        # Plain decoding (target-only; with a draft attached, plain steps a policy chooses, or any step
+        # while no live request uses the draft): the next decode step is launched before this one's
+        # tokens reach the host (``_launch_decode``), its token ids taken from the sampled ones on the
+        # device (``DraftCoordinator.plain_ahead`` says when, with a draft).
+        self.decode_ahead = True
         self._ahead_decode = None  # (plan, first logits rows, output, None, 0) of the step so launched
         self.decode_steps_ahead = 0
         self._unused_steps = 0  # plain steps where no request used the draft (``PLAIN_COST_SAMPLE``)
