@@ -168,7 +168,11 @@ def main() -> None:
                 "services": phased_serve.per_step(phases_before, idle_phases(tmp / "phases.json"),
                                                   max(1, steps["speculative_steps"] + steps["plain_steps"])),
                 "inprocess": inprocess_phases[c], "draft": draft_per_answer(draft_before, tmp / "draft_phases.json")}
+            plain_before = client.metrics()
             plain, plain_secs = through_services(client, prompts, args.max_tokens, c, False)
+            plain_after = client.metrics()
+            # The plain run's steps launched ahead (target-only decoding's pipelining), of its plain steps.
+            plain_steps = {k: plain_after[k] - plain_before[k] for k in ("plain_steps", "decode_steps_ahead")}
             outputs, in_secs, _ = inprocess[c]
             tokens = sum(len(t) for t, _ in rows)
             row = {"concurrency": c, "identical_outputs": sum(t == r for (t, _), r in zip(rows, reference)),
@@ -177,6 +181,7 @@ def main() -> None:
                    "inprocess_tokens_per_s": round(sum(len(o) for o in outputs) / in_secs, 1),
                    "inprocess_continuous_tokens_per_s": round(continuous[c][0] / continuous[c][1], 1),
                    "plain_identical_outputs": sum(t == r for (t, _), r in zip(plain, reference)),
+                   "plain_run_steps": plain_steps,
                    "speculated_requests": sum(bool(s and s.get("speculated")) for _, s in rows),
                    "steps": steps,
                    "step_ms": round(secs * 1e3 / max(1, steps["speculative_steps"] + steps["plain_steps"]), 3),

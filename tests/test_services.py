@@ -226,7 +226,11 @@ def test_broken_chained_trees_are_replaced_on_the_device_and_the_output_stays_ex
 
 def test_per_request_speculation_settings(stack, dirs):
     want = expected(dirs[1], [PROMPTS[2]], [12])[0]
+    before = stack.client.metrics()["decode_steps_ahead"]
     off = stack.client.complete(PROMPTS[2], max_tokens=12, ignore_eos=True, speculate=False)
+    # Alone on the server, a request without speculation decodes as target-only decoding does, each
+    # step launched before the last one's token reached the host (a draft attached, no policy).
+    assert stack.client.metrics()["decode_steps_ahead"] - before >= 9
     chain = stack.client.complete(PROMPTS[2], max_tokens=12, ignore_eos=True, tree="chain", depth=2)
     assert off.token_ids == chain.token_ids == want
     assert not off.speculation["speculated"]

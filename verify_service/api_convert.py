@@ -87,4 +87,5 @@ def server_metrics(s: VerifyStats) -> pb.ServerMetrics:
         control_plane_p50_us=s.control_plane_p50_us, control_plane_p99_us=s.control_plane_p99_us,
         adaptive_speculation=s.adaptive_speculation, adaptive_tree_nodes=s.adaptive_tree_nodes,
         adaptive_steps_by_tree_nodes=s.adaptive_decisions, chained_steps=s.chained_steps,
-        draft_compute_p50_us=s.draft_compute_p50_us, draft_compute_p99_us=s.draft_compute_p99_us)
+        draft_compute_p50_us=s.draft_compute_p50_us, draft_compute_p99_us=s.draft_compute_p99_us,
+        decode_steps_ahead=s.decode_steps_ahead)

@@ -78,6 +78,8 @@ def families(s: VerifyStats) -> list:
     return _adaptive(s, core) + [
         counter("requests_completed", "Requests finished (stop or length)", s.completed_requests),
         counter("chained_steps", "Steps whose draft work went in behind acceptance on the device", s.chained_steps),
+        counter("decode_steps_ahead", "Plain decode steps launched before the last step's tokens reached the host",
+                s.decode_steps_ahead),
         counter("requests_cancelled", "Requests cancelled by the client or their deadline", s.cancelled_requests),
         gauge("requests_running", "Requests admitted and generating", s.running_requests),
         gauge("requests_waiting", "Requests queued for KV space or a batch slot", s.waiting_requests),

@@ -43,6 +43,7 @@ class VerifyStats:
     chained_steps: int = 0  # steps whose draft work went in behind acceptance on the device
     draft_compute_p50_us: float = 0.0  # the draft's own time per step, as it reports it
     draft_compute_p99_us: float = 0.0
+    decode_steps_ahead: int = 0  # plain steps launched before the last step's tokens reached the host
 
 
 def read_stats(loop: EngineThread, remote: RemoteDraft | None, timeout_s: float | None = None) -> VerifyStats:
@@ -81,7 +82,8 @@ def snapshot_fn(loop: EngineThread, remote: RemoteDraft | None):
             speculation=engine.speculation_totals(), draft_connected=False, draft_sessions=0,
             draft_errors=engine.draft_errors, refused_trees=engine.draft_errors,
             control_plane_p50_us=0.0, control_plane_p99_us=0.0,
-            chained_steps=engine.speculation.chained_steps if engine.speculation else 0, **_adaptive(engine))
+            chained_steps=engine.speculation.chained_steps if engine.speculation else 0,
+            decode_steps_ahead=engine.decode_steps_ahead, **_adaptive(engine))
     return snapshot
 
 

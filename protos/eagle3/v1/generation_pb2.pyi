@@ -176,7 +176,7 @@ class GetMetricsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerMetrics(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_used", "draft_connected", "draft_sessions", "speculative_steps", "plain_steps", "draft_tokens", "accepted_tokens", "draft_errors", "completed_requests", "cancelled_requests", "control_plane_p50_us", "control_plane_p99_us", "adaptive_speculation", "adaptive_tree_nodes", "adaptive_steps_by_tree_nodes", "chained_steps", "draft_compute_p50_us", "draft_compute_p99_us")
+    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_used", "draft_connected", "draft_sessions", "speculative_steps", "plain_steps", "draft_tokens", "accepted_tokens", "draft_errors", "completed_requests", "cancelled_requests", "control_plane_p50_us", "control_plane_p99_us", "adaptive_speculation", "adaptive_tree_nodes", "adaptive_steps_by_tree_nodes", "chained_steps", "draft_compute_p50_us", "draft_compute_p99_us", "decode_steps_ahead")
     class AdaptiveStepsByTreeNodesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class ServerMetrics(_message.Message):
     CHAINED_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COMPUTE_P50_US_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COMPUTE_P99_US_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_AHEAD_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_blocks_total: int
@@ -226,4 +227,5 @@ class ServerMetrics(_message.Message):
     chained_steps: int
     draft_compute_p50_us: float
     draft_compute_p99_us: float
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., draft_connected: _Optional[bool] = ..., draft_sessions: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., plain_steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_errors: _Optional[int] = ..., completed_requests: _Optional[int] = ..., cancelled_requests: _Optional[int] = ..., control_plane_p50_us: _Optional[float] = ..., control_plane_p99_us: _Optional[float] = ..., adaptive_speculation: _Optional[bool] = ..., adaptive_tree_nodes: _Optional[int] = ..., adaptive_steps_by_tree_nodes: _Optional[_Mapping[int, int]] = ..., chained_steps: _Optional[int] = ..., draft_compute_p50_us: _Optional[float] = ..., draft_compute_p99_us: _Optional[float] = ...) -> None: ...
+    decode_steps_ahead: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., draft_connected: _Optional[bool] = ..., draft_sessions: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., plain_steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_errors: _Optional[int] = ..., completed_requests: _Optional[int] = ..., cancelled_requests: _Optional[int] = ..., control_plane_p50_us: _Optional[float] = ..., control_plane_p99_us: _Optional[float] = ..., adaptive_speculation: _Optional[bool] = ..., adaptive_tree_nodes: _Optional[int] = ..., adaptive_steps_by_tree_nodes: _Optional[_Mapping[int, int]] = ..., chained_steps: _Optional[int] = ..., draft_compute_p50_us: _Optional[float] = ..., draft_compute_p99_us: _Optional[float] = ..., decode_steps_ahead: _Optional[int] = ...) -> None: ...
