@@ -173,7 +173,7 @@ def tree_settings_from_args(args, device_type: str) -> TreeSettings:
 # (Llama 3 8B: 16 tokens are one 64-row tile, 17 two). ``powers``: 1, 2, 4, 8, ... nodes. On an H200
 # the 8B's exact tree attention over 32K keys took 95.3 us a layer for 16 tokens against 147.1 for 17
 # (``attention_kernel.py``, exact_mode/tree_wide_floor_h200_7cfbb22.json); through the policy, with
-# acceptance replayed from MT-bench (``replay_gates.py --exact --adaptive``, replay/replay_sizes_h200_7cfbb22.json),
+# acceptance replayed from MT-bench (``replay_gates.py --exact --adaptive``, replay/sizes_h200_7cfbb22/),
 # tiles / powers ran 2.276x / 1.871x target-only at 32K batch 1, 2.539x / 2.508x at 4K batch 1 and
 # 1.252x / 1.368x at 16K batch 4.
 TREE_SIZES = os.environ.get("EAGLE3_TREE_SIZES", "tiles")
