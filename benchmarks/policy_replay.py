@@ -7,7 +7,9 @@ record: greedy decoding of MT-bench first turns with the shipped head and the de
 (59 nodes), one request at a time; for every verified tree, what each size the policy may pick
 would have accepted (``accepted_within``: exact under greedy verification).
 
-replay: every sequence's steps through ``AdaptivePolicy`` at batch 1, its choices costed with step
+replay: every sequence's steps through ``AdaptivePolicy`` at batch 1 (a trace of this script's, the
+policy picking from its sizes, or ``record_acceptance.py``'s, whose dynamic tree's path ranks give
+what any size accepted: the policy's own sizes, ``EAGLE3_TREE_SIZES``), its choices costed with step
 times given on the command line (defaults: one H100 at fb60145, SmolLM2 bf16: a plain step launched
 ahead 1.02 ms, the first plain one after trees 1.5 ms, a chained step of the largest trees 2.1 ms,
 an unchained tree step 1.71 ms plus its draft call 0.30 ms + 0.085 ms a level). A tree chosen at a
@@ -32,11 +34,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.tree_settings import TreeSettings  # noqa: E402
+from common.tree_settings import TreeSettings, tree_sizes  # noqa: E402
 from verify_service.adaptive import AdaptivePolicy, PolicyConfig, policy_variant  # noqa: E402
 from verify_service.cost_table import CostTable  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "mt_bench.jsonl"
+LIMITS = TreeSettings("dynamic", 7, 10, 59)  # the tree the traces were recorded with
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,22 @@ def record(args) -> None:
     print(f"{len(policy.steps)} trees of {len(prompts)} prompts -> {args.out}")
 
 
+def load_trace(path: str) -> dict:
+    """{"sizes", "steps": [[sequence, [accepted by each size]], ...]}: a trace of ``record`` as it is, or
+    ``record_acceptance.py``'s (its dynamic:7:10:59 tree's path ranks, counted for the policy's sizes)."""
+    from benchmarks.record_acceptance import counts_of  # (it imports this module's flat_table)
+
+    data = json.loads(Path(path).read_text())
+    if "configs" not in data:
+        return data
+    name = f"dynamic:{LIMITS.depth}:{LIMITS.top_k}:{LIMITS.max_nodes}"
+    ranks = data["configs"].get(name, {}).get("path_ranks")
+    if ranks is None:
+        raise SystemExit(f"{path}: no path ranks of {name} (record_acceptance.py --config {name} records them)")
+    sizes = list(tree_sizes(LIMITS))
+    return {"sizes": sizes, "steps": [[i, counts] for i, seq in enumerate(counts_of(ranks, sizes)) for counts in seq]}
+
+
 def flat_table() -> CostTable:
     """A flat forward cost (about SmolLM2's on an H100): the replay's step costs are its own."""
     toks = (1, 2, 3, 5, 9, 17, 33, 60, 64)
@@ -100,7 +119,7 @@ def replay(trace: dict, cfg: PolicyConfig, mode: str, costs: ReplayCosts, warm: 
     ``inside``: what a tree chosen at a position inside a recorded step accepts: that step's tree's
     acceptance less the tokens already passed ("passed": a lower bound, as a tree grown there would
     likely do better) or the whole of it ("whole": as if its tree were grown there)."""
-    policy = AdaptivePolicy(flat_table(), TreeSettings("dynamic", 7, 10, 59), cfg)
+    policy = AdaptivePolicy(flat_table(), LIMITS, cfg, sizes=tuple(trace["sizes"]))  # what the trace counted
     policy.chainable = True
     sizes = list(policy.sizes)
     levels = dict(zip(sizes, policy._levels))
@@ -164,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.cmd == "record":
         return record(args)
-    trace = json.loads(Path(args.trace).read_text())
+    trace = load_trace(args.trace)
     costs = ReplayCosts(**{f: getattr(args, f) for f in ReplayCosts().__dict__})
     base, _ = replay(trace, PolicyConfig(), "target", costs, 0, args.inside)
     fixed, _ = replay(trace, PolicyConfig(), "fixed", costs, 0, args.inside)

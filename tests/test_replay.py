@@ -288,3 +288,27 @@ def test_batch_prompts_repeat_the_file_to_fill_the_batch(tmp_path):
     path.write_text("".join(json.dumps({"turns": [f"q{i}"]}) + "\n" for i in range(3)))
     assert speed_report.batch_prompts(str(path), 2) == (["q0", "q1"], 2)
     assert speed_report.batch_prompts(str(path), 7) == (["q0", "q1", "q2", "q0", "q1", "q2", "q0"], 3)
+
+
+def test_the_policy_replay_reads_record_acceptances_path_ranks_for_its_own_sizes():
+    """``policy_replay.load_trace`` on the shipped H200 trace (``record_acceptance.py``'s: path ranks):
+    counts for the policy's sizes, the full tree's and the one-node tree's matching the trace's own
+    per-size tau; the replay runs the policy on those sizes (a trace's sizes, not the module's default,
+    index its counts) and keeps the fixed tree's speed-up where a tree chosen inside a recorded step
+    accepts what that step's did. A size list that is not increasing up to the budget is refused."""
+    path = Path(__file__).parent.parent / "benchmarks" / "results" / "acceptance_smollm2_mtbench80_h200.json"
+    trace = policy_replay.load_trace(str(path))
+    sizes = list(tree_sizes(policy_replay.LIMITS))
+    assert trace["sizes"] == sizes and len(trace["steps"]) == 3830
+    per_size = json.loads(path.read_text())["configs"]["dynamic:7:10:59"]["per_size"]
+    for n in (1, 59):
+        tau = 1 + np.mean([counts[sizes.index(n)] for _, counts in trace["steps"]])
+        assert abs(tau - per_size["tau"][per_size["sizes"].index(n)]) < 1e-3, (n, tau)
+    costs = policy_replay.ReplayCosts()
+    fixed, _ = policy_replay.replay(trace, PolicyConfig(), "fixed", costs, 0, "whole")
+    policy, kinds = policy_replay.replay(trace, PolicyConfig(), "policy", costs, 1, "whole")
+    assert policy >= 0.95 * fixed, (policy / fixed, kinds)
+    with pytest.raises(ValueError, match="increasing"):
+        policy_replay.AdaptivePolicy(policy_replay.flat_table(), policy_replay.LIMITS, sizes=(1, 4, 2, 59))
+    with pytest.raises(ValueError, match="budget"):
+        policy_replay.AdaptivePolicy(policy_replay.flat_table(), policy_replay.LIMITS, sizes=(1, 2, 32))

@@ -121,9 +121,15 @@ def batch_key(n: int) -> int:
 
 
 class AdaptivePolicy:
-    def __init__(self, table: CostTable, limits: TreeSettings, config: PolicyConfig = PolicyConfig()):
+    def __init__(self, table: CostTable, limits: TreeSettings, config: PolicyConfig = PolicyConfig(),
+                 sizes: tuple[int, ...] | None = None):
+        """``sizes``: the node counts it picks from (default ``tree_sizes(limits)``; a benchmark replaying
+        a trace recorded for other sizes passes them: increasing, the last one the limits' budget)."""
         self.table, self.limits, self.cfg = table, limits, config
-        self.sizes = tree_sizes(limits)
+        if sizes is not None and (list(sizes) != sorted(set(sizes)) or sizes[0] < 1
+                                  or sizes[-1] != limits.node_budget):
+            raise ValueError(f"tree sizes {sizes}: increasing from 1, ending at the budget {limits.node_budget}")
+        self.sizes = tuple(sizes) if sizes is not None else tree_sizes(limits)
         self._levels = np.array([limits.capped(m).depth for m in self.sizes], dtype=np.float64)
         p = config.prior_acceptance
         prior = np.array([sum(p ** d for d in range(1, int(lv) + 1)) for lv in self._levels])
