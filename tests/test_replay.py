@@ -310,5 +310,6 @@ def test_the_policy_replay_reads_record_acceptances_path_ranks_for_its_own_sizes
     assert policy >= 0.95 * fixed, (policy / fixed, kinds)
     with pytest.raises(ValueError, match="increasing"):
         policy_replay.AdaptivePolicy(policy_replay.flat_table(), policy_replay.LIMITS, sizes=(1, 4, 2, 59))
-    with pytest.raises(ValueError, match="budget"):
-        policy_replay.AdaptivePolicy(policy_replay.flat_table(), policy_replay.LIMITS, sizes=(1, 2, 32))
+    for sizes in ((1, 2, 32), ()):
+        with pytest.raises(ValueError, match="budget"):
+            policy_replay.AdaptivePolicy(policy_replay.flat_table(), policy_replay.LIMITS, sizes=sizes)

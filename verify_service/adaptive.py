@@ -126,7 +126,7 @@ class AdaptivePolicy:
         """``sizes``: the node counts it picks from (default ``tree_sizes(limits)``; a benchmark replaying
         a trace recorded for other sizes passes them: increasing, the last one the limits' budget)."""
         self.table, self.limits, self.cfg = table, limits, config
-        if sizes is not None and (list(sizes) != sorted(set(sizes)) or sizes[0] < 1
+        if sizes is not None and (not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1
                                   or sizes[-1] != limits.node_budget):
             raise ValueError(f"tree sizes {sizes}: increasing from 1, ending at the budget {limits.node_budget}")
         self.sizes = tuple(sizes) if sizes is not None else tree_sizes(limits)
