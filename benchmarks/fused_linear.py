@@ -9,7 +9,8 @@ the one kernel with the elementwise work in its epilogue (``kernels/fused_linear
 
 so a layer's sum covers the same work both ways. Timed as ``gemm_shapes.py`` times (calls captured
 back to back in a CUDA graph, every call on a weight copy the previous calls did not touch, as
-layers' weights arrive cold). ``--sweep`` also times every tile of ``SWEEP`` for the fused kernel;
+layers' weights arrive cold). Above 64 rows the fused kernel is also timed on the 32- and 64-row
+tiles (``fused_by_row_tile_us``). ``--sweep`` also times every tile of ``SWEEP`` for the fused kernel;
 above 64 rows (the 128-row tile of the batch-invariant set's prefill chunks) every tile of
 ``WIDE_SWEEP`` instead, each checked bit for bit against the 64-row tile on the same rows (a tile
 that changes a row's bits cannot serve the batch-invariant set).
@@ -119,16 +120,22 @@ def main() -> None:
                 continue
             separate, fused = _pair(_kind(name), m, n, k)
             gate_up = _kind(name) == "gate_up"
-            config = row_linear_config(n // 2 if gate_up else n, k, 1 + gate_up, row_tile(m))
+            config = row_linear_config(n // 2 if gate_up else n, k, 1 + gate_up,
+                                       row_tile(m, n // 2 if gate_up else n, k, 1 + gate_up))
             row = {"shape": name, "kind": _kind(name), "rows": m, "floor_us": round(floor, 2),
                    "separate_us": time_us(_cycling(separate, ws)), "fused_us": time_us(_cycling(fused, ws)),
                    "config": list(dataclasses.astuple(config))}
+            if m > 64:  # the few-row tiles at this row count too (each with its own default columns)
+                row["fused_by_row_tile_us"] = {str(bm): time_us(_cycling(lambda w, b=bm: fused(w, None, b), ws))
+                                               for bm in (32, 64)}
             if args.sweep:
                 row["sweep"] = sorted(_sweep(fused, ws, m, config.partial_columns))
                 row["sweep_best"] = row["sweep"][:4]
             results.append(row)
             print(f"{name:>14} rows {m:>3}: separate {row['separate_us']:7.1f} us  fused {row['fused_us']:7.1f} us"
-                  f"  floor {floor:6.1f} us" + (f"  best {row['sweep_best'][:2]}" if args.sweep else ""), flush=True)
+                  f"  floor {floor:6.1f} us" + (f"  best {row['sweep_best'][:2]}" if args.sweep else "")
+                  + "".join(f"  {b}-row tile {us:7.1f} us" for b, us in row.get("fused_by_row_tile_us", {}).items()),
+                  flush=True)
         del ws
     for m in args.rows:
         for prefix in ("8b.", "smol."):

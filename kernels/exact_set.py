@@ -20,7 +20,7 @@ import os
 import torch
 
 from kernels.attention_exact import BLOCK_N, CHUNK, paged_attention_exact, prepare_attention_exact
-from kernels.fused_linear_triton import (EXACT_ROW_TILE, every_step, linear_add_norm_triton,
+from kernels.fused_linear_triton import (EXACT_ROW_TILE, WIDE_ROW_TILE, every_step, linear_add_norm_triton,
                                          scaled_gate_up_silu_triton, scaled_linear_triton, scaled_qkv_rope_triton)
 from kernels.linear_triton import linear_exact
 from kernels import KernelSet
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 # (``probe_row_tiles``). Where they do not, the set's projections take the fixed ``EXACT_ROW_TILE``.
 _ROW_COUNT_TILES: dict[tuple[torch.device, torch.dtype], bool] = {}
 PROBE_ROWS = (1, 7, 20, 64)  # calls of these many rows (16-, 16-, 32- and 64-row tiles) against one call of
-PROBE_WHOLE = 192  # this many (two programs of the 128-row tile a column tile, the second one ragged)
+PROBE_WHOLE = 192  # this many on the 128-row tile (two programs a column tile, the second one ragged)
 
 
 def probe_row_tiles(o_proj: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, qkv: torch.Tensor,
@@ -55,15 +55,18 @@ def probe_row_tiles(o_proj: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     res = torch.randn(PROBE_WHOLE, o_proj.shape[0], generator=gen).to(dev, dtype)
     rope = _rope_inputs(heads, dev, dtype) if heads is not None else None
 
-    def layer(rows: slice) -> list[torch.Tensor]:
-        h, hn, ss = linear_add_norm_triton(x[rows], o_proj, res[rows], norm, exact_sums=True)
-        act = scaled_gate_up_silu_triton(hn, ss, eps, gate_up, exact_sums=True)
-        q = scaled_linear_triton(hn, ss, eps, qkv, qkv_bias, exact_sums=True)
-        out = linear_add_norm_triton(act, down, h, norm, exact_sums=True)
-        rotated = [] if rope is None else rope(hn, ss, eps, qkv, qkv_bias, rows)
+    def layer(rows: slice, block_m: int | None = None) -> list[torch.Tensor]:
+        tile = dict(exact_sums=True, block_m=block_m)
+        h, hn, ss = linear_add_norm_triton(x[rows], o_proj, res[rows], norm, **tile)
+        act = scaled_gate_up_silu_triton(hn, ss, eps, gate_up, **tile)
+        q = scaled_linear_triton(hn, ss, eps, qkv, qkv_bias, **tile)
+        out = linear_add_norm_triton(act, down, h, norm, **tile)
+        rotated = [] if rope is None else rope(hn, ss, eps, qkv, qkv_bias, rows, block_m)
         return [h, hn, ss.T, act, q, *out[:2], out[2].T, *rotated]  # (partial sums: rows last -> first)
 
-    whole = layer(slice(0, PROBE_WHOLE))
+    # (the 128-row tile forced: calls of more than 64 rows take it only where the 64-row tile
+    # would launch many programs, ``row_tile``, and 192 rows of a small layer would not)
+    whole = layer(slice(0, PROBE_WHOLE), WIDE_ROW_TILE)
     same = all(torch.equal(got, want[start:start + n])
                for n in PROBE_ROWS for start in (0, 40, 120)
                for got, want in zip(layer(slice(start, start + n)), whole))
@@ -84,11 +87,11 @@ def _rope_inputs(heads: tuple[int, int, int], device: torch.device, dtype: torch
     cos, sin = angles.cos().to(device), angles.sin().to(device)
     slots = torch.arange(PROBE_WHOLE, device=device)
 
-    def run(hn, ss, eps, qkv, qkv_bias, rows: slice) -> list[torch.Tensor]:
+    def run(hn, ss, eps, qkv, qkv_bias, rows: slice, block_m: int | None) -> list[torch.Tensor]:
         caches = [torch.full((PROBE_WHOLE, 1, n_kv, head_dim), float("nan"), dtype=dtype, device=device)
                   for _ in range(2)]
         q = scaled_qkv_rope_triton(hn, ss, eps, qkv, qkv_bias, slots[rows], cos, sin, *caches, slots[rows],
-                                   n_q, n_kv, head_dim, exact_sums=True)
+                                   n_q, n_kv, head_dim, exact_sums=True, block_m=block_m)
         return [q, *(c[rows] for c in caches)]
     return run
 

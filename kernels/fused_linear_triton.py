@@ -2,8 +2,9 @@
 epilogues: the same signatures and semantics as ``kernels/fused_linear.py``.
 
 A decode step has one row a sequence, so a projection is a stream of its weight: one program owns
-BLOCK_N output columns of BLOCK_M rows (16, 32 or 64, from the row count; 128 above 64 rows, on a
-wider column tile: the batch-invariant set's prefill chunks) and walks K in BLOCK_K steps, in
+BLOCK_N output columns of BLOCK_M rows (16, 32 or 64, from the row count; above 64 rows, 128 on a
+wider column tile where the 64-row tile would launch many programs: the batch-invariant set's
+prefill chunks and batches of trees; ``row_tile``) and walks K in BLOCK_K steps, in
 order, accumulating in float32 (no split-K, so no second reduction kernel)::
 
     grid = (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))      program -> (column tile, row tile)
@@ -100,8 +101,18 @@ def fused_rows(hidden: int) -> int:
     return max(MAX_ROWS, min(MAX_FUSED_ROWS, ROW_ELEMENTS // hidden))
 
 
-def row_tile(rows: int) -> int:
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else WIDE_ROW_TILE
+def row_tile(rows: int, n: int | None = None, k: int | None = None, weight_tiles: int = 1,
+             elem_bytes: int = 2) -> int:
+    """The row tile a call of ``rows`` rows takes: 16, 32 or 64 rows up to 64; above, the 128-row
+    tile (``WIDE_ROW_TILE``) where the 64-row tile's programs for the projection (``n`` columns of
+    ``k``, ``weight_tiles`` weight tiles a K step) would be more than ``WIDE_FROM_PROGRAMS``, else
+    the 64-row tile (without a shape: the 128-row tile). A function of the shapes alone."""
+    if rows <= 64:
+        return 16 if rows <= 16 else 32 if rows <= 32 else 64
+    if n is None or k is None:
+        return WIDE_ROW_TILE
+    few = row_linear_config(n, k, weight_tiles, 64, elem_bytes)
+    return 64 if triton.cdiv(n, few.block_n) * triton.cdiv(rows, 64) <= WIDE_FROM_PROGRAMS else WIDE_ROW_TILE
 
 
 # Above 64 rows (the batch-invariant set's prefill chunks and long trees; the fast path sends such
@@ -111,6 +122,15 @@ def row_tile(rows: int) -> int:
 # 827 against 230 ms for three steps). A row's products still accumulate in K order, and the
 # partial sums of h^2 keep the few-row column groups (``part_n``).
 WIDE_ROW_TILE = 128
+# ... but only where the 64-row tile would launch more programs than this: with fewer, the 128-row
+# tile's wide column tiles leave most SMs idle (SmolLM2's o_proj at 128 rows: 5 programs, 9.3 us
+# against 3.5 on 72 programs of the 64-row tile; a whole SmolLM2 layer at 256 rows, a batch of 16
+# trees of 16 nodes, 45.4 against 29.6 us; the 8B's o_proj and down at 128 rows 33.6 / 112.7 against
+# 24.1 / 69.0 us). Above it the 128-row tile wins (the 8B's o_proj at 256 rows, 512 programs of 64
+# rows: 34.2 against 45.9 us). H200, ``benchmarks/fused_linear.py --rows 128 ... --rows 2048``: the
+# rule picks the faster tile, or one within 2%, in all 22 (projection, rows) cases measured.
+# ``EAGLE3_WIDE_FROM_PROGRAMS=0``: the 128-row tile for every call of more than 64 rows (as before).
+WIDE_FROM_PROGRAMS = int(os.environ.get("EAGLE3_WIDE_FROM_PROGRAMS", "320"))
 
 
 # The batch-invariant set (kernels/exact_set.py) runs every step through these kernels with one
@@ -227,7 +247,7 @@ def _launch(epilogue: int, x: torch.Tensor, weight: torch.Tensor, *, bias=None, 
     assert x.shape[-1] == K, f"input of width {x.shape[-1]} for a weight {tuple(weight.shape)}"
     x2 = _contiguous_rows(x, K)
     M = x2.shape[0]
-    block_m = block_m or row_tile(M)
+    block_m = block_m or row_tile(M, N, K, 2 if epilogue == EPILOGUE_SILU_MUL else 1, x.element_size())
     cfg = config or row_linear_config(N, K, 2 if epilogue == EPILOGUE_SILU_MUL else 1, block_m, x.element_size())
     if rope is not None:  # a column tile within one head (tiles then never straddle q, k and v)
         head_dim = rope[8]

@@ -19,14 +19,14 @@ pytest.importorskip("triton")
 
 from kernels import REFERENCE, select_kernels  # noqa: E402
 from kernels.fused_linear import linear_add_norm_ref, scaled_gate_up_silu_ref, scaled_linear_ref  # noqa: E402
-from kernels.fused_linear_triton import (MAX_ROWS, RowLinearConfig, linear_add_norm_triton,  # noqa: E402
-                                         row_linear_config, scaled_gate_up_silu_triton,
-                                         scaled_linear_triton)
+from kernels.fused_linear_triton import (MAX_ROWS, WIDE_FROM_PROGRAMS, WIDE_ROW_TILE, RowLinearConfig,  # noqa: E402
+                                         linear_add_norm_triton, row_linear_config, row_tile,
+                                         scaled_gate_up_silu_triton, scaled_linear_triton)
 from kernels.norm import rms_norm_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
-ROWS = [1, 3, 16, 17, 40, 70]  # row tiles of 16, 32 and 64; 70: one of 128 (WIDE_ROW_TILE)
+ROWS = [1, 3, 16, 17, 40, 70]  # row tiles of 16, 32 and 64; 70: two of 64 (few programs: ``row_tile``)
 SHAPES = [(96, 64), (80, 200)]  # (N, K)
 
 
@@ -106,19 +106,20 @@ def test_linear_add_norm_leaves_what_the_next_projection_needs(poisoned_empty, d
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_two_wide_row_tiles_chain_as_the_references_do(poisoned_empty, dtype):
-    """140 rows: two programs of 128 rows (WIDE_ROW_TILE) a column tile, the last one ragged,
-    through the three epilogues a layer chains."""
+    """140 rows: two programs of 128 rows (WIDE_ROW_TILE, asked for: so few columns take the 64-row
+    tile by themselves) a column tile, the last one ragged, through the three epilogues a layer chains."""
     rows, n, k = 140, 96, 200
     x, residual = row_view(rows, k, dtype, seed=21), row_view(rows, n, dtype, seed=22)
     w, norm_w = randn(n, k, seed=23, dtype=dtype, scale=0.1), (1.0 + 0.1 * randn(n, seed=24)).to(dtype)
     w_next = randn(2 * 40, n, seed=25, dtype=dtype, scale=0.1)
-    h, hn, ss = linear_add_norm_triton(x, w, residual, norm_w)
+    wide = dict(block_m=WIDE_ROW_TILE)
+    h, hn, ss = linear_add_norm_triton(x, w, residual, norm_w, **wide)
     want_h, want_hn, want_ss = linear_add_norm_ref(*as_f32(x, w, residual, norm_w))
     torch.testing.assert_close(h.float(), want_h, **TOL[dtype])
     torch.testing.assert_close(ss.sum(0), want_ss.sum(0), **TOL[dtype])
-    torch.testing.assert_close(scaled_gate_up_silu_triton(hn, ss, 1e-5, w_next).float(),
+    torch.testing.assert_close(scaled_gate_up_silu_triton(hn, ss, 1e-5, w_next, **wide).float(),
                                scaled_gate_up_silu_ref(*as_f32(hn), ss, 1e-5, w_next.float()), **TOL[dtype])
-    torch.testing.assert_close(scaled_linear_triton(hn, ss, 1e-5, w_next).float(),
+    torch.testing.assert_close(scaled_linear_triton(hn, ss, 1e-5, w_next, **wide).float(),
                                scaled_linear_ref(*as_f32(hn), ss, 1e-5, w_next.float()), **TOL[dtype])
 
 
@@ -358,6 +359,23 @@ def test_grouped_program_order_gives_the_same_bits(poisoned_empty, kind):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("rows, n, k, tiles, want", [
+    (20, 576, 576, 1, 32),
+    (128, 576, 576, 1, 64),      # SmolLM2's o_proj: 36 column tiles of 16, two row tiles
+    (256, 1536, 576, 2, 64),     # its gate and up: 48 x 4 programs
+    (960, 576, 576, 1, 128),     # 36 x 15 programs of 64 rows: more than WIDE_FROM_PROGRAMS
+    (128, 4096, 14336, 1, 64),   # the 8B's down: 128 x 2
+    (256, 4096, 4096, 1, 128),   # its o_proj: 128 x 4
+    (128, 14336, 4096, 2, 128),  # its gate and up: 224 column tiles of 64 x 2
+])
+def test_above_64_rows_the_wide_tile_only_where_the_64_row_tile_launches_many_programs(rows, n, k, tiles, want):
+    assert row_tile(rows, n, k, tiles) == want
+    if rows > 64:
+        few = row_linear_config(n, k, tiles, 64)
+        assert (-(-n // few.block_n) * -(-rows // 64) > WIDE_FROM_PROGRAMS) == (want == WIDE_ROW_TILE)
+    assert row_tile(rows) == (want if rows <= 64 else WIDE_ROW_TILE)  # (no shape: the 128-row tile)
+
+
 def test_wide_tiles_partial_sums_cover_ragged_column_groups(poisoned_empty):
     """200 float32 columns on the 128-row tile's 64-column tiles: the fourth tile's last column groups
     lie past N and are not written (the partials' buffer holds 13 groups of 16, the few-row tile's),
@@ -365,7 +383,7 @@ def test_wide_tiles_partial_sums_cover_ragged_column_groups(poisoned_empty):
     rows, n, k = 70, 200, 64
     x, residual = row_view(rows, k, torch.float32, seed=41), row_view(rows, n, torch.float32, seed=42)
     w, norm_w = randn(n, k, seed=43, scale=0.1), 1.0 + 0.1 * randn(n, seed=44)
-    h, hn, ss = linear_add_norm_triton(x, w, residual, norm_w)
+    h, hn, ss = linear_add_norm_triton(x, w, residual, norm_w, block_m=WIDE_ROW_TILE)
     part = row_linear_config(n, k).block_n
     assert row_linear_config(n, k, 1, 128, 4).block_n == 64 and ss.shape == (-(-n // part), rows)
     groups = torch.stack([h[:, j:j + part].pow(2).sum(-1) for j in range(0, n, part)])
