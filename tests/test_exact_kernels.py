@@ -307,6 +307,19 @@ def check_tree_rows(prefix, kvh, g, d, dtype):
     assert torch.equal(chunk, got_tree["fold"][PATH])
 
 
+@pytest.mark.parametrize("prefix", [500, 520, 1300])  # 8, 9 and 21 chunks of 64 keys
+def test_the_split_fold_over_many_chunks_gives_the_fold_launchs_bits(prefix, monkeypatch):
+    """Over many chunks (64 keys each: 8, 9 and 21 for the tree), the split launch's fold kernel and
+    the decode steps after the tree give the bits of one program walking the chunks
+    (``check_tree_rows``). A fold that skips or repeats a chunk fails here (tried on purpose: a fold
+    kernel that stops after eight chunks fails at 9 and 21; one loading eight chunks at a time that
+    folds its seventh twice fails at 8)."""
+    from kernels import attention_exact
+
+    monkeypatch.setattr(attention_exact, "CHUNK", 64)
+    check_tree_rows(prefix, 2, 3, 64, torch.bfloat16)
+
+
 @pytest.mark.parametrize("mode", ["fold", "split"])
 def test_one_loop_over_the_chunks_gives_a_loop_a_chunks_bits(monkeypatch, mode):
     """A step without a tree (decodes ending mid-chunk, on a chunk's end, and a prefill chunk across
