@@ -2,10 +2,17 @@
 
     python benchmarks/policy_replay.py record --prompts 24 --out trace.json     # fp32 on the CPU, ~7 min
     python benchmarks/policy_replay.py replay trace.json --chained-ms 2.1 --warm 1
+    python benchmarks/policy_replay.py depths benchmarks/results/acceptance_smollm2_mtbench80_h200.json
 
 record: greedy decoding of MT-bench first turns with the shipped head and the default dynamic tree
 (59 nodes), one request at a time; for every verified tree, what each size the policy may pick
 would have accepted (``accepted_within``: exact under greedy verification).
+
+depths: the nodes a step each size would accept if its tree were cut to fewer levels (the draft
+runs one level a level of depth, and a size's tree grows ``min(depth, size)`` levels,
+``TreeSettings.capped``): the size's accepted count cut at d, as the accepted path holds one node
+a level. A lower bound: a tree cut to d levels keeps its best nodes of depth d or less, which can
+rank within the size where they did not in the deeper tree.
 
 replay: every sequence's steps through ``AdaptivePolicy`` at batch 1 (a trace of this script's, the
 policy picking from its sizes, or ``record_acceptance.py``'s, whose dynamic tree's path ranks give
@@ -107,6 +114,15 @@ def load_trace(path: str) -> dict:
     return {"sizes": sizes, "steps": [[i, counts] for i, seq in enumerate(counts_of(ranks, sizes)) for counts in seq]}
 
 
+def depth_table(trace: dict) -> dict[int, dict[int, float]]:
+    """size -> {levels d: mean accepted nodes a step of the size's tree cut to d levels}, for d from 1
+    to the size's own levels (``depths``)."""
+    counts = np.array([accepted for _, accepted in trace["steps"]], dtype=np.int64).reshape(-1, len(trace["sizes"]))
+    return {size: {d: round(float(np.minimum(counts[:, j], d).mean()), 3)
+                   for d in range(1, LIMITS.capped(size).depth + 1)}
+            for j, size in enumerate(trace["sizes"])}
+
+
 def flat_table() -> CostTable:
     """A flat forward cost (about SmolLM2's on an H100): the replay's step costs are its own."""
     toks = (1, 2, 3, 5, 9, 17, 33, 60, 64)
@@ -163,7 +179,7 @@ def replay(trace: dict, cfg: PolicyConfig, mode: str, costs: ReplayCosts, warm: 
     return tokens / ms, kinds
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     rec = sub.add_parser("record", help="record a trace (greedy, fp32)")
@@ -172,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     rec.add_argument("--max-tokens", type=int, default=128)
     rec.add_argument("--device", default="cpu")
     rec.add_argument("--out", required=True)
+    dep = sub.add_parser("depths", help="what each size accepts with its tree cut to fewer levels")
+    dep.add_argument("trace")
     rep = sub.add_parser("replay", help="replay a trace through the policy")
     rep.add_argument("trace")
     rep.add_argument("--warm", type=int, default=1, help="passes before the timed one")
@@ -184,6 +202,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "record":
         return record(args)
     trace = load_trace(args.trace)
+    if args.cmd == "depths":
+        table = depth_table(trace)
+        print(f"{len(trace['steps'])} steps; mean accepted nodes a step by tree size and levels:")
+        for size, by_levels in table.items():
+            print(f"  {size:>3} nodes: " + "  ".join(f"{d} levels {v:.3f}" for d, v in by_levels.items()))
+        return table
     costs = ReplayCosts(**{f: getattr(args, f) for f in ReplayCosts().__dict__})
     base, _ = replay(trace, PolicyConfig(), "target", costs, 0, args.inside)
     fixed, _ = replay(trace, PolicyConfig(), "fixed", costs, 0, args.inside)

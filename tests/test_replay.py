@@ -74,6 +74,18 @@ def test_a_smaller_tree_replays_what_its_size_accepted_at_the_same_step():
     assert plain.next_accepted(1, 1) == plain.pool[0]
 
 
+def test_depths_cut_each_sizes_count_at_the_levels(tmp_path, capsys):
+    """``policy_replay.py depths``: a size's accepted count cut at d levels (one path node a level),
+    for d up to the levels the size's tree grows (``TreeSettings.capped``: 3 nodes, 3 levels)."""
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"sizes": [1, 3, 7], "steps": [[0, [1, 2, 5]], [0, [0, 0, 0]], [1, [1, 3, 7]]]}))
+    table = policy_replay.main(["depths", str(trace)])
+    assert table[1] == {1: round(2 / 3, 3)}
+    assert table[3] == {1: round(2 / 3, 3), 2: round(4 / 3, 3), 3: round(5 / 3, 3)}
+    assert table[7][1] == round(2 / 3, 3) and table[7][4] == round(8 / 3, 3) and table[7][7] == 4.0
+    assert list(table[7]) == list(range(1, 8)) and "3 steps" in capsys.readouterr().out
+
+
 def test_recorder_keeps_what_every_size_would_have_accepted(tmp_path):
     """``record_acceptance``'s recorder: the full dynamic tree every step, and per step the accepted
     path's ranks: a rank a node, never decreasing (``check_ranks``), from which a smaller size never
