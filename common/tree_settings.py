@@ -75,13 +75,16 @@ class TreeSettings:
         ``nodes`` levels: a set of n best nodes closed under ancestors is never deeper than n, and the
         levels it grows are the same as the full tree's, so it is exactly the full tree's best
         ``nodes`` (the draft runs fewer levels). A static tree is the draft's file: unchanged.
+        With ``EAGLE3_TREE_LEVELS`` (``level_cap``, an experiment: off by default) a dynamic tree below
+        the budget grows at most the levels set for its size: its best ``nodes`` nodes among those
+        that deep, which may differ from the full tree's best ``nodes``.
         """
         assert nodes >= 1, nodes
         if self.tree == "static" or nodes >= self.node_budget:
             return self
         if self.tree == "chain":
             return TreeSettings("chain", nodes, self.top_k, self.max_nodes)
-        return TreeSettings("dynamic", min(self.depth, nodes), self.top_k, nodes)
+        return TreeSettings("dynamic", min(self.depth, nodes, level_cap(nodes) or nodes), self.top_k, nodes)
 
     @property
     def max_tree_nodes(self) -> int:
@@ -180,6 +183,35 @@ TREE_SIZES = os.environ.get("EAGLE3_TREE_SIZES", "tiles")
 _SIZE_STEPS = {"powers": (1, 2, 4, 8, 16, 32, 64, 128, 256), "tiles": (1, 3, 7, 15, 31, 63, 127, 255)}
 if TREE_SIZES not in _SIZE_STEPS:
     raise ValueError(f"EAGLE3_TREE_SIZES={TREE_SIZES!r}: one of {sorted(_SIZE_STEPS)}")
+
+
+def parse_tree_levels(text: str) -> tuple[tuple[int, int], ...]:
+    """``EAGLE3_TREE_LEVELS``: "SIZE:LEVELS[,SIZE:LEVELS...]" (each a whole number >= 1) ->
+    ((size, levels), ...) by size; "" -> (). Anything else raises ValueError."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        size, sep, levels = part.partition(":")
+        if not sep or not size.isdigit() or not levels.isdigit() or int(size) < 1 or int(levels) < 1:
+            raise ValueError(f"EAGLE3_TREE_LEVELS={text!r}: {part!r} is not SIZE:LEVELS (whole numbers >= 1)")
+        pairs.append((int(size), int(levels)))
+    return tuple(sorted(pairs))
+
+
+# Levels a dynamic tree below the budget grows at most, by its size (``EAGLE3_TREE_LEVELS``, read at
+# import; the verify service prices and asks for the trees, the draft service captures their levels:
+# set it alike for both). "7:4,15:5": a tree of at most 7 nodes grows at most 4 levels, one of at most
+# 15 at most 5. Off ("") by default: a tree of n nodes grows min(depth, n) levels, so every size of 7
+# nodes or more runs the draft's 7 levels. What a cut costs in acceptance, from a recorded trace:
+# ``benchmarks/policy_replay.py depths`` (MT-bench, the shipped head: a 7-node tree accepts 2.343 nodes
+# a step at 7 levels, at least 2.012 at 4). An experiment until measured on the GPU.
+TREE_LEVELS = parse_tree_levels(os.environ.get("EAGLE3_TREE_LEVELS", ""))
+
+
+def level_cap(nodes: int, levels: tuple[tuple[int, int], ...] | None = None) -> int | None:
+    """The most levels a dynamic tree of ``nodes`` nodes below the budget grows under ``levels``
+    (default ``TREE_LEVELS``): the least LEVELS of the entries whose SIZE holds it; None: no cap."""
+    caps = [lv for size, lv in (TREE_LEVELS if levels is None else levels) if nodes <= size]
+    return min(caps) if caps else None
 
 
 def tree_sizes(limits: TreeSettings, steps: str | None = None) -> tuple[int, ...]:

@@ -74,6 +74,28 @@ def test_capped_settings_keep_the_best_nodes_and_fewer_levels():
     assert tree_sizes(TreeSettings("static", 5, 10, 20)) == (20,)
 
 
+def test_tree_levels_cut_the_small_dynamic_trees_below_the_budget(monkeypatch):
+    """``EAGLE3_TREE_LEVELS`` (off by default): a dynamic tree of a size below the budget grows at most
+    the levels of the least entry that holds it; the budget's tree, chains and static trees do not
+    change; the policy prices and credits the cut sizes with their levels."""
+    from common import tree_settings
+
+    assert tree_settings.TREE_LEVELS == () and tree_settings.level_cap(7) is None  # (the default: off)
+    assert tree_settings.parse_tree_levels(" 15:5,7:4 ") == ((7, 4), (15, 5)) and tree_settings.parse_tree_levels("") == ()
+    for bad in ("7", "7:0", "x:4", "7:4;15:5", "-3:2"):
+        with pytest.raises(ValueError, match="SIZE:LEVELS"):
+            tree_settings.parse_tree_levels(bad)
+    monkeypatch.setattr(tree_settings, "TREE_LEVELS", ((7, 4), (15, 5)))
+    dyn = TreeSettings("dynamic", 7, 10, 59)
+    assert [dyn.capped(n).depth for n in (1, 3, 5, 7, 8, 15, 16, 31)] == [1, 3, 4, 4, 5, 5, 7, 7]
+    assert dyn.capped(59) == dyn and TreeSettings("chain", 9).capped(7).depth == 7
+    policy = AdaptivePolicy(table(1.0), dyn)
+    assert policy._levels.tolist() == [1, 3, 4, 5, 7, 7]  # sizes 1, 3, 7, 15, 31, 59
+    deep = chain(59)  # a verified chain of 59 accepting its first 6: sizes 7 and 15 hold 4 and 5 of them
+    assert accepted_within(deep, list(range(6)), [1, 3, 7, 15, 31], policy._levels[:5]).tolist() == [1, 3, 4, 5, 6]
+    assert accepted_within(deep, list(range(6)), [1, 3, 7, 15, 31]).tolist() == [1, 3, 6, 6, 6]
+
+
 def test_plain_decoding_where_trees_cost_more_than_they_bring():
     policy = AdaptivePolicy(table(per_token_ms=0.05), TreeSettings("chain", 5), PolicyConfig(probe_every=0))
     seen(policy, accepted=1)  # tau 2
@@ -726,6 +748,29 @@ def test_greedy_output_equals_target_only_whatever_the_policy_picks(dirs, tree):
     assert engine.target.blocks.num_used_blocks == 0 and engine.drafter.blocks.num_used_blocks == 0
     engine = eagle_engine(dirs, tree, AdaptivePolicy, table(0.01), max_batch_tokens=32)  # the real policy
     assert [r.token_ids for r in engine.generate(PROMPTS, params)] == want
+
+
+def test_greedy_output_equals_target_only_with_small_trees_cut_to_fewer_levels(dirs, monkeypatch):
+    """``EAGLE3_TREE_LEVELS``: the policy's smaller dynamic trees grow fewer levels (3 and 7 nodes: one),
+    and the output is still target-only's token for token."""
+    from common import tree_settings
+
+    class Watched(ChaosPolicy):  # the verified trees' depths, by the size asked for
+        deepest: dict[int, int] = {}
+
+        def observe_tree(self, seq_id, tree, accepted, asked):
+            if tree.num_nodes:
+                self.deepest[asked] = max(self.deepest.get(asked, 0), int(tree.depths.max()))
+            super().observe_tree(seq_id, tree, accepted, asked)
+
+    monkeypatch.setattr(tree_settings, "TREE_LEVELS", ((7, 1),))
+    random.seed(4)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 30, 14, 2, 25)]
+    want = [r.token_ids for r in Engine(target_for(dirs[0])).generate(PROMPTS, params)]
+    engine = eagle_engine(dirs, "dynamic", Watched, table(1.0), max_batch_tokens=32)
+    assert engine.policy._levels.tolist() == [1, 1, 1, 4]  # sizes 1, 3, 7 and the budget of 10
+    assert [r.token_ids for r in engine.generate(PROMPTS, params)] == want
+    assert Watched.deepest.get(7) == 1 and Watched.deepest.get(3) == 1, Watched.deepest  # (uncut: 7 nodes went 2 deep)
 
 
 def test_the_draft_gets_every_row_before_it_proposes(dirs):

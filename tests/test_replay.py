@@ -74,6 +74,16 @@ def test_a_smaller_tree_replays_what_its_size_accepted_at_the_same_step():
     assert plain.next_accepted(1, 1) == plain.pool[0]
 
 
+def test_a_replayed_tree_cut_to_fewer_levels_accepts_a_node_a_level_at_most(monkeypatch):
+    """``EAGLE3_TREE_LEVELS``: a size cut to fewer levels replays the path's nodes ranked within it, at
+    most one a level (the tree holds no deeper node); a size without a cut, as before."""
+    from common import tree_settings
+
+    monkeypatch.setattr(tree_settings, "TREE_LEVELS", ((3, 1),))
+    replay = AcceptanceReplay([[[0, 1, 2]]], ranks=True)
+    assert replay.next_accepted(1, 3) == 1 and replay.next_accepted(2, 4) == 3 and replay.next_accepted(3) == 3
+
+
 def test_depths_cut_each_sizes_count_at_the_levels(tmp_path, capsys):
     """``policy_replay.py depths``: a size's accepted count cut at d levels (one path node a level),
     for d up to the levels the size's tree grows (``TreeSettings.capped``: 3 nodes, 3 levels)."""

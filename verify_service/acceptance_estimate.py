@@ -27,14 +27,16 @@ def path_ranks(tree: CandidateTree, accepted: list[int]) -> np.ndarray:
     return np.maximum.accumulate(rank[np.asarray(accepted, dtype=np.int64)])
 
 
-def accepted_within(tree: CandidateTree, accepted: list[int], sizes) -> np.ndarray:
+def accepted_within(tree: CandidateTree, accepted: list[int], sizes, levels=None) -> np.ndarray:
     """For each size m: nodes of the accepted path the tree's best min(m, N) nodes hold, i.e. what
     the tree of size m would have accepted (``path_ranks``: a path stops at its first node outside
-    the best m)."""
+    the best m); with ``levels`` (each size's levels, ``TreeSettings.capped``), no more than them
+    (a lower bound where a size grows fewer levels than this tree: ``EAGLE3_TREE_LEVELS``)."""
     if not accepted:  # (no order needed: 22% of the trees at batch 1 on MT-bench, the shipped head)
         return np.zeros(len(sizes))
     worst = path_ranks(tree, accepted)
-    return (worst[None, :] < np.minimum(sizes, tree.num_nodes)[:, None]).sum(axis=1).astype(np.float64)
+    counts = (worst[None, :] < np.minimum(sizes, tree.num_nodes)[:, None]).sum(axis=1).astype(np.float64)
+    return counts if levels is None else np.minimum(counts, levels)
 
 
 class Acceptance:

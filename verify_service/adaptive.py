@@ -437,7 +437,8 @@ class AdaptivePolicy:
             return
         seen = [m for m in self.sizes if m <= asked]
         if seen:
-            self.observe_accepted(seq_id, accepted_within(tree, accepted, seen), tree.num_nodes)
+            self.observe_accepted(seq_id, accepted_within(tree, accepted, seen, self._levels[:len(seen)]),
+                                  tree.num_nodes)
 
     def observe_accepted(self, seq_id: int, acc: np.ndarray, nodes: int) -> None:
         """``acc``: what the sizes up to the tree's asked-for one would have accepted, from a verified tree

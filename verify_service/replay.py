@@ -29,6 +29,7 @@ import itertools
 import numpy as np
 import torch
 
+from common.tree_settings import level_cap
 from kernels.acceptance import AcceptResult
 from runtime.step_layout import Staging
 
@@ -78,8 +79,8 @@ class AcceptanceReplay:
         pos = self._cursor[seq_id]
         self._cursor[seq_id] = pos + 1
         step = self.pool[pos % len(self.pool)]
-        if self.ranks:
-            return len(step) if nodes is None else sum(r < nodes for r in step)
+        if self.ranks:  # (a size that grows fewer levels, ``EAGLE3_TREE_LEVELS``: at most one node a level)
+            return len(step) if nodes is None else min(sum(r < nodes for r in step), level_cap(nodes) or nodes)
         if self.sizes is None:
             return step
         if nodes is None:
