@@ -94,6 +94,10 @@ def test_tree_levels_cut_the_small_dynamic_trees_below_the_budget(monkeypatch):
     deep = chain(59)  # a verified chain of 59 accepting its first 6: sizes 7 and 15 hold 4 and 5 of them
     assert accepted_within(deep, list(range(6)), [1, 3, 7, 15, 31], policy._levels[:5]).tolist() == [1, 3, 4, 5, 6]
     assert accepted_within(deep, list(range(6)), [1, 3, 7, 15, 31]).tolist() == [1, 3, 6, 6, 6]
+    credited = []  # what the policy learns from that tree for each of its sizes
+    policy.observe_accepted = lambda seq_id, acc, nodes: credited.append(acc.tolist())
+    policy.observe_tree(0, deep, list(range(6)), 59)
+    assert credited == [[1, 3, 4, 5, 6, 6]]
 
 
 def test_plain_decoding_where_trees_cost_more_than_they_bring():

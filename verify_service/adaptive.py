@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.tree_settings import TreeSettings, tree_sizes
+from common.tree_settings import TreeSettings, level_cap, tree_sizes
 from runtime.tree import CandidateTree
 from verify_service.acceptance_estimate import Acceptance, accepted_within
 from verify_service.cost_table import CostGrid, CostTable, calibrate, describe
@@ -131,6 +131,8 @@ class AdaptivePolicy:
             raise ValueError(f"tree sizes {sizes}: increasing from 1, ending at the budget {limits.node_budget}")
         self.sizes = tuple(sizes) if sizes is not None else tree_sizes(limits)
         self._levels = np.array([limits.capped(m).depth for m in self.sizes], dtype=np.float64)
+        # sizes cut to fewer levels than nodes allow (EAGLE3_TREE_LEVELS): credited at most a node a level
+        self._cut_levels = self._levels if any(level_cap(m) for m in self.sizes) else None
         p = config.prior_acceptance
         prior = np.array([sum(p ** d for d in range(1, int(lv) + 1)) for lv in self._levels])
         self._global = Acceptance(prior, config.global_weight)
@@ -437,8 +439,8 @@ class AdaptivePolicy:
             return
         seen = [m for m in self.sizes if m <= asked]
         if seen:
-            self.observe_accepted(seq_id, accepted_within(tree, accepted, seen, self._levels[:len(seen)]),
-                                  tree.num_nodes)
+            cut = None if self._cut_levels is None else self._cut_levels[:len(seen)]
+            self.observe_accepted(seq_id, accepted_within(tree, accepted, seen, cut), tree.num_nodes)
 
     def observe_accepted(self, seq_id: int, acc: np.ndarray, nodes: int) -> None:
         """``acc``: what the sizes up to the tree's asked-for one would have accepted, from a verified tree
