@@ -116,10 +116,10 @@ def load_trace(path: str) -> dict:
 
 def depth_table(trace: dict) -> dict[int, dict[int, float]]:
     """size -> {levels d: mean accepted nodes a step of the size's tree cut to d levels}, for d from 1
-    to the size's own levels (``depths``)."""
+    to the levels the size's tree grows uncut, min(depth, size) (``depths``; whatever ``EAGLE3_TREE_LEVELS`` says)."""
     counts = np.array([accepted for _, accepted in trace["steps"]], dtype=np.int64).reshape(-1, len(trace["sizes"]))
     return {size: {d: round(float(np.minimum(counts[:, j], d).mean()), 3)
-                   for d in range(1, LIMITS.capped(size).depth + 1)}
+                   for d in range(1, min(LIMITS.depth, size) + 1)}
             for j, size in enumerate(trace["sizes"])}
 
 
