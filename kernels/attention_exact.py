@@ -135,10 +135,22 @@ def probe_wide_tile(device: torch.device, dtype: torch.dtype, group: int, head_d
     return same
 
 
-def few_tree(meta: AttentionMetadata) -> bool:
-    """Whether a tree step is small enough (at most ``TREE_FEW_TOKENS`` tokens a sequence) to take a
-    one-token step's launch shape: the narrow tile, ``SPLIT_PROGRAMS_PER_SM`` programs an SM."""
-    return meta.max_query_len <= TREE_FEW_TOKENS
+def narrow_tokens(group: int) -> int:
+    """Tokens of a KV head's ``group`` query heads that one narrow query tile holds (at least one)."""
+    return max(BLOCK_M, triton.next_power_of_2(group)) // group
+
+
+def one_tile_tree(meta: AttentionMetadata, group: int) -> bool:
+    """Whether a tree step's sequences each fit one narrow query tile (``ONE_TILE_TREES``): such a step
+    takes the one-token step's launch shape and a tile a whole-chunk program."""
+    return bool(ONE_TILE_TREES) and meta.max_query_len <= narrow_tokens(group)
+
+
+def few_tree(meta: AttentionMetadata, group: int | None = None) -> bool:
+    """Whether a tree step is small enough (at most ``TREE_FEW_TOKENS`` tokens a sequence, or, given
+    the KV head's ``group`` of query heads, one narrow query tile a sequence: ``one_tile_tree``) to
+    take a one-token step's launch shape: the narrow tile, ``SPLIT_PROGRAMS_PER_SM`` programs an SM."""
+    return meta.max_query_len <= TREE_FEW_TOKENS or (group is not None and one_tile_tree(meta, group))
 
 
 def tree_wide_wanted(max_seq_len: int) -> bool:
@@ -258,10 +270,24 @@ if TREE_WIDE_FLOOR > 1:
 # over 32K keys took 8.74 / 8.92 / 9.14 ms for trees of 1 / 4 / 8 nodes against 5.65 for one token
 # (H200, fba4dd1, ``replay_gates_h200_fba4dd1_adaptive_diag.json``): a cost that does not grow with
 # the tree, the wide rows' programs (33 a KV head, two chunks each, one an SM) rather than its
-# tokens. ``EAGLE3_EXACT_TREE_FEW_TOKENS`` (read at import); 0, the default until it is measured
-# (``attention_kernel.py --exact-settings TREE_FEW_TOKENS=9``), keeps every tree on the tree launch
-# shapes. Speed only: a row's partials are the narrow tile's either way.
+# tokens. ``EAGLE3_EXACT_TREE_FEW_TOKENS`` (read at import); 0, the default (mixed where measured:
+# ``attention_kernel.py --exact-settings TREE_FEW_TOKENS=9``), keeps trees of more than one query
+# tile on the tree launch shapes (``ONE_TILE_TREES`` below says what one tile's take). Speed only: a
+# row's partials are the narrow tile's either way.
 TREE_FEW_TOKENS = _env_count("EAGLE3_EXACT_TREE_FEW_TOKENS", 0, "tokens a sequence, 0 for none")
+# A tree step whose sequences each fit one narrow query tile (the 8B's four query heads a KV head: up to
+# four tokens; SmolLM2's three: five) takes the one-token step's launch shape (as ``TREE_FEW_TOKENS``)
+# with one query tile a whole-chunk program (``TREE_TILES`` 1: two would attend every key tile for an
+# empty second tile too). On an H200 (``attention_kernel.py --context 4096 --context 32768 --tokens 1
+# --tokens 4 --tokens 8 --capacity 32768 --exact --exact-settings TREE_FEW_TOKENS=8,TREE_TILES=1
+# --l2-flush 200``, edab1f2; ``exact_mode/one_tile_trees_h200/``) the 8B's 4-token tree took 59.6
+# against 78.1 us at 32K keys and 19.7 against 20.7 at 4K (one token: 51.8 and 17.0); 8 tokens (two
+# tiles) lost with one tile a program (86.4 against 81.4 at 32K), so the rule stops at one tile.
+# ``EAGLE3_EXACT_ONE_TILE_TREES=0`` (read at import) keeps such trees on the tree launch shapes. Speed
+# only: a row's partials are the narrow tile's bits either way.
+ONE_TILE_TREES = _env_count("EAGLE3_EXACT_ONE_TILE_TREES", 1, "0 or 1")
+if ONE_TILE_TREES > 1:
+    raise ValueError(f"EAGLE3_EXACT_ONE_TILE_TREES={ONE_TILE_TREES}: 0 or 1")
 # A step without a tree walks a program's key tiles in one loop across its chunks (``_walk_chunks``)
 # where a chunk holds at least this many tiles, else a loop a chunk (the same bits either way). On an
 # H200 the one loop took 8B decode attention at batch 64 and 4K from 279.0 to 252.7 us (512-key
@@ -337,9 +363,11 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     _, block_size, kvh, _ = k_cache.shape
     g = H // kvh
     has_mask = meta.custom_mask is not None
+    few = has_mask and few_tree(meta, g)
+    one_tile = has_mask and one_tile_tree(meta, g)
     if tile == "auto":
         if has_mask:
-            tile = "tree" if not few_tree(meta) and tree_wide_wanted(meta.max_seq_len) and \
+            tile = "tree" if not few and tree_wide_wanted(meta.max_seq_len) and \
                 wide_tile_ok(q, g, chunk, "tree") else "narrow"
         else:
             tile = "wide" if meta.max_query_len >= WIDE_QUERY_LEN and wide_tile_ok(q, g, chunk) else "narrow"
@@ -378,10 +406,10 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # wide rows of TREE_WIDE_ROWS // block_m of them in one tile, then of the tree chunks one a token of
     # the group's tiles
     wide_rows = split and wants_rows
-    sub = (TREE_WIDE_ROWS // block_m if wide_rows else TREE_TILES) if split and has_mask else 1
+    sub = (TREE_WIDE_ROWS // block_m if wide_rows else 1 if one_tile else TREE_TILES) if split and has_mask else 1
     q_groups = triton.cdiv(q_tiles, sub)
     per_token = sub * block_q if split and has_mask else 0
-    per_sm = TREE_WIDE_PROGRAMS_PER_SM if wide_rows else SPLIT_PROGRAMS_PER_SM if has_mask and few_tree(meta) else None
+    per_sm = TREE_WIDE_PROGRAMS_PER_SM if wide_rows else SPLIT_PROGRAMS_PER_SM if few else None
     walkers = chunk_programs(chunks, meta.num_seqs * q_groups * kvh, q.device, per_sm=per_sm, tree=has_mask,
                              floor=wide_rows and bool(TREE_WIDE_FLOOR)) if split else 1
     pdl = dependent(q, PDL_ALL)  # (speed only: the bits are the same either way)

@@ -174,6 +174,7 @@ def test_a_few_token_tree_takes_the_one_token_launch_shape(monkeypatch):
 
     monkeypatch.setattr(attention_exact, "CHUNK", 128)
     monkeypatch.setattr(attention_exact, "SPLIT_PROGRAMS_PER_SM", 1)  # (programs that walk several chunks)
+    monkeypatch.setattr(attention_exact, "ONE_TILE_TREES", 0)  # (the 5-token tree is one tile: its own test)
     cache, step, q = binary_tree_step(5, 700, 2, 3, 64, torch.bfloat16, seed=9)
     want = attend(cache, step, q, "fold")
     asked, real = [], attention_exact.chunk_programs
@@ -210,6 +211,41 @@ def test_a_few_token_tree_takes_the_one_token_launch_shape(monkeypatch):
     assert attention_exact.few_tree(meta)
     monkeypatch.setattr(attention_exact, "TREE_FEW_TOKENS", 4)
     assert not attention_exact.few_tree(meta)
+
+
+@pytest.mark.parametrize("tokens, g", [(2, 3), (5, 3), (4, 4)])
+def test_a_one_tile_tree_takes_the_one_token_launch_shape_a_tile_a_program(tokens, g, monkeypatch):
+    """``ONE_TILE_TREES``: a tree whose sequences each fit one narrow query tile (five tokens at three
+    query heads a KV head, four at four) takes the narrow tile where the wide rows are wanted and
+    allowed, a one-token step's programs for its chunks, and one query tile a whole-chunk program;
+    its rows keep the fold launch's bits and those of the tree launch shapes (off). A tree of one
+    token more is two tiles and keeps the tree's own."""
+    from kernels import attention_exact
+
+    monkeypatch.setattr(attention_exact, "CHUNK", 128)
+    monkeypatch.setattr(attention_exact, "SPLIT_PROGRAMS_PER_SM", 1)  # (programs that walk several chunks)
+    cache, step, q = binary_tree_step(tokens, 700, 2, g, 64, torch.bfloat16, seed=tokens)
+    want = attend(cache, step, q, "fold")
+    monkeypatch.setattr(attention_exact, "ONE_TILE_TREES", 0)
+    assert torch.equal(attend(cache, step, q, "split"), want)  # (TREE_TILES: two tiles a program, one empty)
+    monkeypatch.setattr(attention_exact, "ONE_TILE_TREES", 1)
+    asked, real = [], attention_exact.chunk_programs
+    monkeypatch.setattr(attention_exact, "chunk_programs",
+                        lambda *a, per_sm=None, tree=False, floor=False: asked.append((a[1], per_sm)) or
+                        real(*a, per_sm=per_sm, tree=tree, floor=floor))
+    monkeypatch.setattr(attention_exact, "TREE_WIDE_MIN_KEYS", 0)  # the wide rows wanted at any length ...
+    monkeypatch.setattr(attention_exact, "wide_tile_ok", lambda *a, **k: True)  # ... and allowed
+    assert torch.equal(attend(cache, step, q, "split"), want)
+    # one program a (query tile, KV head) pair of the tree's sequence and of its decoding neighbour: 2 x 2
+    assert asked == [(4, 1)], asked
+    meta = layout_step(step, BLOCK, torch.device(DEVICE), EXACT).meta
+    assert attention_exact.one_tile_tree(meta, g) and attention_exact.few_tree(meta, g)
+    assert not attention_exact.few_tree(meta)  # (TREE_FEW_TOKENS 0: no group, no rule)
+    bigger = layout_step(binary_tree_step(attention_exact.narrow_tokens(g) + 1, 700, 2, g, 64, torch.bfloat16,
+                                          seed=1)[1], BLOCK, torch.device(DEVICE), EXACT).meta
+    assert not attention_exact.one_tile_tree(bigger, g) and not attention_exact.few_tree(bigger, g)
+    monkeypatch.setattr(attention_exact, "ONE_TILE_TREES", 0)
+    assert not attention_exact.one_tile_tree(meta, g)
 
 
 def test_trees_ask_for_the_wide_rows_over_long_prefixes_only(monkeypatch):
