@@ -116,23 +116,6 @@ class _NodePool:
             self._scores[:, lo:hi].view(shape).copy_(scores)
         return lo
 
-    def tree_tensors(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The pool nodes ``keep`` [B, n] as trees, in that order (parents first), on the device:
-        tokens, parents (remapped from pool indices to positions in ``keep``, -1 = root), depths,
-        scores, each [B, n]. Every kept node's parent must be kept too."""
-        b, n = keep.shape
-        # pool index -> tree index; the extra column `size` stands for the root (-1)
-        new_index = keep.new_full((b, self.size + 1), -1)
-        new_index.scatter_(1, keep, torch.arange(n, device=keep.device).expand(b, n))
-        pool_parent = self.parents.gather(1, keep)
-        parents = new_index.gather(1, torch.where(pool_parent >= 0, pool_parent, self.size))
-        return self.tokens.gather(1, keep), parents, self.depths.gather(1, keep), self.scores.gather(1, keep)
-
-    def trees(self, keep: torch.Tensor) -> list[CandidateTree]:
-        """``tree_tensors`` as CandidateTrees on the host (one copy per field)."""
-        tokens, parents, depths, scores = (t.cpu().numpy() for t in self.tree_tensors(keep))
-        return [CandidateTree(tokens[i], parents[i], depths[i], scores[i]) for i in range(keep.shape[0])]
-
 
 class _PoolBuilder:
     """Shared pool plumbing: the ``pool_*`` views, the draft top-k, and the feed masks."""
@@ -269,12 +252,16 @@ class StaticTreeBuilder(_PoolBuilder):
 
     def _level_tensors(self, level: StaticLevel, device: torch.device) -> tuple[torch.Tensor, ...]:
         """A level's index tensors on the device, made once per builder (a CUDA graph captured
-        from this builder replays them: a capture cannot copy from the host)."""
+        from this builder replays them: a capture cannot copy from the host): each node's candidate
+        among the fed nodes' top-k (parent slot * k + rank) and its parent's pool index, the
+        frontier's candidates (its nodes are this level's: pool indices from ``lo``) and its
+        parents' slots."""
         if level.depth not in self._levels:
-            slot, rank = (torch.tensor(x, device=device).clamp(min=0) for x in (level.parent_slot, level.rank))
-            self._levels[level.depth] = (slot, rank, torch.tensor(level.parent, device=device),
-                                         torch.tensor(level.frontier, device=device, dtype=torch.int64),
-                                         torch.tensor(level.frontier_parent_slot, device=device, dtype=torch.int64))
+            pick = [max(s, 0) * level.top_k + r for s, r in zip(level.parent_slot, level.rank)]
+            lo = sum(len(lv.rank) for lv in self.spec.levels[:level.depth - 1])
+            self._levels[level.depth] = tuple(torch.tensor(x, device=device, dtype=torch.int64) for x in (
+                pick, level.parent, [pick[i - lo] for i in level.frontier], level.frontier,
+                level.frontier_parent_slot))
         return self._levels[level.depth]
 
     def frontier_widths(self) -> list[int]:
@@ -294,29 +281,28 @@ class StaticTreeBuilder(_PoolBuilder):
         return self._grow(logprobs, self.spec.levels[f.depth])
 
     def finish(self) -> list[CandidateTree]:
-        return self._filled().trees(self._keep())
+        # (copies: the pool's views would change with the builder's next tree)
+        tokens, parents, depths, scores = (t.to("cpu", copy=True).numpy() for t in self.finish_tensors())
+        return [CandidateTree(tokens[i], parents[i], depths[i], scores[i]) for i in range(tokens.shape[0])]
 
     def finish_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._filled().tree_tensors(self._keep())
-
-    def _keep(self) -> torch.Tensor:
-        pool = self._filled()  # spec order: parents first, siblings by rank
-        return torch.arange(pool.size, device=pool.tokens.device).expand(pool.tokens.shape[0], -1)
+        """The pool as it is: spec order is the trees' order (parents first, siblings by rank), so a
+        node's pool index is its tree index and its parent's too (-1: the root). Views of the pool."""
+        pool = self._filled()
+        return pool.tokens, pool.parents, pool.depths, pool.scores
 
     def _grow(self, logprobs: torch.Tensor, level: StaticLevel) -> Frontier | None:
-        """Create ``level``'s nodes from the draft at the fed nodes (logprobs [B, F, Vd])."""
+        """Create ``level``'s nodes from the draft at the fed nodes (logprobs [B, F, Vd]): each the
+        rank-th child of its parent, scored its log-prob plus its parent's score (``static_level``)."""
         b = logprobs.shape[0]
-        slot, rank, parent, frontier, frontier_slot = self._level_tensors(level, logprobs.device)
-        parents = parent.expand(b, -1)  # (B, n), pool index or -1
+        pick, parent, frontier_pick, frontier, frontier_slot = self._level_tensors(level, logprobs.device)
         ids, lp = self._level_topk(logprobs, level.top_k)  # (B, F, k)
-        tokens, scores = ids[:, slot, rank], lp[:, slot, rank]  # (B, n): the rank-th child of its parent
-        if level.depth > 1:
-            scores = scores + self._pool.scores.gather(1, parents)
-        self._pool.append(tokens, parents, level.depth, scores)
+        pool = self._pool
+        lo = pool.reserve(len(level.rank), level.depth)
+        tokens = self._kernels.static_level(ids, lp, pick, parent, pool.all_tokens, pool.all_parents, pool.all_scores,
+                                            lo, frontier_pick)
         if not level.frontier:
             self._frontier = None
             return None
-        idx = frontier.expand(b, -1)  # (B, F')
-        fslot = frontier_slot.expand(b, -1)
-        self._frontier = Frontier(idx, self._pool.tokens.gather(1, idx), fslot, level.depth)
+        self._frontier = Frontier(frontier.expand(b, -1), tokens, frontier_slot.expand(b, -1), level.depth)
         return self._frontier

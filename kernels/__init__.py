@@ -53,6 +53,7 @@ class KernelSet:
     draft_topk: Callable
     expand_frontier: Callable  # a dynamic tree's level: candidates scored into the pool, the best kept
     best_nodes: Callable  # a dynamic tree's final nodes: the pool's best, parents first
+    static_level: Callable  # a static tree's level: its nodes picked from the top-k into the pool
     extend_layout: Callable  # a draft extend's metadata from its row counts, on the device
     pack_rows: Callable  # a chained extend's fed rows packed front to back
     level_input: Callable  # a draft tree level's inputs: parents' outputs gathered, embeddings, both norms, mask rows
@@ -92,6 +93,7 @@ REFERENCE = KernelSet(
     draft_topk=tree.draft_topk_ref,
     expand_frontier=tree.expand_frontier_ref,
     best_nodes=tree.best_nodes_ref,
+    static_level=tree.static_level_ref,
     extend_layout=draft_rows.extend_layout_ref,
     pack_rows=draft_rows.pack_rows_ref,
     level_input=draft_rows.level_input_ref,

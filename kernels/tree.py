@@ -139,6 +139,25 @@ def expand_frontier_ref(frontier_scores: torch.Tensor, log_probs: torch.Tensor, 
     return best + lo, tokens.reshape(b, n).gather(1, best), best // k, order.values[:, :keep]
 
 
+def static_level_ref(ids: torch.Tensor, log_probs: torch.Tensor, pick: torch.Tensor, parent: torch.Tensor,
+                     pool_tokens: torch.Tensor, pool_parents: torch.Tensor, pool_scores: torch.Tensor, lo: int,
+                     frontier_pick: torch.Tensor) -> torch.Tensor:
+    """One level of a static tree (``StaticTreeBuilder``): its node j is candidate ``pick[j]`` of the
+    fed nodes' top-k (``ids``, target ids, and ``log_probs`` [B, F, k]; candidate c is child c % k of
+    fed node c // k) under the pool node ``parent[j]`` (-1: the root). Node j is written to the pool
+    (tokens, parents, scores [B, P], mutated) at index ``lo + j``: its token, its parent and its score,
+    its log-prob plus its parent's score (a child of the root: its log-prob alone). Returns the
+    target ids of the candidates ``frontier_pick`` [F'], int64 [B, F']: the next frontier's tokens."""
+    b, n = ids.shape[0], pick.shape[0]
+    flat_ids, flat_lp = ids.reshape(b, -1), log_probs.reshape(b, -1)
+    scores = flat_lp[:, pick]
+    scores = torch.where(parent >= 0, scores + pool_scores.gather(1, parent.clamp(min=0).expand(b, n)), scores)
+    pool_tokens[:, lo:lo + n] = flat_ids[:, pick]
+    pool_parents[:, lo:lo + n] = parent
+    pool_scores[:, lo:lo + n] = scores
+    return flat_ids[:, frontier_pick]
+
+
 def best_nodes_ref(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
                    n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A dynamic tree's final nodes: the ``n`` best of a pool of candidates [B, P] (tokens, parents as

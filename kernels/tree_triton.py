@@ -106,6 +106,45 @@ def _tree_mask_kernel(parents_ptr, num_nodes_ptr, out_ptr, N, words, BLOCK: tl.c
     tl.store(out_ptr + rows[:, None] * words + w[None, :], bits, mask=(s[:, None] <= N) & (w[None, :] < words))
 
 
+def static_level_triton(ids: torch.Tensor, log_probs: torch.Tensor, pick: torch.Tensor, parent: torch.Tensor,
+                        pool_tokens: torch.Tensor, pool_parents: torch.Tensor, pool_scores: torch.Tensor, lo: int,
+                        frontier_pick: torch.Tensor) -> torch.Tensor:
+    """``static_level_ref``'s signature and result in one launch (the reference's gathers, add, pool
+    writes and the frontier's gather are eight kernels a level on the GPU): a program a sequence
+    reads its level's candidates, their parents' scores (earlier levels' nodes: no program writes
+    them here), writes the level's nodes and the next frontier's tokens."""
+    B, n, nf = ids.shape[0], pick.shape[0], frontier_pick.shape[0]
+    out = torch.empty(B, nf, dtype=torch.int64, device=ids.device)
+    if B and n:
+        assert all(t.is_contiguous() for t in (pool_tokens, pool_parents, pool_scores)), "pool buffers: contiguous"
+        ids, log_probs = ids.reshape(B, -1).contiguous(), log_probs.reshape(B, -1).contiguous()
+        _static_level_kernel[(B,)](ids, log_probs, pick.contiguous(), parent.contiguous(), frontier_pick.contiguous(),
+                                   pool_tokens, pool_parents, pool_scores, out, ids.shape[1], n, nf,
+                                   pool_tokens.shape[1], lo, BLOCK=max(MIN_BLOCK, triton.next_power_of_2(max(n, nf))))
+    return out
+
+
+@jit_unspecialized("ids_ptr", "lp_ptr", "pick_ptr", "par_ptr", "fpick_ptr", "pool_tok_ptr", "pool_par_ptr",
+                   "pool_sc_ptr", "out_ptr", "C", "n", "nf", "P", "lo")
+def _static_level_kernel(ids_ptr, lp_ptr, pick_ptr, par_ptr, fpick_ptr, pool_tok_ptr, pool_par_ptr, pool_sc_ptr,
+                         out_ptr, C, n, nf, P, lo, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    ok = j < n
+    c = tl.load(pick_ptr + j, mask=ok, other=0)
+    par = tl.load(par_ptr + j, mask=ok, other=-1)
+    lp = tl.load(lp_ptr + b * C + c, mask=ok, other=0.0)
+    below = par >= 0
+    score = tl.where(below, lp + tl.load(pool_sc_ptr + b * P + par, mask=ok & below, other=0.0), lp)
+    dst = b * P + lo + j
+    tl.store(pool_tok_ptr + dst, tl.load(ids_ptr + b * C + c, mask=ok, other=0), mask=ok)
+    tl.store(pool_par_ptr + dst, par, mask=ok)
+    tl.store(pool_sc_ptr + dst, score, mask=ok)
+    f_ok = j < nf
+    fc = tl.load(fpick_ptr + j, mask=f_ok, other=0)
+    tl.store(out_ptr + b * nf + j, tl.load(ids_ptr + b * C + fc, mask=f_ok, other=0), mask=f_ok)
+
+
 def expand_frontier_triton(frontier_scores: torch.Tensor, log_probs: torch.Tensor, tokens: torch.Tensor,
                            frontier_idx: torch.Tensor, pool_tokens: torch.Tensor, pool_parents: torch.Tensor,
                            pool_scores: torch.Tensor, lo: int, keep: int

@@ -15,7 +15,7 @@ from kernels.argmax_triton import argmax_triton
 from kernels.acceptance_triton import compaction_slots_triton, greedy_accept_triton
 from kernels.topk_triton import draft_topk_triton
 from kernels.tree_triton import (best_nodes_triton, expand_frontier_triton, packed_tree_mask_triton,
-                                 sanitize_trees_triton)
+                                 sanitize_trees_triton, static_level_triton)
 
 TRITON = dataclasses.replace(
     REFERENCE,
@@ -37,6 +37,7 @@ TRITON = dataclasses.replace(
     packed_tree_mask=packed_tree_mask_triton,
     sanitize_trees=sanitize_trees_triton,
     expand_frontier=expand_frontier_triton,
+    static_level=static_level_triton,
     best_nodes=best_nodes_triton,
     extend_layout=extend_layout_triton,
     pack_rows=pack_rows_triton,

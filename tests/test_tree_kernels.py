@@ -172,3 +172,56 @@ def test_expand_frontier_keeps_the_stable_sorts_best(expand, batch, frontier, k,
         assert torch.equal(g.cpu(), w.cpu())
     assert torch.equal(pools[1][1][:, lo:lo + frontier * k].cpu(), fidx.repeat_interleave(k, dim=1))
     assert (pools[1][0][:, :lo] == -3).all() and (pools[1][0][:, lo + frontier * k:] == -3).all()
+
+
+def static_level_implementations():
+    impls = [pytest.param(None, id="reference")]
+    try:
+        from kernels.tree_triton import static_level_triton
+    except ImportError:
+        return impls
+    return impls + [pytest.param(static_level_triton, id="triton")]
+
+
+@pytest.mark.parametrize("level", static_level_implementations())
+@pytest.mark.parametrize("batch,fed,k,nodes,frontier,root", [(1, 1, 3, 3, 2, True), (3, 4, 2, 6, 3, False),
+                                                              (2, 1, 1, 1, 1, True), (4, 5, 4, 17, 0, False)])
+def test_static_level_writes_its_nodes_and_returns_the_frontier(level, batch, fed, k, nodes, frontier, root):
+    """A static tree's level (``static_level``), against a loop over every node: node j's token is
+    candidate pick[j]'s, its parent ``parent[j]``, its score the candidate's log-prob plus its parent's
+    pool score (a child of the root: the log-prob alone), written at lo + j and nowhere else; the
+    frontier's tokens are its candidates'. Scores include -inf and parents' scores that are not
+    finite, so the add itself is what is compared (bit for bit)."""
+    from kernels.tree import static_level_ref
+
+    gen = torch.Generator().manual_seed(batch * 1000 + fed * 100 + k * 10 + nodes)
+    lo = 0 if root else 5
+    cap = lo + nodes + 6
+    choices = torch.tensor([0.0, -0.5, -1.25, -3.0, float("-inf")])
+    ids = torch.randint(0, 50_000, (batch, fed, k), generator=gen)
+    lp = choices[torch.randint(0, 5, (batch, fed, k), generator=gen)] - torch.rand(batch, fed, k, generator=gen)
+    pick = torch.randint(0, fed * k, (nodes,), generator=gen)
+    parent = torch.full((nodes,), -1) if root else torch.randint(0, lo, (nodes,), generator=gen)
+    fpick = pick[torch.randperm(nodes, generator=gen)[:frontier]]
+    pool_scores = torch.full((batch, cap), 9.5)
+    pool_scores[:, :lo] = -torch.rand(batch, lo, generator=gen) * 4
+    if lo:
+        pool_scores[:, 0] = float("-inf")
+    pools = [(torch.full((batch, cap), -3, dtype=torch.int64), torch.full((batch, cap), -4, dtype=torch.int64),
+              pool_scores.clone()) for _ in range(2)]
+    want_pool = [t.clone() for t in pools[0]]
+    for b in range(batch):
+        for j in range(nodes):
+            c = int(pick[j])
+            want_pool[0][b, lo + j] = ids.view(batch, -1)[b, c]
+            want_pool[1][b, lo + j] = parent[j]
+            score = lp.view(batch, -1)[b, c]
+            want_pool[2][b, lo + j] = score if parent[j] < 0 else score + pool_scores[b, parent[j]]
+    want_front = ids.view(batch, -1)[:, fpick]
+    args = [t.to(DEVICE) for t in (ids, lp, pick, parent)]
+    pools = [[t.to(DEVICE) for t in p] for p in pools]
+    for impl, pool in ((static_level_ref, pools[0]), (level or static_level_ref, pools[1])):
+        got = impl(*args, *pool, lo, fpick.to(DEVICE))
+        assert got.dtype == torch.int64 and torch.equal(got.cpu(), want_front)
+        for w, g in zip(want_pool, pool):
+            assert torch.equal(g.cpu(), w)
