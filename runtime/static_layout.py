@@ -82,6 +82,10 @@ class StaticLayout:
         # zeros), None (zeros) or _UNKNOWN. Consecutive decode steps mostly send the same tables, and a
         # row rewritten from a list costs ~0.7 us where comparing it costs 0.06 (0.08 ms a step at batch 128).
         self._table_rows: list = [None] * bucket.seqs
+        # The shape (B, n) whose constant rows ``fill_roots`` last wrote (None: another fill since), and
+        # its query_start_loc and the rows' sequences and indices.
+        self._roots_shape: tuple[int, int] | None = None
+        self._roots_qsl = self._roots_index = None
         self.meta = AttentionMetadata(
             query_start_loc=dev["qsl"], seq_lens=dev["seq_lens"], block_tables=dev["tables"],
             slot_mapping=dev["slots"], positions=dev["positions"], token_seq=dev["token_seq"],
@@ -102,6 +106,7 @@ class StaticLayout:
         """Every sequence full, reading block 0 and writing nothing: the inputs a capture runs on (a
         ragged bucket: its tokens split evenly over its sequences)."""
         h, B, Q = self.host, self.bucket.seqs, self.bucket.tokens
+        self._roots_shape = None
         if self.bucket.ragged:
             q_lens = np.diff(np.arange(B + 1) * Q // B)
             qsl = np.concatenate(([0], np.cumsum(q_lens)))
@@ -135,6 +140,7 @@ class StaticLayout:
         """
         self._wait_sent()
         h = self.host
+        self._roots_shape = None  # (every input rewritten: fill_roots' constants with them)
         q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
         starts = np.array([c.kv_start for c in chunks], dtype=np.int64)
         n = len(chunks)
@@ -174,22 +180,46 @@ class StaticLayout:
         without the chunks: sequence b's chunk is its root ``roots[b]`` then ``n`` placeholder nodes
         (token 0), every row at the root's position ``starts[b]`` (its KV start), logits for every row,
         over ``tables[b]`` (``write_trees`` writes the nodes next). Built for the batch at once (a
-        chained step's layout at batch 64 was 64 chunks made and taken apart again). Returns the
-        step's ``query_start_loc``."""
+        chained step's layout at batch 64 was 64 chunks made and taken apart again). What depends on
+        the shape (B, n) alone (the rows' sequences and indices, query_start_loc, the padding, the
+        zero mask and node ids) is written when the shape differs from the last fill's; consecutive
+        chained steps of one shape write only what their starts, roots and tables change (the host
+        lays out the next step while the device runs the draft: its time is the step's then).
+        Returns the step's ``query_start_loc``."""
         self._wait_sent()
         h, B, w = self.host, len(starts), n + 1
+        T = B * w
         self._write_tables(tables)
-        qsl, T = self._write_rows(np.full(B, w, dtype=np.int64), starts)
-        h["positions"][:T] = np.repeat(starts, w)
-        h["positions"][T:] = 0
-        ids = h["ids"]
-        ids[:] = 0
-        ids[:T:w] = roots
+        if self._roots_shape != (B, n):
+            self._roots_rows(B, w)
+        seq, q_idx = self._roots_index
+        h["seq_lens"][:B] = starts + w
+        kv_idx = starts[seq] + q_idx
+        bs = self.block_size
+        h["slots"][:T] = h["tables"][seq, kv_idx // bs] * bs + kv_idx % bs
+        h["positions"][:T] = starts[seq]
+        h["ids"][:T:w] = roots
         if self._mask_bytes is not None:
-            h["mask_start"][:B], h["mask_start"][B:] = starts, 0
-            self._mask_bytes[:] = 0
+            h["mask_start"][:B] = starts
         self._send()
-        return qsl
+        return self._roots_qsl
+
+    def _roots_rows(self, B: int, w: int) -> None:
+        """``fill_roots``' inputs that follow its shape alone: B trees of w rows (root and nodes)."""
+        h, T = self.host, B * w
+        qsl, seq = np.arange(B + 1) * w, np.repeat(np.arange(B), w)
+        q_idx = np.arange(T) - qsl[seq]
+        h["qsl"][:B + 1], h["qsl"][B + 1:] = qsl, T
+        h["seq_lens"][B:] = 0
+        h["slots"][T:] = -1
+        h["token_seq"][:T], h["token_seq"][T:] = seq, 0
+        h["q_idx"][:T], h["q_idx"][T:] = q_idx, 0
+        h["positions"][T:] = 0
+        h["ids"][:] = 0  # (each step writes its roots; the nodes' ids are written on the device)
+        if self._mask_bytes is not None:
+            h["mask_start"][B:] = 0
+            self._mask_bytes[:] = 0
+        self._roots_shape, self._roots_qsl, self._roots_index = (B, w - 1), qsl, (seq, q_idx)
 
     def _wait_sent(self) -> None:
         if self._in_flight:
@@ -251,5 +281,8 @@ class StaticLayout:
         rows = B * (n + 1)
         ids = self.input_ids[:rows].view(B, n + 1)
         ids[:, 1:] = tokens
-        self.meta.positions[:rows].view(B, n + 1)[:, 1:] += depths
+        # Each node at its root's position plus its depth (from the root's row, which this leaves as the
+        # fill wrote it: writing the same trees again gives the same inputs, as a graph's warm-up run does).
+        positions = self.meta.positions[:rows].view(B, n + 1)
+        positions[:, 1:] = positions[:, :1] + depths
         self.meta.custom_mask[:rows, :packed_mask.shape[1]] = packed_mask

@@ -195,3 +195,83 @@ def test_trees_written_on_the_device_give_the_layout_the_host_builds():
     t = torch.from_numpy
     got.write_trees(t(tokens), t(depths), packed_tree_mask_ref(t(parents), torch.full((B,), n)))
     assert torch.equal(got.device_buffer, want.device_buffer)
+
+
+def test_chained_layouts_in_turn_give_what_a_fresh_layout_gives():
+    """``fill_roots`` writes the rows that follow its shape only when the shape changes: steps of one
+    shape, then another, then a host ``fill`` and ``fill_roots`` again, each give the inputs a layout
+    that never held another step gives, byte for byte (host and device buffers); and writing the
+    same trees twice (a graph's warm-up run, then its replay) gives the inputs written once."""
+    from kernels.tree import packed_tree_mask_ref
+    from runtime.static_layout import Bucket, StaticLayout
+
+    rng = np.random.default_rng(3)
+    bucket, width, bs = Bucket(4, 24, True), 24, 16
+
+    def layout():
+        return StaticLayout(bucket, width, 512, bs, torch.device("cpu"))
+
+    def roots_step(B, n):
+        starts = rng.integers(0, 300, B)
+        tables = [rng.permutation(200)[:width].tolist() for _ in range(B)]
+        return starts, rng.integers(1, 1000, B), tables, n
+
+    reused = layout()
+    chunks = [SeqChunk(rng.integers(1, 99, 5), 7, list(range(3)), logits_rows=(4,)) for _ in range(2)]
+    for step in (roots_step(3, 7), roots_step(3, 7), roots_step(2, 23), ("fill", chunks), roots_step(2, 23),
+                 roots_step(4, 5), roots_step(1, 23)):
+        fresh = layout()
+        if isinstance(step[0], str):
+            assert reused.fill(step[1]).tolist() == fresh.fill(step[1]).tolist()
+        else:
+            assert reused.fill_roots(*step).tolist() == fresh.fill_roots(*step).tolist()
+        assert torch.equal(reused.host_buffer, fresh.host_buffer) and torch.equal(reused.device_buffer,
+                                                                                   fresh.device_buffer)
+    B, n = 2, 9
+    reused.fill_roots(*roots_step(B, n))
+    parents = torch.tensor([[-1, 0, 0, 1, -1, 4, 5, 2, 7]] * B)
+    depths = torch.tensor([[1, 2, 2, 3, 1, 2, 3, 3, 4]] * B)
+    tokens = torch.from_numpy(rng.integers(1, 1000, (B, n)))
+    mask = packed_tree_mask_ref(parents, torch.full((B,), n))
+    reused.write_trees(tokens, depths, mask)
+    once = reused.device_buffer.clone()
+    reused.write_trees(tokens, depths, mask)
+    assert torch.equal(reused.device_buffer, once)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_the_tree_inputs_graph_writes_what_write_trees_writes(kernels):
+    """``TreeInputsGraph`` (a chained step's trees written into the verification's inputs by one graph
+    replay; on a CPU the same calls run eagerly), made after the step's ``fill_roots`` as a first use
+    makes it (its capture writes placeholder trees), then written twice more with other trees, gives
+    the inputs ``write_trees`` gives, byte for byte."""
+    from kernels import REFERENCE
+    from kernels.tree import packed_tree_mask_ref
+    from runtime.static_layout import Bucket, StaticLayout
+    from verify_service.accept_graph import TreeInputsGraph
+
+    if kernels == "triton":
+        pytest.importorskip("triton")
+        from kernels.triton_set import TRITON as k
+    else:
+        k = REFERENCE
+    rng = np.random.default_rng(5)
+    B, n, dev = 3, 11, torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (on a GPU: a captured graph)
+    want, got = (StaticLayout(Bucket(4, 16, True), 8, 256, 16, dev) for _ in range(2))
+    graph = None
+    for _ in range(3):
+        parents = torch.tensor(np.stack([[rng.integers(-1, i) for i in range(n)] for _ in range(B)]))
+        depths = torch.zeros(B, n, dtype=torch.int64)
+        for b in range(B):
+            for i in range(n):
+                depths[b, i] = 1 if parents[b, i] < 0 else depths[b, parents[b, i]] + 1
+        trees = torch.stack([torch.from_numpy(rng.integers(1, 1000, (B, n))), parents, depths,
+                             torch.from_numpy(rng.integers(0, 99, (B, n)))]).to(dev)
+        parents = parents.to(dev)
+        step = (rng.integers(0, 100, B), rng.integers(1, 1000, B), [list(range(b, b + 8)) for b in range(B)], n)
+        want.fill_roots(*step)
+        want.write_trees(trees[0], trees[2], packed_tree_mask_ref(parents, torch.full((B,), n, device=dev)))
+        got.fill_roots(*step)
+        graph = graph or TreeInputsGraph(k, got, B, n)
+        graph.write(trees)
+        assert torch.equal(got.device_buffer, want.device_buffer)

@@ -1,5 +1,6 @@
-"""Greedy acceptance of chained trees as one CUDA graph (``AcceptGraph``), and the two things every
-acceptance hands on: the draft's feed and the values the host reads (``feeds_of``, ``values_of``).
+"""Greedy acceptance of chained trees as one CUDA graph (``AcceptGraph``), the trees written into the
+verification's inputs as another (``TreeInputsGraph``), and the two things every acceptance hands on:
+the draft's feed and the values the host reads (``feeds_of``, ``values_of``).
 
 A chained step verifies trees still on the device through a captured forward graph; its acceptance
 (argmax, the tree walk, the KV compaction, the gather of the draft's features and feed) is then
@@ -66,3 +67,32 @@ class AcceptGraph:
         # pool: no other graph reuses its outputs.
         self.graph, (self.result, self.tokens, self.features, self.computed) = capture_graph(
             lambda: body(compact=True), dev, warm=lambda: body(compact=False))
+
+
+class TreeInputsGraph:
+    """B chained trees of n nodes written into a forward graph's inputs (``StaticLayout.write_trees``:
+    the nodes' tokens and positions and their packed ancestor masks, ``packed_tree_mask``) as one CUDA
+    graph on that layout: the host copies the trees into ``nodes`` and replays it, where it launched
+    the mask kernel and the writes from Python while the device waited for the step (the host lays a
+    chained step out while the device runs the draft). Capturing it runs the writes once on
+    placeholder trees (children of the root): the fill that follows rewrites every input they touch."""
+
+    def __init__(self, k: KernelSet, layout, B: int, n: int):
+        dev = layout.device_buffer.device
+        self.nodes = torch.zeros(3, B, n, dtype=torch.int64, device=dev)  # tokens | parents | depths
+        self.nodes[1] = -1
+        self.nodes[2] = 1
+        num_nodes = torch.full((B,), n, dtype=torch.int64, device=dev)
+        self._constants = (num_nodes,)  # the graph reads it: it lives as long as the graph
+
+        def body() -> None:
+            tokens, parents, depths = self.nodes
+            layout.write_trees(tokens, depths, k.packed_tree_mask(parents, num_nodes))
+
+        self.graph, _ = capture_graph(body, dev)
+
+    def write(self, trees: torch.Tensor) -> None:
+        """Write ``trees`` (int64 [4, B, n] on the device: tokens | parents | depths | scores) into the
+        layout's inputs, behind the work queued before."""
+        self.nodes.copy_(trees[:3])
+        self.graph.replay()

@@ -37,6 +37,7 @@ from kernels.host_copy import take_rows
 from runtime.kv_cache import PagedKVCache
 from runtime.static_layout import Bucket, StaticLayout
 from runtime.step_layout import SeqChunk, Staging, layout_step
+from verify_service.accept_graph import TreeInputsGraph
 from verify_service.model import CausalLM
 from verify_service.target_graphs import PROMPT_GRAPH_CONTEXT, TargetGraphs, StepGraph, is_prompt
 
@@ -301,10 +302,27 @@ class ModelRunner:
         nodes = trees()
         if nodes is None or nodes.shape[1:] != (B, n):
             return None
-        tokens, parents, depths = nodes[0], nodes[1], nodes[2]
-        mask = self.kernels.packed_tree_mask(parents, torch.full((B,), n, dtype=torch.int64, device=parents.device))
-        graph.layout.write_trees(tokens, depths, mask)
+        inputs = self.tree_inputs(graph, B, n)
+        if inputs is not None:
+            inputs.write(nodes)
+        else:
+            tokens, parents, depths = nodes[0], nodes[1], nodes[2]
+            mask = self.kernels.packed_tree_mask(parents, torch.full((B,), n, dtype=torch.int64, device=parents.device))
+            graph.layout.write_trees(tokens, depths, mask)
         return self._run(graph, qsl)
+
+    def tree_inputs(self, graph: StepGraph, B: int, n: int) -> TreeInputsGraph | None:
+        """The graph that writes B chained trees of n nodes into ``graph``'s inputs, captured now if it was
+        not (None: no GPU memory to capture it; those steps write them launch by launch)."""
+        key = ("tree_inputs", B, n)
+        if key not in graph.followers:
+            try:
+                graph.followers[key] = TreeInputsGraph(self.kernels, graph.layout, B, n)
+            except torch.OutOfMemoryError:  # the same inputs, written launch by launch
+                log.warning("no GPU memory to capture the tree inputs' graph of %d trees of %d nodes", B, n)
+                graph.followers[key] = None
+                torch.cuda.empty_cache()
+        return graph.followers[key]
 
     def tree_graph(self, B: int, n: int) -> StepGraph | None:
         """The captured verification graph a step of B trees of n nodes replays (None: none holds it)."""

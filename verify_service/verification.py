@@ -168,13 +168,15 @@ class TreeVerifier:
     @torch.inference_mode()
     def warm_up(self, nodes: int, depth: int) -> int:
         """Capture the acceptance graphs of chained steps of trees of ``nodes`` nodes and ``depth``
-        levels, for every batch size a verification graph holds (server start-up: none is captured
-        in the middle of serving). Returns how many were captured."""
+        levels, and the graphs that write their trees into the verification's inputs, for every batch
+        size a verification graph holds (server start-up: none is captured in the middle of
+        serving). Returns how many acceptance graphs were captured."""
         runner, captured, t0 = self.target.runner, 0, time.perf_counter()
         for B in range(1, runner.max_num_seqs + 1):
             graph = runner.tree_graph(B, nodes)
             if graph is not None:
                 captured += self._accept_graph(graph, B, nodes, depth)[1]
+                runner.tree_inputs(graph, B, nodes)
         if captured:
             log.info("captured %d acceptance graphs (trees of %d nodes) in %.1f s", captured, nodes,
                      time.perf_counter() - t0)
