@@ -77,9 +77,7 @@ class TreeInputsGraph:
     chained step out while the device runs the draft). Capturing it runs the writes once on
     placeholder trees (children of the root): the fill that follows rewrites every input they touch."""
 
-    def __init__(self, k: KernelSet, layout, B: int, n: int, pool=None):
-        """``pool``: the capture's memory pool (shared by such graphs: nothing reads their memory after
-        a replay), else the graph's own."""
+    def __init__(self, k: KernelSet, layout, B: int, n: int):
         dev = layout.device_buffer.device
         self.nodes = torch.zeros(3, B, n, dtype=torch.int64, device=dev)  # tokens | parents | depths
         self.nodes[1] = -1
@@ -91,7 +89,7 @@ class TreeInputsGraph:
             tokens, parents, depths = self.nodes
             layout.write_trees(tokens, depths, k.packed_tree_mask(parents, num_nodes))
 
-        self.graph, _ = capture_graph(body, dev, pool)
+        self.graph, _ = capture_graph(body, dev)
 
     def write(self, trees: torch.Tensor) -> None:
         """Write ``trees`` (int64 [4, B, n] on the device: tokens | parents | depths | scores) into the

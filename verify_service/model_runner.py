@@ -85,9 +85,6 @@ class ModelRunner:
         self.max_model_len = model.cos.shape[0]
         self.cuda_graphs = cuda_graphs  # (on a CPU: each replay runs eagerly, ``runtime/graphs.py``)
         self.graphs = TargetGraphs(self._capture, max_num_seqs, self.max_model_len)
-        # One memory pool for every TreeInputsGraph (a graph a batch size: each of its own would hold a
-        # segment of its own); their temporaries are dead once a replay ends, and replays never overlap.
-        self._tree_inputs_pool = None
         self.graph_steps = 0  # steps that replayed a graph (a metric; tests read it)
         self.ragged_steps = 0  # prompt steps replayed on a ragged graph (``_ragged_step``)
         self.split_steps = 0  # mixed steps run as a prompt forward and a graph (``_split_step``)
@@ -319,10 +316,8 @@ class ModelRunner:
         not (None: no GPU memory to capture it; those steps write them launch by launch)."""
         key = ("tree_inputs", B, n)
         if key not in graph.followers:
-            if self._tree_inputs_pool is None and self.device.type == "cuda":
-                self._tree_inputs_pool = torch.cuda.graph_pool_handle()
             try:
-                graph.followers[key] = TreeInputsGraph(self.kernels, graph.layout, B, n, self._tree_inputs_pool)
+                graph.followers[key] = TreeInputsGraph(self.kernels, graph.layout, B, n)
             except torch.OutOfMemoryError:  # the same inputs, written launch by launch
                 log.warning("no GPU memory to capture the tree inputs' graph of %d trees of %d nodes", B, n)
                 graph.followers[key] = None
