@@ -134,16 +134,17 @@ def test_no_trees(sanitize, packed_mask):
                        torch.zeros(0, dtype=torch.int64, device=DEVICE)).shape == (0, 1)
 
 
-def expand_implementations():
+def level_implementations(name: str):
+    """The reference (None) and, where triton imports, the Triton kernel ``name`` of kernels/tree_triton.py."""
     impls = [pytest.param(None, id="reference")]
     try:
-        from kernels.tree_triton import expand_frontier_triton
+        import kernels.tree_triton as tree_triton
     except ImportError:
         return impls
-    return impls + [pytest.param(expand_frontier_triton, id="triton")]
+    return impls + [pytest.param(getattr(tree_triton, name), id="triton")]
 
 
-@pytest.mark.parametrize("expand", expand_implementations())
+@pytest.mark.parametrize("expand", level_implementations("expand_frontier_triton"))
 @pytest.mark.parametrize("batch,frontier,k,keep", [(1, 10, 10, 10), (3, 4, 3, 4), (2, 1, 8, 5), (5, 7, 9, 9),
                                                     (2, 16, 16, 16)])  # (the last: beyond MAX_EXPAND, by a sort)
 def test_expand_frontier_keeps_the_stable_sorts_best(expand, batch, frontier, k, keep):
@@ -174,16 +175,7 @@ def test_expand_frontier_keeps_the_stable_sorts_best(expand, batch, frontier, k,
     assert (pools[1][0][:, :lo] == -3).all() and (pools[1][0][:, lo + frontier * k:] == -3).all()
 
 
-def static_level_implementations():
-    impls = [pytest.param(None, id="reference")]
-    try:
-        from kernels.tree_triton import static_level_triton
-    except ImportError:
-        return impls
-    return impls + [pytest.param(static_level_triton, id="triton")]
-
-
-@pytest.mark.parametrize("level", static_level_implementations())
+@pytest.mark.parametrize("level", level_implementations("static_level_triton"))
 @pytest.mark.parametrize("batch,fed,k,nodes,frontier,root", [(1, 1, 3, 3, 2, True), (3, 4, 2, 6, 3, False),
                                                               (2, 1, 1, 1, 1, True), (4, 5, 4, 17, 0, False)])
 def test_static_level_writes_its_nodes_and_returns_the_frontier(level, batch, fed, k, nodes, frontier, root):
