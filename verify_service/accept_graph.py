@@ -69,27 +69,30 @@ class AcceptGraph:
             lambda: body(compact=True), dev, warm=lambda: body(compact=False))
 
 
+def write_device_trees(k: KernelSet, layout, trees: torch.Tensor, num_nodes: torch.Tensor | None = None) -> None:
+    """Trees on the device (int64 [3+, B, n]: tokens | parents | depths) written into ``layout``'s inputs
+    after its ``fill_roots``: the nodes' tokens and positions and their packed ancestor masks.
+    ``num_nodes``: n for each tree, int64 [B] (default: made here)."""
+    tokens, parents, depths = trees[0], trees[1], trees[2]
+    if num_nodes is None:
+        num_nodes = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.int64, device=tokens.device)
+    layout.write_trees(tokens, depths, k.packed_tree_mask(parents, num_nodes))
+
+
 class TreeInputsGraph:
-    """B chained trees of n nodes written into a forward graph's inputs (``StaticLayout.write_trees``:
-    the nodes' tokens and positions and their packed ancestor masks, ``packed_tree_mask``) as one CUDA
-    graph on that layout: the host copies the trees into ``nodes`` and replays it, where it launched
-    the mask kernel and the writes from Python while the device waited for the step (the host lays a
-    chained step out while the device runs the draft). Capturing it runs the writes once on
-    placeholder trees (children of the root): the fill that follows rewrites every input they touch."""
+    """B chained trees of n nodes written into a forward graph's inputs (``write_device_trees``) as one
+    CUDA graph on that layout: the host copies the trees into ``nodes`` and replays it, where it
+    launched the mask kernel and the writes from Python while the device waited for the step (the host
+    lays a chained step out while the device runs the draft). Capturing it runs the writes once on
+    placeholder trees (children of the root); the next ``write`` rewrites every input they touched."""
 
     def __init__(self, k: KernelSet, layout, B: int, n: int):
         dev = layout.device_buffer.device
         self.nodes = torch.zeros(3, B, n, dtype=torch.int64, device=dev)  # tokens | parents | depths
         self.nodes[1] = -1
         self.nodes[2] = 1
-        num_nodes = torch.full((B,), n, dtype=torch.int64, device=dev)
-        self._constants = (num_nodes,)  # the graph reads it: it lives as long as the graph
-
-        def body() -> None:
-            tokens, parents, depths = self.nodes
-            layout.write_trees(tokens, depths, k.packed_tree_mask(parents, num_nodes))
-
-        self.graph, _ = capture_graph(body, dev)
+        self._num_nodes = torch.full((B,), n, dtype=torch.int64, device=dev)  # (read by the graph)
+        self.graph, _ = capture_graph(lambda: write_device_trees(k, layout, self.nodes, self._num_nodes), dev)
 
     def write(self, trees: torch.Tensor) -> None:
         """Write ``trees`` (int64 [4, B, n] on the device: tokens | parents | depths | scores) into the

@@ -37,7 +37,7 @@ from kernels.host_copy import take_rows
 from runtime.kv_cache import PagedKVCache
 from runtime.static_layout import Bucket, StaticLayout
 from runtime.step_layout import SeqChunk, Staging, layout_step
-from verify_service.accept_graph import TreeInputsGraph
+from verify_service.accept_graph import TreeInputsGraph, write_device_trees
 from verify_service.model import CausalLM
 from verify_service.target_graphs import PROMPT_GRAPH_CONTEXT, TargetGraphs, StepGraph, is_prompt
 
@@ -306,9 +306,7 @@ class ModelRunner:
         if inputs is not None:
             inputs.write(nodes)
         else:
-            tokens, parents, depths = nodes[0], nodes[1], nodes[2]
-            mask = self.kernels.packed_tree_mask(parents, torch.full((B,), n, dtype=torch.int64, device=parents.device))
-            graph.layout.write_trees(tokens, depths, mask)
+            write_device_trees(self.kernels, graph.layout, nodes)
         return self._run(graph, qsl)
 
     def tree_inputs(self, graph: StepGraph, B: int, n: int) -> TreeInputsGraph | None:
