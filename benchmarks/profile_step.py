@@ -3,6 +3,8 @@
     python benchmarks/profile_step.py MODEL_DIR_OR_GEOMETRY [--batch 1] [--context 512] [--kernels triton] [--exact]
 
 ``--prefill`` profiles the prompts' prefill steps instead (the first one, which compiles, unprofiled).
+``--trace T.json`` also writes the profiled steps' chrome trace (``trace_kernels.py T.json --parts STEPS``
+lists one step's kernels in order and charges the step's span to them).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main() -> None:
     ap.add_argument("--kernels", choices=["auto", "triton", "reference"], default="auto")
     ap.add_argument("--exact", action="store_true", help="the batch-invariant target kernels (--exact of the server)")
     ap.add_argument("--prefill", action="store_true", help="profile --steps prefill steps (needs prompts enough to last)")
+    ap.add_argument("--trace", default=None, help="write the profiled steps' chrome trace here")
     args = ap.parse_args()
     target = make_engine(args.model, args.batch, args.context, 64, torch.device("cuda"), args.kernels, args.exact)
     engine = Engine(target)
@@ -51,6 +54,8 @@ def main() -> None:
                 raise SystemExit(f"the prefill ended before {args.steps} profiled steps: more --batch or --context")
             engine.step()
         torch.cuda.synchronize()
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
 
