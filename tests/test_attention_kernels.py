@@ -229,10 +229,10 @@ def test_select_kernels():
 
 @pytest.mark.parametrize("splits", [1, 5, 16, 17, 40, 64])
 def test_combine_merges_any_number_of_splits(splits):
-    """The combine kernel walks the splits in blocks of 16: every count up to MAX_SPLITS merges to
-    the softmax-weighted mean of the partials (splits that saw no key, lse -inf, weigh nothing), each
-    token's first ``used`` of them."""
-    from kernels.attention_triton import MAX_SPLITS, _combine_kernel
+    """The combine kernel reads a launch's splits in one block (``combine_block``): every count up to
+    MAX_SPLITS merges to the softmax-weighted mean of the partials (splits that saw no key, lse -inf,
+    weigh nothing), each token's first ``used`` of them."""
+    from kernels.attention_triton import MAX_SPLITS, _combine_kernel, combine_block
     assert splits <= MAX_SPLITS
     gen = torch.Generator().manual_seed(splits)
     T, H, D = 4, 2, 32
@@ -248,8 +248,8 @@ def test_combine_merges_any_number_of_splits(splits):
     part[1:, 2] = float("nan")
     part, lse, used, out = part.to(DEVICE), lse.to(DEVICE), used.to(DEVICE), out.to(DEVICE)
     _combine_kernel[(T, H)](part, lse, used, out, splits, part.stride(0), part.stride(1), part.stride(2),
-                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), D, BLOCK_S=16, BLOCK_D=D,
-                            USE_GDC=False)
+                            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), D,
+                            BLOCK_S=combine_block(splits), BLOCK_D=D, USE_GDC=False)
     for t, n in enumerate(used.clamp(max=splits).tolist()):
         w = torch.softmax(lse[:n, t] * np.log(2), dim=0)  # lse is in base 2
         want = (w[..., None] * part[:n, t]).sum(0)
