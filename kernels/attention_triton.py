@@ -481,9 +481,11 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, used_pt
 
 
 def combine_block(splits: int) -> int:
-    """The combine's block of splits for a launch of ``splits``: all of them (16 at least, one compiled
-    variant for every count up to 16)."""
-    return max(16, triton.next_power_of_2(splits))
+    """The combine's block of splits for a launch of ``splits``: all of them, ``MAX_SPLITS`` for any
+    count up to it, so one compiled variant serves every launch the server makes (a variant per block
+    size would compile mid-serving as a sequence's keys grew past a split count's threshold on an
+    eager step); more only where a benchmark forces more splits."""
+    return max(MAX_SPLITS, triton.next_power_of_2(splits))
 
 
 @triton.jit(do_not_specialize=["splits", "stride_ps", "stride_ls"])
