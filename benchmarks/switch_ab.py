@@ -1,13 +1,16 @@
 """A/B of the kernels' environment switches (read once at import, so one process per variant):
-``decode_baseline.py`` runs once per variant, the variants taking turns over ``--rounds``, and the
-per-case step times come back side by side in one JSON.
+``decode_baseline.py`` (or, with ``--script replay``, ``replay_gates.py``) runs once per variant, the
+variants taking turns over ``--rounds``, and the per-case step times come back side by side in one JSON.
 
     python benchmarks/switch_ab.py --variant base= --variant all=EAGLE3_PDL_ALL=1 \\
         --variant early=EAGLE3_PDL_EARLY=1,EAGLE3_L2_PREFETCH=2,EAGLE3_ROW_LINEAR_STAGES=3 \\
         --rounds 2 --out ab.json -- --case smollm2:1:512 --case llama3-8b:1:4096 --steps 48
+    python benchmarks/switch_ab.py --script replay --variant base= --variant off=EAGLE3_PDL=0 --rounds 3 -- \\
+        --geometry smollm2 --case 512:1 --config dynamic:7:10:59 --steps 480 --exact
 
-Everything after ``--`` goes to ``decode_baseline.py``. A variant is ``NAME=`` (the defaults) or
-``NAME=VAR=VALUE[,VAR=VALUE...]``.
+Everything after ``--`` goes to the script. A variant is ``NAME=`` (the defaults) or
+``NAME=VAR=VALUE[,VAR=VALUE...]``. A decode case's time is its ms per step; a replayed case's
+(``CONTEXT:BATCH CONFIG``, target-only and each tree) its median step.
 """
 
 from __future__ import annotations
@@ -22,6 +25,15 @@ import time
 from pathlib import Path
 
 BASELINE = Path(__file__).resolve().parent / "decode_baseline.py"
+REPLAY = Path(__file__).resolve().parent / "replay_gates.py"
+
+
+def step_times(script: str, result: dict) -> dict[str, float]:
+    """A run's ms a step by case: ``decode_baseline.py``'s per (case, kernels), ``replay_gates.py``'s
+    median per (context:batch, config)."""
+    if script == "decode":
+        return {f"{c['case']} {c['kernels']}": c["ms_per_step"] for c in result["cases"]}
+    return {f"{c['context']}:{c['batch']} {c['config']}": c["step_ms_median"] for c in result["cases"]}
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -43,6 +55,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", type=parse_variant, action="append", required=True)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--script", choices=("decode", "replay"), default="decode",
+                    help="decode_baseline.py (default) or replay_gates.py, once per variant and round")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(ours)
     names = [name for name, _ in args.variant]
@@ -55,24 +69,25 @@ def main(argv: list[str] | None = None) -> dict:
                 out = Path(tmp) / f"{name}_{r}.json"
                 print(f"round {r + 1}, {name}: {env or 'defaults'}", flush=True)
                 t0 = time.perf_counter()
-                subprocess.run([sys.executable, str(BASELINE), *rest, "--out", str(out)], check=True,
+                script = BASELINE if args.script == "decode" else REPLAY
+                subprocess.run([sys.executable, str(script), *rest, "--out", str(out)], check=True,
                                env={**os.environ, **env})
-                cases = json.loads(out.read_text())["cases"]
+                result = json.loads(out.read_text())
                 runs.append({"variant": name, "env": env, "round": r,
                              "wall_s": round(time.perf_counter() - t0, 1),
-                             "ms_per_step": {f"{c['case']} {c['kernels']}": c["ms_per_step"] for c in cases},
-                             "cases": cases})
+                             "ms_per_step": step_times(args.script, result), "cases": result["cases"]})
                 print(f"  {runs[-1]['wall_s']} s: " + "  ".join(f"{k} {v:.3f} ms" for k, v in runs[-1]["ms_per_step"].items()),
                       flush=True)
                 if args.out:  # kept after every run: a run cut short by a time limit keeps what it measured
-                    Path(args.out).write_text(json.dumps({"decode_baseline_args": rest, "runs": runs}, indent=2))
+                    Path(args.out).write_text(json.dumps({"script": args.script, "script_args": rest, "runs": runs},
+                                                         indent=2))
     table = {}
     for run in runs:
         for case, ms in run["ms_per_step"].items():
             table.setdefault(case, {}).setdefault(run["variant"], []).append(ms)
     for case, by_variant in table.items():
         print(f"{case}: " + "  ".join(f"{v} {'/'.join(f'{x:.3f}' for x in ms)} ms" for v, ms in by_variant.items()))
-    result = {"decode_baseline_args": rest, "rounds": args.rounds, "ms_per_step": table, "runs": runs}
+    result = {"script": args.script, "script_args": rest, "rounds": args.rounds, "ms_per_step": table, "runs": runs}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return result

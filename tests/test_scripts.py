@@ -120,6 +120,26 @@ def test_switch_ab_runs_each_variant_in_its_own_environment(tmp_path, monkeypatc
         switch_ab.main(["--variant", "x=PDL_ALL=1"])  # not an EAGLE3_ switch
 
 
+def test_switch_ab_replays(tmp_path, monkeypatch):
+    """switch_ab.py --script replay: replay_gates.py once per variant and round, each case's median
+    step (target-only and each tree) side by side."""
+    from benchmarks import switch_ab
+    fake = tmp_path / "fake_replay.py"
+    fake.write_text("import json, os, sys\n"
+                    "out = sys.argv[sys.argv.index('--out') + 1]\n"
+                    "ms = float(os.environ.get('EAGLE3_PDL', '1'))\n"
+                    "cases = [{'context': 512, 'batch': 1, 'config': 'target-only', 'step_ms_median': ms},\n"
+                    "         {'context': 512, 'batch': 1, 'config': 'chain:3 (replay)', 'step_ms_median': 2 * ms}]\n"
+                    "json.dump({'cases': cases}, open(out, 'w'))\n")
+    monkeypatch.setattr(switch_ab, "REPLAY", fake)
+    monkeypatch.delenv("EAGLE3_PDL", raising=False)
+    result = switch_ab.main(["--script", "replay", "--variant", "base=", "--variant", "off=EAGLE3_PDL=0",
+                             "--rounds", "2", "--", "--case", "512:1"])
+    assert result["script"] == "replay" and result["script_args"] == ["--case", "512:1"]
+    assert result["ms_per_step"] == {"512:1 target-only": {"base": [1.0, 1.0], "off": [0.0, 0.0]},
+                                     "512:1 chain:3 (replay)": {"base": [2.0, 2.0], "off": [0.0, 0.0]}}
+
+
 def test_exact_attention_tile_argument():
     """``decode_baseline.py --exact-attention-tile``: ROWSxWARPS[xSTAGES] -> the overrides it names."""
     import argparse
