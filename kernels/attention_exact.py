@@ -76,6 +76,13 @@ def _env_count(name: str, default: int, unit: str) -> int:
 BLOCK_M = 16
 BLOCK_N = 64  # keys per tile
 CHUNK = 512  # keys per fold chunk by default: a multiple of BLOCK_N (kernels.exact_set.fold_chunk picks a model's)
+# The fold kernel reads a token's chunks one at a time, each chunk's loads after the last one's fold
+# (``EAGLE3_EXACT_FOLD_BLOCK=1``, the default), or FOLD_BLOCK (2, 4 or 8) at a time as straight-line
+# code the compiler may issue together. Speed only (the same folds in the same order). A software-
+# pipelined loop (three stages through shared memory) ran the 8B's 32K decode step 5.547 -> 5.814 ms
+# (attention/combine_one_shot_h200/); blocks are to be measured on a GPU before they are the default.
+FOLD_BLOCK = _env_count("EAGLE3_EXACT_FOLD_BLOCK", 1, "chunks a block")
+assert FOLD_BLOCK in (1, 2, 4, 8), "EAGLE3_EXACT_FOLD_BLOCK: 1, 2, 4 or 8"
 SPLIT_BYTES = 256 * 2**20  # the most the split mode's float32 partials may take
 NUM_WARPS = 4
 NUM_STAGES = 3  # the next key tile's copies in flight while a tile is computed (kernel_resources.py --exact)
@@ -187,14 +194,53 @@ def ancestor_table(mask: torch.Tensor) -> torch.Tensor:
     return table[:, :cols].contiguous()
 
 
+# How a tree step's ancestor table is built (``EAGLE3_EXACT_TABLE``, read at import): ``torch``, the
+# torch ops above (the packed mask unpacked, a cumulative sum, a scatter: about 14 small kernels a
+# step, some 33 us of a SmolLM2 tree step on an H200, spec_profile/head_profiles_h200_097de38/), or
+# ``triton``, one kernel from the packed words (``ancestor_table_triton``) on CUDA. Speed only: the
+# same table. To be measured on a GPU (``switch_ab.py --script replay``) before it is the default.
+TABLE_BUILDER = os.environ.get("EAGLE3_EXACT_TABLE", "torch")
+assert TABLE_BUILDER in ("torch", "triton"), "EAGLE3_EXACT_TABLE: torch or triton"
+
+
 def prepare_attention_exact(meta: AttentionMetadata) -> AttentionMetadata:
     """Per-step work shared by every layer: the ancestor mask (bool, or packed words) becomes the
     per-depth table."""
     mask = meta.custom_mask
     if mask is None:
         return meta
+    if TABLE_BUILDER == "triton" and mask.dtype == torch.int32 and mask.is_cuda:
+        return dataclasses.replace(meta, custom_mask=ancestor_table_triton(mask))
     mask = unpack_mask(mask) if mask.dtype == torch.int32 else mask
     return dataclasses.replace(meta, custom_mask=ancestor_table(mask))
+
+
+def ancestor_table_triton(words: torch.Tensor) -> torch.Tensor:
+    """``ancestor_table(unpack_mask(words))`` in one launch: packed ancestor masks, int32 [T, W] (bit j
+    of word w: column 32 w + j) -> int32 [T, 32 W], entry [t, d] the column of row t's d-th visible
+    column, -1 past its last."""
+    T, W = words.shape
+    out = torch.empty(T, 32 * W, dtype=torch.int32, device=words.device)
+    if T and W:
+        _ancestor_table_kernel[(T,)](words, out, words.stride(0), out.stride(0), 32 * W,
+                                     COLS=triton.next_power_of_2(32 * W))
+    return out
+
+
+@triton.jit(do_not_specialize=["stride_w", "stride_o", "cols"])
+def _ancestor_table_kernel(words_ptr, out_ptr, stride_w, stride_o, cols, COLS: tl.constexpr):
+    """One row: its visible columns' ranks (a cumulative sum), each visible column stored at its
+    rank and -1 from the row's count on (the two stores' targets are disjoint)."""
+    t = tl.program_id(0).to(tl.int64)
+    col = tl.arange(0, COLS)
+    in_row = col < cols
+    word = tl.load(words_ptr + t * stride_w + col // 32, mask=in_row, other=0)
+    visible = (((word >> (col % 32)) & 1) != 0) & in_row
+    ones = visible.to(tl.int32)
+    rank = tl.cumsum(ones, 0) - 1
+    count = tl.sum(ones, 0)
+    tl.store(out_ptr + t * stride_o + rank, col, mask=visible)
+    tl.store(out_ptr + t * stride_o + col, tl.full([COLS], -1, tl.int32), mask=in_row & (col >= count))
 
 
 # How ``auto`` picks the launch shape (speed only: both give the same bits). ``"few"``: split when
@@ -437,6 +483,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                     part_m.stride(0), part_m.stride(1), part_acc.stride(0), part_acc.stride(1),
                                     part_acc.stride(2), out.stride(0), out.stride(1),
                                     CHUNK=chunk, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), USE_GDC=pdl,
+                                    FOLD_BLOCK=FOLD_BLOCK,
                                     **launch_options(pdl))
     return out
 
@@ -783,8 +830,11 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
 @triton.jit(do_not_specialize=["stride_mc", "stride_mt", "stride_ac", "stride_at"])
 def _fold_chunks_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, pos_ptr, stride_mc, stride_mt,
                         stride_ac, stride_at, stride_ah, stride_ot, stride_oh,
-                        CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr):
-    """The split mode's second kernel: fold the chunks of one (token, head) left to right."""
+                        CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr,
+                        FOLD_BLOCK: tl.constexpr):
+    """The split mode's second kernel: fold the chunks of one (token, head) left to right
+    (``FOLD_BLOCK``: chunks read a block at a time, ``EAGLE3_EXACT_FOLD_BLOCK``; the same folds in
+    the same order, so the same bits)."""
     if USE_GDC:  # launched dependent (kernels/pdl.py): the chunks' partials written first
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -797,12 +847,23 @@ def _fold_chunks_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, pos_ptr, 
     l_i = tl.zeros([1], tl.float32)
     acc = tl.zeros([1, BLOCK_D], tl.float32)
     chunks = tl.load(pos_ptr + t) // CHUNK + 1
-    for c in range(0, chunks):
-        m_c = tl.load(part_m_ptr + c * stride_mc + t * stride_mt + h + one)
-        l_c = tl.load(part_l_ptr + c * stride_mc + t * stride_mt + h + one)
-        acc_c = tl.load(part_acc_ptr + c * stride_ac + t * stride_at + h * stride_ah + one[:, None] * 0 + d[None, :],
-                        mask=d_ok[None, :], other=0.0)
-        m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c)
+    if FOLD_BLOCK == 1:
+        for c in range(0, chunks):
+            m_c = tl.load(part_m_ptr + c * stride_mc + t * stride_mt + h + one)
+            l_c = tl.load(part_l_ptr + c * stride_mc + t * stride_mt + h + one)
+            acc_c = tl.load(part_acc_ptr + c * stride_ac + t * stride_at + h * stride_ah + one[:, None] * 0 +
+                            d[None, :], mask=d_ok[None, :], other=0.0)
+            m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c)
+    else:  # FOLD_BLOCK chunks' loads in one straight run of code, then their folds in order
+        for c0 in range(0, chunks, FOLD_BLOCK):
+            for j in tl.static_range(FOLD_BLOCK):
+                c = c0 + j
+                ok = (one * 0 + c) < chunks  # past the last chunk: m -inf, l 0, a fold that changes nothing
+                m_c = tl.load(part_m_ptr + c * stride_mc + t * stride_mt + h + one, mask=ok, other=float("-inf"))
+                l_c = tl.load(part_l_ptr + c * stride_mc + t * stride_mt + h + one, mask=ok, other=0.0)
+                acc_c = tl.load(part_acc_ptr + c * stride_ac + t * stride_at + h * stride_ah + one[:, None] * 0 +
+                                d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+                m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + t * stride_ot + h * stride_oh + one[:, None] * 0 + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=d_ok[None, :])

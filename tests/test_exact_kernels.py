@@ -356,6 +356,17 @@ def test_the_split_fold_over_many_chunks_gives_the_fold_launchs_bits(prefix, mon
     check_tree_rows(prefix, 2, 3, 64, torch.bfloat16)
 
 
+@pytest.mark.parametrize("fold_block,prefix", [(8, 500), (8, 520), (2, 1300)])
+def test_fold_blocks_give_the_fold_launchs_bits(fold_block, prefix, monkeypatch):
+    """The fold kernel reading its chunks ``FOLD_BLOCK`` at a time (``EAGLE3_EXACT_FOLD_BLOCK``) gives the
+    bits of one program walking the chunks: a whole last block (8 chunks), a partial one (9), many (21)."""
+    from kernels import attention_exact
+
+    monkeypatch.setattr(attention_exact, "CHUNK", 64)
+    monkeypatch.setattr(attention_exact, "FOLD_BLOCK", fold_block)
+    check_tree_rows(prefix, 2, 3, 64, torch.bfloat16)
+
+
 @pytest.mark.parametrize("mode", ["fold", "split"])
 def test_one_loop_over_the_chunks_gives_a_loop_a_chunks_bits(monkeypatch, mode):
     """A step without a tree (decodes ending mid-chunk, on a chunk's end, and a prefill chunk across
@@ -445,6 +456,48 @@ def test_ancestor_table():
     assert table[6].tolist() == [0, 2, 5, 6, -1, -1, -1, -1]  # node 5: root, node 1, node 4, itself
     assert table[0].tolist() == [0] + [-1] * 7
     assert table[3].tolist() == [0, 1, 3] + [-1] * 5
+
+
+@pytest.mark.parametrize("words", [1, 2, 3])
+def test_ancestor_table_kernel_gives_the_torch_table(words):
+    """``ancestor_table_triton`` (one launch from the packed words, ``EAGLE3_EXACT_TABLE=triton``) gives
+    ``ancestor_table`` of the unpacked mask: random rows, an empty row, a full row, bit 31 set."""
+    from kernels.attention import pack_mask, unpack_mask
+    from kernels.attention_exact import ancestor_table_triton
+
+    gen = torch.Generator().manual_seed(words)
+    mask = torch.rand(70, 32 * words, generator=gen) < 0.3
+    mask[0] = False
+    mask[1] = True
+    mask[2, 31::32] = True
+    packed = pack_mask(mask)
+    assert torch.equal(unpack_mask(packed), mask)
+    got = ancestor_table_triton(packed.to(DEVICE)).cpu()
+    assert torch.equal(got, ancestor_table(mask))
+    assert got[0].tolist() == [-1] * (32 * words) and got[1].tolist() == list(range(32 * words))
+
+
+def test_the_table_builder_switch(monkeypatch):
+    """``prepare_attention_exact`` builds the table with one kernel where ``TABLE_BUILDER`` is ``triton``
+    and the packed mask is on CUDA, with torch ops otherwise: the same table either way."""
+    from kernels import attention_exact
+    from kernels.attention import pack_mask
+    from kernels.metadata import AttentionMetadata
+
+    mask = torch.from_numpy(tree_mask(TREE))
+    ints = [torch.zeros(n, dtype=torch.int64, device=DEVICE) for n in (2, 1, 8)]
+    meta = AttentionMetadata(query_start_loc=ints[0], seq_lens=ints[1], block_tables=ints[1][:, None],
+                             slot_mapping=ints[2], positions=ints[2], token_seq=ints[2], token_q_idx=ints[2],
+                             max_query_len=8, max_seq_len=8, custom_mask=pack_mask(mask).to(DEVICE),
+                             mask_start=ints[1])
+    calls = []
+    kernel = attention_exact.ancestor_table_triton
+    monkeypatch.setattr(attention_exact, "ancestor_table_triton", lambda words: calls.append(1) or kernel(words))
+    want = ancestor_table(torch.cat([mask, mask.new_zeros(8, 24)], 1))  # (the packed mask's 32 columns)
+    for builder in ("torch", "triton"):
+        monkeypatch.setattr(attention_exact, "TABLE_BUILDER", builder)
+        assert torch.equal(attention_exact.prepare_attention_exact(meta).custom_mask.cpu(), want)
+    assert len(calls) == (1 if DEVICE == "cuda" else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -101,17 +101,25 @@ def test_run_continuous_keeps_the_requests_in_flight_and_counts_every_token(tmp_
     assert max(in_flight) == 2 and len(in_flight) == 5 and not engine.has_work
 
 
+def _stand_in(tmp_path, monkeypatch, attr: str, switch: str, cases: str):
+    """switch_ab.py with a stand-in for the script it runs (its ``attr``): the stand-in writes ``cases``
+    (a Python expression of ``ms``, 1 plus the ``switch`` it saw) as its JSON."""
+    from benchmarks import switch_ab
+    fake = tmp_path / f"fake_{attr.lower()}.py"
+    fake.write_text("import json, os, sys\n"
+                    "out = sys.argv[sys.argv.index('--out') + 1]\n"
+                    f"ms = float(os.environ.get('{switch}', '0')) + 1.0\n"
+                    f"json.dump({{'cases': {cases}}}, open(out, 'w'))\n")
+    monkeypatch.setattr(switch_ab, attr, fake)
+    monkeypatch.delenv(switch, raising=False)
+    return switch_ab
+
+
 def test_switch_ab_runs_each_variant_in_its_own_environment(tmp_path, monkeypatch):
     """switch_ab.py: one process per variant and round, each with its switches set, the step times
     side by side (a stand-in for decode_baseline.py reports the switch it saw)."""
-    from benchmarks import switch_ab
-    fake = tmp_path / "fake_baseline.py"
-    fake.write_text("import json, os, sys\n"
-                    "out = sys.argv[sys.argv.index('--out') + 1]\n"
-                    "ms = float(os.environ.get('EAGLE3_PDL_ALL', '0')) + 1.0\n"
-                    "json.dump({'cases': [{'case': sys.argv[2], 'kernels': 'triton', 'ms_per_step': ms}]}, open(out, 'w'))\n")
-    monkeypatch.setattr(switch_ab, "BASELINE", fake)
-    monkeypatch.delenv("EAGLE3_PDL_ALL", raising=False)
+    switch_ab = _stand_in(tmp_path, monkeypatch, "BASELINE", "EAGLE3_PDL_ALL",
+                          "[{'case': sys.argv[2], 'kernels': 'triton', 'ms_per_step': ms}]")
     result = switch_ab.main(["--variant", "base=", "--variant", "all=EAGLE3_PDL_ALL=1", "--rounds", "2",
                              "--out", str(tmp_path / "ab.json"), "--", "--case", "smollm2:1:512"])
     assert result["ms_per_step"] == {"smollm2:1:512 triton": {"base": [1.0, 1.0], "all": [2.0, 2.0]}}
@@ -123,21 +131,14 @@ def test_switch_ab_runs_each_variant_in_its_own_environment(tmp_path, monkeypatc
 def test_switch_ab_replays(tmp_path, monkeypatch):
     """switch_ab.py --script replay: replay_gates.py once per variant and round, each case's median
     step (target-only and each tree) side by side."""
-    from benchmarks import switch_ab
-    fake = tmp_path / "fake_replay.py"
-    fake.write_text("import json, os, sys\n"
-                    "out = sys.argv[sys.argv.index('--out') + 1]\n"
-                    "ms = float(os.environ.get('EAGLE3_PDL', '1'))\n"
-                    "cases = [{'context': 512, 'batch': 1, 'config': 'target-only', 'step_ms_median': ms},\n"
-                    "         {'context': 512, 'batch': 1, 'config': 'chain:3 (replay)', 'step_ms_median': 2 * ms}]\n"
-                    "json.dump({'cases': cases}, open(out, 'w'))\n")
-    monkeypatch.setattr(switch_ab, "REPLAY", fake)
-    monkeypatch.delenv("EAGLE3_PDL", raising=False)
-    result = switch_ab.main(["--script", "replay", "--variant", "base=", "--variant", "off=EAGLE3_PDL=0",
+    switch_ab = _stand_in(tmp_path, monkeypatch, "REPLAY", "EAGLE3_PDL",
+                          "[{'context': 512, 'batch': 1, 'config': 'target-only', 'step_ms_median': ms}, "
+                          "{'context': 512, 'batch': 1, 'config': 'chain:3 (replay)', 'step_ms_median': 2 * ms}]")
+    result = switch_ab.main(["--script", "replay", "--variant", "base=", "--variant", "on=EAGLE3_PDL=1",
                              "--rounds", "2", "--", "--case", "512:1"])
     assert result["script"] == "replay" and result["script_args"] == ["--case", "512:1"]
-    assert result["ms_per_step"] == {"512:1 target-only": {"base": [1.0, 1.0], "off": [0.0, 0.0]},
-                                     "512:1 chain:3 (replay)": {"base": [2.0, 2.0], "off": [0.0, 0.0]}}
+    assert result["ms_per_step"] == {"512:1 target-only": {"base": [1.0, 1.0], "on": [2.0, 2.0]},
+                                     "512:1 chain:3 (replay)": {"base": [2.0, 2.0], "on": [4.0, 4.0]}}
 
 
 def test_exact_attention_tile_argument():
