@@ -76,13 +76,11 @@ def _env_count(name: str, default: int, unit: str) -> int:
 BLOCK_M = 16
 BLOCK_N = 64  # keys per tile
 CHUNK = 512  # keys per fold chunk by default: a multiple of BLOCK_N (kernels.exact_set.fold_chunk picks a model's)
-# The fold kernel reads a token's chunks one at a time, each chunk's loads after the last one's fold
-# (``EAGLE3_EXACT_FOLD_BLOCK=1``, the default), or FOLD_BLOCK (2, 4 or 8) at a time as straight-line
-# code the compiler may issue together. Speed only (the same folds in the same order). A software-
-# pipelined loop (three stages through shared memory) ran the 8B's 32K decode step 5.547 -> 5.814 ms
-# (attention/combine_one_shot_h200/); blocks are to be measured on a GPU before they are the default.
-FOLD_BLOCK = _env_count("EAGLE3_EXACT_FOLD_BLOCK", 1, "chunks a block")
-assert FOLD_BLOCK in (1, 2, 4, 8), "EAGLE3_EXACT_FOLD_BLOCK: 1, 2, 4 or 8"
+# The fold kernel reads a token's chunks one at a time, each chunk's loads after the last one's fold.
+# Tried and dropped (speed only, the same bits): a software-pipelined loop (three stages through shared
+# memory: the 8B's 32K decode step 5.547 -> 5.814 ms, attention/combine_one_shot_h200/) and chunks read
+# 2, 4 or 8 at a time as straight-line code (the 8B's exact 32K step 5.51 -> 5.66 / 5.90 / 5.75 ms,
+# SmolLM2's 0.681 -> 0.689 / 0.706 / 0.696; exact_mode/tried/fold_blocks_h200_61e360a/).
 SPLIT_BYTES = 256 * 2**20  # the most the split mode's float32 partials may take
 NUM_WARPS = 4
 NUM_STAGES = 3  # the next key tile's copies in flight while a tile is computed (kernel_resources.py --exact)
@@ -194,12 +192,15 @@ def ancestor_table(mask: torch.Tensor) -> torch.Tensor:
     return table[:, :cols].contiguous()
 
 
-# How a tree step's ancestor table is built (``EAGLE3_EXACT_TABLE``, read at import): ``torch``, the
-# torch ops above (the packed mask unpacked, a cumulative sum, a scatter: about 14 small kernels a
-# step, some 33 us of a SmolLM2 tree step on an H200, spec_profile/head_profiles_h200_097de38/), or
-# ``triton``, one kernel from the packed words (``ancestor_table_triton``) on CUDA. Speed only: the
-# same table. To be measured on a GPU (``switch_ab.py --script replay``) before it is the default.
-TABLE_BUILDER = os.environ.get("EAGLE3_EXACT_TABLE", "torch")
+# How a tree step's ancestor table is built (``EAGLE3_EXACT_TABLE``, read at import): ``triton`` (the
+# default), one kernel from the packed words (``ancestor_table_triton``) on CUDA, or ``torch``, the ops
+# above (the packed mask unpacked, a cumulative sum, a scatter: about 14 small launches). Speed only:
+# the same table. On an H200 (61e360a, exact_mode/table_kernel_h200_61e360a/; SmolLM2's chained tree
+# step, ``profile_spec_step.py smollm2 --exact --timeline``, three processes each) the device's busy
+# time a step went 1.4347 / 1.4348 / 1.4367 -> 1.4322 / 1.4323 / 1.4339 ms and the host's time outside
+# the wait for the step's tokens 0.48-0.75 -> 0.37-0.59 ms; the step itself, device-bound, stayed at
+# 1.465-1.476 ms (``switch_ab.py --script replay``: 1.671 / 1.672 against 1.667-1.699 ms).
+TABLE_BUILDER = os.environ.get("EAGLE3_EXACT_TABLE", "triton")
 assert TABLE_BUILDER in ("torch", "triton"), "EAGLE3_EXACT_TABLE: torch or triton"
 
 
@@ -483,7 +484,6 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                     part_m.stride(0), part_m.stride(1), part_acc.stride(0), part_acc.stride(1),
                                     part_acc.stride(2), out.stride(0), out.stride(1),
                                     CHUNK=chunk, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), USE_GDC=pdl,
-                                    FOLD_BLOCK=FOLD_BLOCK,
                                     **launch_options(pdl))
     return out
 
@@ -830,11 +830,8 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
 @triton.jit(do_not_specialize=["stride_mc", "stride_mt", "stride_ac", "stride_at"])
 def _fold_chunks_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, pos_ptr, stride_mc, stride_mt,
                         stride_ac, stride_at, stride_ah, stride_ot, stride_oh,
-                        CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr,
-                        FOLD_BLOCK: tl.constexpr):
-    """The split mode's second kernel: fold the chunks of one (token, head) left to right
-    (``FOLD_BLOCK``: chunks read a block at a time, ``EAGLE3_EXACT_FOLD_BLOCK``; the same folds in
-    the same order, so the same bits)."""
+                        CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr):
+    """The split mode's second kernel: fold the chunks of one (token, head) left to right."""
     if USE_GDC:  # launched dependent (kernels/pdl.py): the chunks' partials written first
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -847,23 +844,12 @@ def _fold_chunks_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, pos_ptr, 
     l_i = tl.zeros([1], tl.float32)
     acc = tl.zeros([1, BLOCK_D], tl.float32)
     chunks = tl.load(pos_ptr + t) // CHUNK + 1
-    if FOLD_BLOCK == 1:
-        for c in range(0, chunks):
-            m_c = tl.load(part_m_ptr + c * stride_mc + t * stride_mt + h + one)
-            l_c = tl.load(part_l_ptr + c * stride_mc + t * stride_mt + h + one)
-            acc_c = tl.load(part_acc_ptr + c * stride_ac + t * stride_at + h * stride_ah + one[:, None] * 0 +
-                            d[None, :], mask=d_ok[None, :], other=0.0)
-            m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c)
-    else:  # FOLD_BLOCK chunks' loads in one straight run of code, then their folds in order
-        for c0 in range(0, chunks, FOLD_BLOCK):
-            for j in tl.static_range(FOLD_BLOCK):
-                c = c0 + j
-                ok = (one * 0 + c) < chunks  # past the last chunk: m -inf, l 0, a fold that changes nothing
-                m_c = tl.load(part_m_ptr + c * stride_mc + t * stride_mt + h + one, mask=ok, other=float("-inf"))
-                l_c = tl.load(part_l_ptr + c * stride_mc + t * stride_mt + h + one, mask=ok, other=0.0)
-                acc_c = tl.load(part_acc_ptr + c * stride_ac + t * stride_at + h * stride_ah + one[:, None] * 0 +
-                                d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-                m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c)
+    for c in range(0, chunks):
+        m_c = tl.load(part_m_ptr + c * stride_mc + t * stride_mt + h + one)
+        l_c = tl.load(part_l_ptr + c * stride_mc + t * stride_mt + h + one)
+        acc_c = tl.load(part_acc_ptr + c * stride_ac + t * stride_at + h * stride_ah + one[:, None] * 0 + d[None, :],
+                        mask=d_ok[None, :], other=0.0)
+        m_i, l_i, acc = _fold(m_i, l_i, acc, m_c, l_c, acc_c)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + t * stride_ot + h * stride_oh + one[:, None] * 0 + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=d_ok[None, :])

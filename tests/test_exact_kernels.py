@@ -356,17 +356,6 @@ def test_the_split_fold_over_many_chunks_gives_the_fold_launchs_bits(prefix, mon
     check_tree_rows(prefix, 2, 3, 64, torch.bfloat16)
 
 
-@pytest.mark.parametrize("fold_block,prefix", [(8, 500), (8, 520), (2, 1300)])
-def test_fold_blocks_give_the_fold_launchs_bits(fold_block, prefix, monkeypatch):
-    """The fold kernel reading its chunks ``FOLD_BLOCK`` at a time (``EAGLE3_EXACT_FOLD_BLOCK``) gives the
-    bits of one program walking the chunks: a whole last block (8 chunks), a partial one (9), many (21)."""
-    from kernels import attention_exact
-
-    monkeypatch.setattr(attention_exact, "CHUNK", 64)
-    monkeypatch.setattr(attention_exact, "FOLD_BLOCK", fold_block)
-    check_tree_rows(prefix, 2, 3, 64, torch.bfloat16)
-
-
 @pytest.mark.parametrize("mode", ["fold", "split"])
 def test_one_loop_over_the_chunks_gives_a_loop_a_chunks_bits(monkeypatch, mode):
     """A step without a tree (decodes ending mid-chunk, on a chunk's end, and a prefill chunk across
