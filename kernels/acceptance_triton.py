@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.acceptance import AcceptResult
+from kernels.pdl import small_launch
 from kernels.triton_jit import jit_unspecialized
 
 # One compiled variant serves every step: tree widths up to 64 columns share one tile, and neither
@@ -36,14 +37,18 @@ def greedy_accept_triton(target_argmax: torch.Tensor, node_tokens: torch.Tensor,
     if batch:
         argmax, tokens, par = (t.contiguous() for t in (target_argmax, node_tokens, parents))
         _greedy_accept_kernel[(batch,)](argmax, tokens, par, num_nodes.contiguous(), path, num_accepted, bonus,
-                                        width, max_depth, BLOCK=max(MIN_BLOCK, triton.next_power_of_2(width)))
+                                        width, max_depth, BLOCK=max(MIN_BLOCK, triton.next_power_of_2(width)),
+                                        **small_launch(argmax))
     return AcceptResult(path, num_accepted, bonus)
 
 
 @jit_unspecialized("argmax_ptr", "tokens_ptr", "parents_ptr", "num_nodes_ptr", "path_ptr", "accepted_ptr",
                    "bonus_ptr", "width", "max_depth")
 def _greedy_accept_kernel(argmax_ptr, tokens_ptr, parents_ptr, num_nodes_ptr, path_ptr, accepted_ptr, bonus_ptr,
-                          width, max_depth, BLOCK: tl.constexpr):
+                          width, max_depth, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load, store or return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     n = tl.load(num_nodes_ptr + b)
@@ -77,14 +82,17 @@ def compaction_slots_triton(path: torch.Tensor, num_accepted: torch.Tensor, pref
         tables = block_tables.contiguous()
         _compaction_slots_kernel[(batch,)](path.contiguous(), num_accepted.contiguous(), prefix_lens.contiguous(),
                                            tables, src, dst, width, tables.shape[1], block_size,
-                                           BLOCK=max(MIN_BLOCK, triton.next_power_of_2(width)))
+                                           BLOCK=max(MIN_BLOCK, triton.next_power_of_2(width)), **small_launch(path))
     return src, dst
 
 
 @jit_unspecialized("path_ptr", "accepted_ptr", "prefix_ptr", "tables_ptr", "src_ptr", "dst_ptr", "width",
                    "table_width", "block_size")
 def _compaction_slots_kernel(path_ptr, accepted_ptr, prefix_ptr, tables_ptr, src_ptr, dst_ptr, width, table_width,
-                             block_size, BLOCK: tl.constexpr):
+                             block_size, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load, store or return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     ok = j < width

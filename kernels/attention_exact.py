@@ -57,7 +57,7 @@ import triton.language as tl
 from kernels.attention import unpack_mask
 from kernels.attention_triton import _DOT_DTYPES, LOG2E, _program_tile, _query_tile, _sm_count
 from kernels.metadata import AttentionMetadata
-from kernels.pdl import PDL_ALL, dependent, launch_options
+from kernels.pdl import PDL_ALL, dependent, launch_options, small_launch
 
 log = logging.getLogger(__name__)
 
@@ -224,14 +224,17 @@ def ancestor_table_triton(words: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, 32 * W, dtype=torch.int32, device=words.device)
     if T and W:
         _ancestor_table_kernel[(T,)](words, out, words.stride(0), out.stride(0), 32 * W,
-                                     COLS=triton.next_power_of_2(32 * W))
+                                     COLS=triton.next_power_of_2(32 * W), **small_launch(words))
     return out
 
 
 @triton.jit(do_not_specialize=["stride_w", "stride_o", "cols"])
-def _ancestor_table_kernel(words_ptr, out_ptr, stride_w, stride_o, cols, COLS: tl.constexpr):
+def _ancestor_table_kernel(words_ptr, out_ptr, stride_w, stride_o, cols, COLS: tl.constexpr, USE_GDC: tl.constexpr):
     """One row: its visible columns' ranks (a cumulative sum), each visible column stored at its
     rank and -1 from the row's count on (the two stores' targets are disjoint)."""
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load, store or return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, COLS)
     in_row = col < cols

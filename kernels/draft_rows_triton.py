@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import small_launch
 from kernels.triton_jit import jit_unspecialized
 
 MIN_BLOCK_B = 16
@@ -37,7 +38,7 @@ def extend_layout_triton(starts: torch.Tensor, counts: torch.Tensor, tables: tor
         tables = tables.contiguous()
         _extend_layout_kernel[(triton.cdiv(T, block),)](
             starts.contiguous(), counts.contiguous(), tables, qsl, seq_lens, rows, slots, positions, token_seq, q_idx,
-            B, W, T, block_size, BLOCK=block, BLOCK_B=block_b)
+            B, W, T, block_size, BLOCK=block, BLOCK_B=block_b, **small_launch(qsl))
     else:
         qsl.zero_()
     return {"qsl": qsl, "seq_lens": seq_lens, "slots": slots, "positions": positions, "token_seq": token_seq,
@@ -48,7 +49,10 @@ def extend_layout_triton(starts: torch.Tensor, counts: torch.Tensor, tables: tor
                    "positions_ptr", "token_seq_ptr", "q_idx_ptr", "B", "W", "T", "block_size")
 def _extend_layout_kernel(starts_ptr, counts_ptr, tables_ptr, qsl_ptr, seq_lens_ptr, rows_ptr, slots_ptr,
                           positions_ptr, token_seq_ptr, q_idx_ptr, B, W, T, block_size,
-                          BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
+                          BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load, store or return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     b = tl.arange(0, BLOCK_B)
     in_b = b < B
@@ -91,7 +95,7 @@ def pack_rows_triton(counts: torch.Tensor, tokens: torch.Tensor, features: torch
         _pack_rows_kernel[(triton.cdiv(rows, PACK_ROWS),)](
             counts.contiguous(), tokens.contiguous(), features.contiguous(), ids, hidden, B, D, width, vocab, rows,
             BLOCK_R=PACK_ROWS, BLOCK_B=max(MIN_BLOCK_B, triton.next_power_of_2(B)),
-            BLOCK_W=min(1024, triton.next_power_of_2(max(width, 1))))
+            BLOCK_W=min(1024, triton.next_power_of_2(max(width, 1))), **small_launch(ids))
     elif rows:
         ids.zero_()
         hidden.zero_()
@@ -104,7 +108,10 @@ PACK_ROWS = 4
 @jit_unspecialized("counts_ptr", "tokens_ptr", "features_ptr", "ids_ptr", "hidden_ptr", "B", "D", "width", "vocab",
                    "rows")
 def _pack_rows_kernel(counts_ptr, tokens_ptr, features_ptr, ids_ptr, hidden_ptr, B, D, width, vocab, rows,
-                      BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load, store or return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     in_r = r < rows
     b = tl.arange(0, BLOCK_B)
@@ -145,7 +152,7 @@ def level_input_triton(parent_out: torch.Tensor, parent_slot: torch.Tensor, toke
             parent_out, parent_slot.contiguous(), tokens.contiguous(), embed, emb_norm, hid_norm,
             mask.contiguous() if has_mask else own, own, x, h, rows, F, P, H, words, embed.stride(0),
             emb_eps, hid_eps, HAS_MASK=has_mask, BLOCK=triton.next_power_of_2(H),
-            BLOCK_WORDS=triton.next_power_of_2(words), num_warps=4 if H >= 1024 else 2)
+            BLOCK_WORDS=triton.next_power_of_2(words), num_warps=4 if H >= 1024 else 2, **small_launch(x))
     return x, h, rows
 
 
@@ -160,7 +167,10 @@ def _norm_row(v, w_ptr, cols, ok, hidden, eps):
 @jit_unspecialized("F", "P", "words")  # (the widths stay specialised: one model's)
 def _level_input_kernel(parent_ptr, slot_ptr, tokens_ptr, embed_ptr, emb_w_ptr, hid_w_ptr, mask_ptr, own_ptr,
                         x_ptr, h_ptr, rows_ptr, F, P, H, words, stride_e, emb_eps, hid_eps,
-                        HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_WORDS: tl.constexpr):
+                        HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_WORDS: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load, store or return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0).to(tl.int64)  # node j of sequence b: row b * F + j
     b, j = r // F, r % F
     slot = tl.maximum(tl.load(slot_ptr + r), 0)
@@ -195,7 +205,7 @@ def proposal_layout_triton(rows: torch.Tensor, live: torch.Tensor, tables: torch
         _proposal_layout_kernel[(max(1, triton.cdiv(T, block)),)](
             rows.contiguous(), live.contiguous(), tables.contiguous(), seq.contiguous(), row.contiguous(),
             step.contiguous(), lens.contiguous(), slots, positions, out_lens, T, B, W, levels, block_size,
-            BLOCK=block, BLOCK_B=max(MIN_BLOCK_B, triton.next_power_of_2(B)))
+            BLOCK=block, BLOCK_B=max(MIN_BLOCK_B, triton.next_power_of_2(B)), **small_launch(slots))
     return slots, positions, out_lens
 
 
@@ -203,7 +213,10 @@ def proposal_layout_triton(rows: torch.Tensor, live: torch.Tensor, tables: torch
                    "levels")
 def _proposal_layout_kernel(rows_ptr, live_ptr, tables_ptr, seq_ptr, row_ptr, step_ptr, lens_ptr, slots_ptr,
                             positions_ptr, out_lens_ptr, T, B, W, levels, block_size,
-                            BLOCK: tl.constexpr, BLOCK_B: tl.constexpr):
+                            BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load, store or return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     t = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = t < T

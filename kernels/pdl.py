@@ -11,6 +11,10 @@ Switches, read once at import (speed only: none changes a result's bits):
   its split merge launch dependent too, so every kernel boundary of a decode layer overlaps.
   Measured on an H200 (4aaa390, ``benchmarks/results/pdl_ab_h200_4aaa390.json``, two rounds):
   SmolLM2 batch-1 step 0.861 -> 0.783 ms, 8B batch-1 step at 4K 4.633 -> 4.563 ms.
+- ``EAGLE3_PDL_SMALL`` (``1``; ``0``: plain launches): the small kernels between a step's
+  forwards launch dependent too: the draft's tree levels (level inputs, top-k, expansion, the final
+  ranking), its step layouts, the tree masks, greedy acceptance and the compaction's slots
+  (``small_launch``).
 - ``EAGLE3_PDL_EARLY=1`` (off): a projection's programs let the next kernel launch right after
   their wait instead of after their main loop. Measured no faster (8B 4.580 against 4.568 ms).
 
@@ -31,6 +35,7 @@ import torch
 
 PDL = os.environ.get("EAGLE3_PDL", "1") != "0"
 PDL_ALL = PDL and os.environ.get("EAGLE3_PDL_ALL", "1") != "0"
+PDL_SMALL = PDL_ALL and os.environ.get("EAGLE3_PDL_SMALL", "1") != "0"
 PDL_EARLY = PDL and os.environ.get("EAGLE3_PDL_EARLY", "0") == "1"
 
 
@@ -48,3 +53,10 @@ def dependent(t: torch.Tensor, switch: bool = PDL) -> bool:
 def launch_options(on: bool) -> dict:
     """The launch's keyword for a dependent launch (none otherwise)."""
     return {"launch_pdl": True} if on else {}
+
+
+def small_launch(t: torch.Tensor) -> dict:
+    """A small kernel's launch keywords (``PDL_SMALL``): its ``USE_GDC`` constant and, launched
+    dependent, the launch option. The kernel waits at its very start where ``USE_GDC``."""
+    on = dependent(t, PDL_SMALL)
+    return {"USE_GDC": on, **launch_options(on)}

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from kernels.pdl import small_launch
 
 # The launch shape, from a sweep on an H100 (``benchmarks/topk_sweep.py``, 32K draft vocabulary, k = 10,
 # ``benchmarks/results/speculation/topk_sweep_h100_1722a8f.json``): one-warp programs of 256 entries (125
@@ -63,16 +64,20 @@ def draft_topk_triton(logits: torch.Tensor, k: int, d2t: torch.Tensor, block: in
     cand_ids = torch.empty(m, chunks * k, dtype=torch.int32, device=dev)
     shares = torch.empty(m, chunks, 2, dtype=torch.float32, device=dev)  # (max, sum of exp(x - max))
     _chunk_topk_kernel[(m, chunks)](logits, logits.stride(0), v, cand_vals, cand_ids, shares, chunks,
-                                    K=k, BLOCK=block, num_warps=chunk_warps)
+                                    K=k, BLOCK=block, num_warps=chunk_warps, **small_launch(logits))
     width = triton.next_power_of_2(chunks * k)
     _merge_topk_kernel[(m,)](cand_vals, cand_ids, shares, chunks, v, d2t, ids, lp, K=k,
-                             WIDTH=width, CHUNKS=triton.next_power_of_2(chunks), num_warps=merge_warps or MERGE_WARPS)
+                             WIDTH=width, CHUNKS=triton.next_power_of_2(chunks), num_warps=merge_warps or MERGE_WARPS,
+                             **small_launch(cand_vals))
     return ids, lp
 
 
 @triton.jit
 def _chunk_topk_kernel(x_ptr, stride_row, v, cand_vals, cand_ids, shares, chunks, K: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load, store or return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
@@ -119,7 +124,10 @@ def _key_id(key):
 
 @triton.jit
 def _merge_topk_kernel(cand_vals, cand_ids, shares, chunks, v, d2t_ptr, ids_ptr, lp_ptr, K: tl.constexpr,
-                       WIDTH: tl.constexpr, CHUNKS: tl.constexpr):
+                       WIDTH: tl.constexpr, CHUNKS: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load, store or return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, CHUNKS)
     has = j < chunks

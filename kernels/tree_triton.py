@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import small_launch
 from kernels.tree import expand_frontier_ref
 from kernels.triton_jit import jit_unspecialized
 
@@ -78,12 +79,16 @@ def packed_tree_mask_triton(parents: torch.Tensor, num_nodes: torch.Tensor) -> t
     if B:
         _tree_mask_kernel[(B,)](parents.contiguous(), num_nodes.contiguous(), out, N, words,
                                 BLOCK=max(MIN_BLOCK, triton.next_power_of_2(N + 1)),
-                                WORDS=triton.next_power_of_2(words))
+                                WORDS=triton.next_power_of_2(words), **small_launch(out))
     return out
 
 
 @jit_unspecialized("parents_ptr", "num_nodes_ptr", "out_ptr", "N", "words")
-def _tree_mask_kernel(parents_ptr, num_nodes_ptr, out_ptr, N, words, BLOCK: tl.constexpr, WORDS: tl.constexpr):
+def _tree_mask_kernel(parents_ptr, num_nodes_ptr, out_ptr, N, words, BLOCK: tl.constexpr, WORDS: tl.constexpr,
+                      USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load, store or return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK)  # slots: 0 the root, i + 1 node i
     w = tl.arange(0, WORDS)
@@ -167,14 +172,18 @@ def expand_frontier_triton(frontier_scores: torch.Tensor, log_probs: torch.Tenso
         _expand_kernel[(B,)](frontier_scores.contiguous(), log_probs.contiguous(), tokens.contiguous(),
                              frontier_idx.contiguous(), pool_tokens, pool_parents, pool_scores, idx, toks, slots, best,
                              F, k, pool_tokens.shape[1], lo, keep,
-                             BLOCK=max(MIN_BLOCK, triton.next_power_of_2(F * k)))
+                             BLOCK=max(MIN_BLOCK, triton.next_power_of_2(F * k)), **small_launch(idx))
     return idx, toks, slots, best
 
 
 @jit_unspecialized("fs_ptr", "lp_ptr", "tok_ptr", "fidx_ptr", "pool_tok_ptr", "pool_par_ptr", "pool_sc_ptr",
                    "out_idx_ptr", "out_tok_ptr", "out_slot_ptr", "out_sc_ptr", "F", "K", "P", "lo", "keep")
 def _expand_kernel(fs_ptr, lp_ptr, tok_ptr, fidx_ptr, pool_tok_ptr, pool_par_ptr, pool_sc_ptr, out_idx_ptr,
-                   out_tok_ptr, out_slot_ptr, out_sc_ptr, F, K, P, lo, keep, BLOCK: tl.constexpr):
+                   out_tok_ptr, out_slot_ptr, out_sc_ptr, F, K, P, lo, keep, BLOCK: tl.constexpr,
+                   USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load, store or return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)  # candidate: child c % K of frontier node c // K
     n = F * K
@@ -214,9 +223,10 @@ def best_nodes_triton(tokens: torch.Tensor, parents: torch.Tensor, depths: torch
         rank = torch.empty(B, P, dtype=torch.int32, device=dev)
         grid = (B, triton.cdiv(P, RANK_BLOCK))
         against = min(RANK_AGAINST, triton.next_power_of_2(P))
-        _rank_kernel[grid](scores, scores.stride(0), rank, P, BLOCK=RANK_BLOCK, BLOCK_J=against)
+        _rank_kernel[grid](scores, scores.stride(0), rank, P, BLOCK=RANK_BLOCK, BLOCK_J=against, **small_launch(scores))
         _place_kernel[grid](tokens, parents, depths, scores, tokens.stride(0), parents.stride(0), depths.stride(0),
-                            scores.stride(0), rank, *out, P, n, BLOCK=RANK_BLOCK, BLOCK_J=against)
+                            scores.stride(0), rank, *out, P, n, BLOCK=RANK_BLOCK, BLOCK_J=against,
+                            **small_launch(scores))
     return tuple(out)
 
 
@@ -226,7 +236,10 @@ RANK_BLOCK, RANK_AGAINST = 16, 256
 
 
 @jit_unspecialized("scores_ptr", "stride", "rank_ptr", "P")
-def _rank_kernel(scores_ptr, stride, rank_ptr, P, BLOCK: tl.constexpr, BLOCK_J: tl.constexpr):
+def _rank_kernel(scores_ptr, stride, rank_ptr, P, BLOCK: tl.constexpr, BLOCK_J: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load, store or return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     s_i = tl.load(scores_ptr + b * stride + i, mask=i < P, other=0.0)
@@ -245,7 +258,10 @@ def _rank_kernel(scores_ptr, stride, rank_ptr, P, BLOCK: tl.constexpr, BLOCK_J: 
                    "st_scores", "rank_ptr", "out_tokens", "out_parents", "out_depths", "out_scores", "P", "n")
 def _place_kernel(tokens_ptr, parents_ptr, depths_ptr, scores_ptr, st_tokens, st_parents, st_depths, st_scores,
                   rank_ptr, out_tokens, out_parents, out_depths, out_scores, P, n, BLOCK: tl.constexpr,
-                  BLOCK_J: tl.constexpr):
+                  BLOCK_J: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load, store or return
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_pool = i < P

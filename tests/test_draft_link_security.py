@@ -44,6 +44,11 @@ def generated(stack, prompt, n):
     return [t for ev in stack.client.generate(prompt, max_tokens=n, ignore_eos=True) for t in ev.token_ids]
 
 
+# The device of a service that hand-written drafts dial: the CPU whatever EAGLE3_TEST_DEVICE says (their
+# handshake says "cpu" and they map host memory; a service on the GPU refuses such a draft).
+HAND_DRAFTS = "cpu"
+
+
 def handshake_request(model_dir) -> pb.HandshakeRequest:
     cfg = json.loads((model_dir / "config.json").read_text())
     return pb.HandshakeRequest(
@@ -53,7 +58,7 @@ def handshake_request(model_dir) -> pb.HandshakeRequest:
 
 def test_a_second_draft_is_refused_while_one_is_connected(dirs, tmp_path):
     model_dir, draft_dir = dirs
-    s = Stack(tmp_path, model_dir, draft_dir, verify_args=VERIFY_ARGS)
+    s = Stack(tmp_path, model_dir, draft_dir, verify_args=VERIFY_ARGS, device=HAND_DRAFTS)
     try:
         with grpc.insecure_channel(s.internal) as channel:
             with pytest.raises(grpc.RpcError) as err:
@@ -68,7 +73,7 @@ def test_a_second_draft_is_refused_while_one_is_connected(dirs, tmp_path):
 
 def test_the_verify_side_bounds_the_handshake_request(dirs, tmp_path):
     model_dir, draft_dir = dirs
-    s = Stack(tmp_path, model_dir, draft_dir, verify_args=VERIFY_ARGS, start_draft=False)
+    s = Stack(tmp_path, model_dir, draft_dir, verify_args=VERIFY_ARGS, start_draft=False, device=HAND_DRAFTS)
     try:
         request = handshake_request(model_dir)
         request.draft_name = "x" * 100_000
@@ -82,7 +87,7 @@ def test_the_verify_side_bounds_the_handshake_request(dirs, tmp_path):
 
 def test_a_flood_of_results_ends_the_session_and_nothing_is_buffered(dirs, tmp_path):
     model_dir, draft_dir = dirs
-    s = Stack(tmp_path, model_dir, draft_dir, verify_args=VERIFY_ARGS, start_draft=False)
+    s = Stack(tmp_path, model_dir, draft_dir, verify_args=VERIFY_ARGS, start_draft=False, device=HAND_DRAFTS)
     try:
         with grpc.insecure_channel(s.internal) as channel:
             stub = pb_grpc.DraftLinkStub(channel)

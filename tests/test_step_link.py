@@ -23,7 +23,7 @@ from link.step_frames import FrameLimits, StepFrames, hello_frame
 from protos.eagle3.v1 import draft_link_pb2 as pb
 from protos.eagle3.v1 import draft_link_pb2_grpc as pb_grpc
 from services import Stack
-from test_draft_link_security import VERIFY_ARGS, expected, generated, handshake_request
+from test_draft_link_security import HAND_DRAFTS, VERIFY_ARGS, expected, generated, handshake_request
 from tiny_eagle import make_target_and_head
 
 pytestmark = pytest.mark.skipif(not step_socket.supported(), reason="SOCK_SEQPACKET and SO_PEERCRED: Linux")
@@ -37,9 +37,10 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(dirs, tmp_path_factory):
-    """A verify service with no draft: the tests below are its drafts, one at a time."""
+    """A verify service with no draft: the tests below are its drafts, one at a time (on the CPU:
+    ``HAND_DRAFTS``)."""
     s = Stack(tmp_path_factory.mktemp("stack"), dirs[0], dirs[1], start_draft=False,
-              verify_args=[*VERIFY_ARGS, "--draft-timeout-s", "3"])
+              verify_args=[*VERIFY_ARGS, "--draft-timeout-s", "3"], device=HAND_DRAFTS)
     yield s
     s.close()
 
