@@ -313,6 +313,21 @@ TREE_WIDE_PROGRAMS_PER_SM = _env_count("EAGLE3_EXACT_TREE_WIDE_PROGRAMS", 2, "pr
 TREE_WIDE_FLOOR = _env_count("EAGLE3_EXACT_TREE_WIDE_FLOOR", 1, "0 or 1")
 if TREE_WIDE_FLOOR > 1:
     raise ValueError(f"EAGLE3_EXACT_TREE_WIDE_FLOOR={TREE_WIDE_FLOOR}: 0 or 1")
+# A tree step's wide rows (``TREE_WIDE``) walk their whole chunks' key tiles in one loop (0, the
+# default) or in a loop a chunk inside a loop over the chunks, on ``NESTED_STAGES`` stages of copies
+# (``EAGLE3_EXACT_TREE_NESTED=1``, read at import). One loop keeps the next tiles' copies in flight
+# across a chunk's end, but stores a chunk's partials inside the loop, while the copies' buffers are
+# live: the store's layout conversion takes 32 KB of shared memory of its own. Compiled for sm_90
+# without a GPU (Triton 3.9, ``benchmarks/kernel_resources.py --exact --tree-wide [--nested] --config
+# 16,64,4,S``, the 8B geometry) the launch holds 149.5 KB with one loop at 3 stages: one program an
+# SM; a loop a chunk 116.7 KB at 3 stages (one an SM) and 84.0 KB at 2 (255 registers: two an SM; the
+# fast kernel's 64-row tile holds 114.7 KB, two an SM). Speed only (the same ``_tile`` steps in the
+# same order, the same partials): to be measured on a GPU (``attention_kernel.py --exact
+# --exact-settings TREE_NESTED=1``) before it is the default.
+TREE_NESTED = _env_count("EAGLE3_EXACT_TREE_NESTED", 0, "0 or 1")
+if TREE_NESTED > 1:
+    raise ValueError(f"EAGLE3_EXACT_TREE_NESTED={TREE_NESTED}: 0 or 1")
+NESTED_STAGES = 2
 # A tree step of at most this many tokens a sequence takes a one-token step's launch shape: the
 # narrow tile, whose tree launch holds two programs an SM (sm_90: 234 registers, 81.9 KB of shared
 # memory; the wide rows' one, 255 and 149.5 KB), and ``SPLIT_PROGRAMS_PER_SM`` programs an SM for
@@ -456,6 +471,9 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # wide rows of TREE_WIDE_ROWS // block_m of them in one tile, then of the tree chunks one a token of
     # the group's tiles
     wide_rows = split and wants_rows
+    nested = bool(TREE_NESTED) and wide_rows
+    if nested:
+        stages = NESTED_STAGES
     sub = (TREE_WIDE_ROWS // block_m if wide_rows else 1 if one_tile else TREE_TILES) if split and has_mask else 1
     q_groups = triton.cdiv(q_tiles, sub)
     per_token = sub * block_q if split and has_mask else 0
@@ -480,7 +498,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32), USE_GDC=pdl,
         RAGGED=meta.ragged, BLOCK_B=triton.next_power_of_2(meta.num_seqs) if meta.ragged else 1,
-        FLAT=walks_flat(has_mask, chunk),
+        FLAT=walks_flat(has_mask, chunk), NESTED=nested,
         num_warps=warps, num_stages=stages, **launch_options(pdl))
     if split:
         _fold_chunks_kernel[(T, H)](part_m, part_l, part_acc, out, meta.positions,
@@ -662,7 +680,7 @@ def _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part
                    stride_kb, stride_ks, stride_kh, stride_bt, stride_mc, stride_mt, stride_ac, stride_at, stride_ah,
                    G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, TWO: tl.constexpr):
+                   PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, TWO: tl.constexpr, NESTED: tl.constexpr):
     """A tree step's whole-chunk program for query tiles 2 * pair and 2 * pair + 1 (``TWO``), or for
     the one tile ``pair`` of ``BLOCK_Q`` tokens in ``BLOCK_M`` rows (the caller's wide rows): chunks
     first, first + walkers, ... before the tree's first (every key at its own position, every row
@@ -683,43 +701,70 @@ def _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part
         _, h1, ok1, t1, _, _, q1 = _query_tile(q_ptr, q_start, q_len, 2 * pair + 1, kvh, stride_qt, stride_qh,
                                                G, BLOCK_Q, BLOCK_M, BLOCK_D, HEAD_DIM)
         p1 = tl.load(pos_ptr + t1, mask=ok1, other=-1)
-    # One loop over the key tiles of all its chunks, as ``_walk_chunks`` (every chunk here whole)
     TILES: tl.constexpr = CHUNK // BLOCK_N
-    m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l0 = tl.zeros([BLOCK_M], tl.float32)
-    a0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if TWO:
-        m1, l1, a1 = m0, l0, a0
-    total = (tl.cdiv(stop - first, walkers) * TILES).to(tl.int32)
-    limit = stop * CHUNK
-    ahead = (first * CHUNK + tl.arange(0, BLOCK_N)).to(tl.int32)  # block ids an iteration ahead, as in ``_chunk``
-    ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE)
-    for i in range(0, total):
-        start = (first + (i // TILES) * walkers) * CHUNK + (i % TILES) * BLOCK_N
-        keys = start + tl.arange(0, BLOCK_N)
-        block = ids
-        nxt = i + 1
-        ahead = (first + (nxt // TILES) * walkers) * CHUNK + (nxt % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ahead = ahead.to(tl.int32)
-        ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < limit, other=0)
-        k, v = _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, keys, keys < limit, kvh, d, d_ok, stride_kb,
-                             stride_ks, stride_kh, BLOCK_SIZE)
-        a0, m0, l0 = _tile(a0, m0, l0, q0, k, v, (keys[None, :] <= p0[:, None]) & ok0[:, None], ok0 & (p0 >= start),
-                           scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
-        if TWO:
-            a1, m1, l1 = _tile(a1, m1, l1, q1, k, v, (keys[None, :] <= p1[:, None]) & ok1[:, None],
-                               ok1 & (p1 >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
-        if (i % TILES) == TILES - 1:  # the chunk's last tile
-            c = start // CHUNK
-            _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t0, h0, ok0, d, d_ok, m0, l0, a0, stride_mc,
-                            stride_mt, stride_ac, stride_at, stride_ah)
+    if NESTED:  # a loop a chunk (``TREE_NESTED``): each chunk's partials stored after its loop
+        limit = stop * CHUNK
+        for c in range(first, stop, walkers):
             m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l0 = tl.zeros([BLOCK_M], tl.float32)
             a0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             if TWO:
+                m1, l1, a1 = m0, l0, a0
+            ids = tl.load(tables_ptr + b * stride_bt + (c * CHUNK + tl.arange(0, BLOCK_N)) // BLOCK_SIZE)
+            for j in range(0, TILES):  # (block ids an iteration ahead, as in ``_chunk``)
+                start = c * CHUNK + j * BLOCK_N
+                keys = start + tl.arange(0, BLOCK_N)
+                block = ids
+                ahead = keys + BLOCK_N
+                ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < limit, other=0)
+                k, v = _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, keys, keys < limit, kvh, d, d_ok, stride_kb,
+                                     stride_ks, stride_kh, BLOCK_SIZE)
+                a0, m0, l0 = _tile(a0, m0, l0, q0, k, v, (keys[None, :] <= p0[:, None]) & ok0[:, None],
+                                   ok0 & (p0 >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+                if TWO:
+                    a1, m1, l1 = _tile(a1, m1, l1, q1, k, v, (keys[None, :] <= p1[:, None]) & ok1[:, None],
+                                       ok1 & (p1 >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+            _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t0, h0, ok0, d, d_ok, m0, l0, a0, stride_mc,
+                            stride_mt, stride_ac, stride_at, stride_ah)
+            if TWO:
                 _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t1, h1, ok1, d, d_ok, m1, l1, a1, stride_mc,
                                 stride_mt, stride_ac, stride_at, stride_ah)
-                m1, l1, a1 = m0, l0, a0
+    else:  # one loop over the key tiles of all its chunks, as ``_walk_chunks`` (every chunk here whole)
+        m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l0 = tl.zeros([BLOCK_M], tl.float32)
+        a0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        if TWO:
+            m1, l1, a1 = m0, l0, a0
+        total = (tl.cdiv(stop - first, walkers) * TILES).to(tl.int32)
+        limit = stop * CHUNK
+        ahead = (first * CHUNK + tl.arange(0, BLOCK_N)).to(tl.int32)  # block ids an iteration ahead (``_chunk``)
+        ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE)
+        for i in range(0, total):
+            start = (first + (i // TILES) * walkers) * CHUNK + (i % TILES) * BLOCK_N
+            keys = start + tl.arange(0, BLOCK_N)
+            block = ids
+            nxt = i + 1
+            ahead = (first + (nxt // TILES) * walkers) * CHUNK + (nxt % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+            ahead = ahead.to(tl.int32)
+            ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < limit, other=0)
+            k, v = _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, keys, keys < limit, kvh, d, d_ok, stride_kb,
+                                 stride_ks, stride_kh, BLOCK_SIZE)
+            a0, m0, l0 = _tile(a0, m0, l0, q0, k, v, (keys[None, :] <= p0[:, None]) & ok0[:, None],
+                               ok0 & (p0 >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+            if TWO:
+                a1, m1, l1 = _tile(a1, m1, l1, q1, k, v, (keys[None, :] <= p1[:, None]) & ok1[:, None],
+                                   ok1 & (p1 >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+            if (i % TILES) == TILES - 1:  # the chunk's last tile
+                c = start // CHUNK
+                _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t0, h0, ok0, d, d_ok, m0, l0, a0, stride_mc,
+                                stride_mt, stride_ac, stride_at, stride_ah)
+                m0 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                l0 = tl.zeros([BLOCK_M], tl.float32)
+                a0 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                if TWO:
+                    _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t1, h1, ok1, d, d_ok, m1, l1, a1,
+                                    stride_mc, stride_mt, stride_ac, stride_at, stride_ah)
+                    m1, l1, a1 = m0, l0, a0
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_tab", "tab_cols", "stride_mc", "stride_mt", "stride_ac",
@@ -734,7 +779,7 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
                             BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
                             USE_GDC: tl.constexpr, RAGGED: tl.constexpr, BLOCK_B: tl.constexpr,
-                            FLAT: tl.constexpr):
+                            FLAT: tl.constexpr, NESTED: tl.constexpr):
     if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load and any early return
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -756,7 +801,7 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
                             b, group, kvh, q_start, q_len, pid, walkers, (m_start // BLOCK_N) * BLOCK_N, scale_log2,
                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_mc, stride_mt,
                             stride_ac, stride_at, stride_ah, G, SHARED_Q, SHARED_M, BLOCK_N, CHUNK, HEAD_DIM, BLOCK_D,
-                            BLOCK_SIZE, PRECISION, DOT_DTYPE, SHARED_TWO)
+                            BLOCK_SIZE, PRECISION, DOT_DTYPE, SHARED_TWO, NESTED)
             return
         tile = group * SUB + (pid - walkers) // BLOCK_Q
         if tile * BLOCK_Q >= q_len:
