@@ -321,9 +321,10 @@ if TREE_WIDE_FLOOR > 1:
 # without a GPU (Triton 3.9, ``benchmarks/kernel_resources.py --exact --tree-wide [--nested] --config
 # 16,64,4,S``, the 8B geometry) the launch holds 149.5 KB with one loop at 3 stages: one program an
 # SM; a loop a chunk 116.7 KB at 3 stages (one an SM) and 84.0 KB at 2 (255 registers: two an SM; the
-# fast kernel's 64-row tile holds 114.7 KB, two an SM). Speed only (the same ``_tile`` steps in the
-# same order, the same partials): to be measured on a GPU (``attention_kernel.py --exact
-# --exact-settings TREE_NESTED=1``) before it is the default.
+# fast kernel's 64-row tile holds 114.7 KB, two an SM). The bet is on the second program: two stages
+# at one program an SM measured 430 against 351 us a layer (exact_mode/tree_wide_variants_h200/).
+# Speed only (the same ``_tile`` steps in the same order, the same partials): to be measured on a GPU
+# (``attention_kernel.py --exact --exact-settings TREE_NESTED=1``) before it is the default.
 TREE_NESTED = _env_count("EAGLE3_EXACT_TREE_NESTED", 0, "0 or 1")
 if TREE_NESTED > 1:
     raise ValueError(f"EAGLE3_EXACT_TREE_NESTED={TREE_NESTED}: 0 or 1")
