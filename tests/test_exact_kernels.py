@@ -165,16 +165,15 @@ def test_a_trees_wide_whole_chunk_tile_attends_as_the_narrow_one(g, d, dtype, pe
         assert torch.equal(paged_attention_exact(q, cache.k, cache.v, meta, scale, "split"), narrow)
 
 
-@pytest.mark.parametrize("per_sm", [0, 1])
-def test_a_wide_trees_loop_a_chunk_gives_the_one_loops_bits(per_sm, monkeypatch):
+def test_a_wide_trees_loop_a_chunk_gives_the_one_loops_bits(monkeypatch):
     """``TREE_NESTED``: the wide rows' whole-chunk programs walking a loop a chunk (on ``NESTED_STAGES``
     stages) give the bits of one loop over all their key tiles: a 24-token tree after 700 keys beside a
-    decoding neighbour, 128-key chunks (five whole ones before the tree's), one program a chunk or one
-    walking them all."""
+    decoding neighbour, 128-key chunks (five whole ones before the tree's), programs that walk every
+    few chunks."""
     from kernels import attention_exact
 
     monkeypatch.setattr(attention_exact, "CHUNK", 128)
-    monkeypatch.setattr(attention_exact, "TREE_WIDE_PROGRAMS_PER_SM", per_sm)
+    monkeypatch.setattr(attention_exact, "TREE_WIDE_PROGRAMS_PER_SM", 1)
     cache, step, q = binary_tree_step(24, 700, 2, 3, 64, torch.bfloat16, seed=6)
     q = q.to(DEVICE)
     meta = layout_step(step, BLOCK, torch.device(DEVICE), EXACT).meta
