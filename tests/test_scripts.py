@@ -141,6 +141,51 @@ def test_switch_ab_replays(tmp_path, monkeypatch):
                                      "512:1 chain:3 (replay)": {"base": [2.0, 2.0], "on": [4.0, 4.0]}}
 
 
+def test_switch_ab_times_the_speculative_step(tmp_path, monkeypatch):
+    """switch_ab.py --script spec: profile_spec_step.py with --timeline once per variant and round, the
+    step's unprofiled host time and the device's busy time side by side."""
+    from benchmarks import switch_ab
+    fake = tmp_path / "fake_spec.py"
+    fake.write_text("import json, os, sys\n"
+                    "assert '--timeline' in sys.argv\n"
+                    "out = sys.argv[sys.argv.index('--out') + 1]\n"
+                    "ms = float(os.environ.get('EAGLE3_PDL_SMALL', '1'))\n"
+                    "json.dump({'model': sys.argv[1], 'context': 512, 'batch': 1, 'config': 'dynamic:7:10:59',\n"
+                    "           'host_ms_by_phase_unprofiled': {'step': 1.5 - ms / 4}, 'device_busy_ms': 1.25 + ms / 4},\n"
+                    "          open(out, 'w'))\n")
+    monkeypatch.setattr(switch_ab, "SPEC", fake)
+    monkeypatch.delenv("EAGLE3_PDL_SMALL", raising=False)
+    result = switch_ab.main(["--script", "spec", "--variant", "off=EAGLE3_PDL_SMALL=0", "--variant", "on=",
+                             "--rounds", "2", "--", "smollm2", "--exact"])
+    assert result["script_args"] == ["smollm2", "--exact", "--timeline"]
+    case = "smollm2 512:1 dynamic:7:10:59"
+    assert result["ms_per_step"] == {f"{case} step": {"off": [1.5, 1.5], "on": [1.25, 1.25]},
+                                     f"{case} device busy": {"off": [1.25, 1.25], "on": [1.5, 1.5]}}
+    assert result["spread"] == {}
+
+
+def test_switch_ab_flags_a_variant_whose_processes_disagree(tmp_path, monkeypatch, capsys):
+    """A variant whose processes land more than ``SPREAD`` apart (a stand-in whose third run is 20%
+    slower) is flagged in the table and in the JSON; one within it is not."""
+    switch_ab = _stand_in(tmp_path, monkeypatch, "BASELINE", "EAGLE3_PDL_ALL",
+                          "[{'case': 'c', 'kernels': 'k', 'ms_per_step': ms * (1.2 if os.path.exists(sys.argv[-1] + "
+                          "'.slow') else 1.0)}]")
+    runs = []
+    real_run = switch_ab.subprocess.run
+
+    def run(cmd, **kw):  # the base variant's second process: the slow one
+        runs.append(cmd)
+        if len(runs) == 3:
+            Path(cmd[-1] + ".slow").touch()
+        return real_run(cmd, **kw)
+
+    monkeypatch.setattr(switch_ab.subprocess, "run", run)
+    result = switch_ab.main(["--variant", "base=", "--variant", "all=EAGLE3_PDL_ALL=1", "--rounds", "2"])
+    assert result["ms_per_step"] == {"c k": {"base": [1.0, 1.2], "all": [2.0, 2.0]}}
+    assert result["spread"] == {"c k": {"base": 0.2}}
+    assert "base's processes 20.0% apart" in capsys.readouterr().out
+
+
 def test_exact_attention_tile_argument():
     """``decode_baseline.py --exact-attention-tile``: ROWSxWARPS[xSTAGES] -> the overrides it names."""
     import argparse
