@@ -16,7 +16,8 @@ Everything after ``--`` goes to the script. A variant is ``NAME=`` (the defaults
 ``NAME=VAR=VALUE[,VAR=VALUE...]``. A decode case's time is its ms per step; a replayed case's
 (``CONTEXT:BATCH CONFIG``, target-only and each tree) its median step; a speculative step's
 (``spec``) its host time unprofiled and the device's busy time a step, which does not follow the
-host's pace (the replay's steps do: its processes can settle some 20% apart, SmolLM2 at batch 1).
+host's pace (the replay's steps do, as its acceptance reads the trees on the host: its processes can
+settle some 20% apart, SmolLM2 at batch 1).
 Where one variant's processes differ by more than ``SPREAD`` the table says so.
 """
 
