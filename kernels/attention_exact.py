@@ -313,19 +313,21 @@ TREE_WIDE_PROGRAMS_PER_SM = _env_count("EAGLE3_EXACT_TREE_WIDE_PROGRAMS", 2, "pr
 TREE_WIDE_FLOOR = _env_count("EAGLE3_EXACT_TREE_WIDE_FLOOR", 1, "0 or 1")
 if TREE_WIDE_FLOOR > 1:
     raise ValueError(f"EAGLE3_EXACT_TREE_WIDE_FLOOR={TREE_WIDE_FLOOR}: 0 or 1")
-# A tree step's wide rows (``TREE_WIDE``) walk their whole chunks' key tiles in one loop (0, the
-# default) or in a loop a chunk inside a loop over the chunks, on ``NESTED_STAGES`` stages of copies
-# (``EAGLE3_EXACT_TREE_NESTED=1``, read at import). One loop keeps the next tiles' copies in flight
-# across a chunk's end, but stores a chunk's partials inside the loop, while the copies' buffers are
-# live: the store's layout conversion takes 32 KB of shared memory of its own. Compiled for sm_90
-# without a GPU (Triton 3.9, ``benchmarks/kernel_resources.py --exact --tree-wide [--nested] --config
-# 16,64,4,S``, the 8B geometry) the launch holds 149.5 KB with one loop at 3 stages: one program an
-# SM; a loop a chunk 116.7 KB at 3 stages (one an SM) and 84.0 KB at 2 (255 registers: two an SM; the
-# fast kernel's 64-row tile holds 114.7 KB, two an SM). The bet is on the second program: two stages
-# at one program an SM measured 430 against 351 us a layer (exact_mode/tree_wide_variants_h200/).
-# Speed only (the same ``_tile`` steps in the same order, the same partials): to be measured on a GPU
-# (``attention_kernel.py --exact --exact-settings TREE_NESTED=1``) before it is the default.
-TREE_NESTED = _env_count("EAGLE3_EXACT_TREE_NESTED", 0, "0 or 1")
+# A tree step's wide rows (``TREE_WIDE``) walk their whole chunks' key tiles in a loop a chunk inside
+# a loop over the chunks, on ``NESTED_STAGES`` stages of copies (1, the default), or in one loop over
+# all the tiles on the launch's stages (``EAGLE3_EXACT_TREE_NESTED=0``, read at import). One loop
+# keeps the next tiles' copies in flight across a chunk's end, but stores a chunk's partials inside
+# the loop while the copies' buffers are live: the store's layout conversion takes 32 KB of shared
+# memory of its own. Compiled for sm_90 (Triton 3.9, ``benchmarks/kernel_resources.py --exact
+# --tree-wide [--nested] --config 16,64,4,S``, the 8B geometry) the one loop holds 149.5 KB at 3
+# stages (one program an SM), a loop a chunk 84.0 KB at 2 (255 registers: two an SM). Speed only
+# (the same ``_tile`` steps in the same order, the same partials). Measured on one H200
+# (``attention_kernel.py --exact --exact-settings TREE_NESTED=1``, dfc63b6,
+# ``benchmarks/results/exact_mode/tree_nested_h200_dfc63b6/``): the 8B's trees of 16 / 32 / 64 tokens
+# over 32K keys 95.7 / 162.0 / 284.5 -> 85.8 / 129.9 / 216.9 us a layer, at 16K 57.4 / 93.9 / 165.4 ->
+# 50.4 / 72.4 / 120.6, at 4K 29.0 / 45.7 / 69.9 -> 30.6 / 32.6 / 45.8; at 3 stages (one program an SM)
+# 100.8 / 171.8 / 307.1 at 32K: the second program is the gain.
+TREE_NESTED = _env_count("EAGLE3_EXACT_TREE_NESTED", 1, "0 or 1")
 if TREE_NESTED > 1:
     raise ValueError(f"EAGLE3_EXACT_TREE_NESTED={TREE_NESTED}: 0 or 1")
 NESTED_STAGES = 2

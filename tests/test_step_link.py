@@ -306,7 +306,7 @@ def test_a_tcp_link_steps_on_the_session_stream(dirs, tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     s = Stack(tmp_path, model_dir, draft_dir, verify_args=VERIFY_ARGS, start_draft=False,
-              internal=f"127.0.0.1:{port}", draft_args=["--log-level", "info"])
+              internal=f"127.0.0.1:{port}", draft_args=["--log-level", "info"], device=HAND_DRAFTS)
     try:
         request = handshake_request(model_dir)
         request.step_transport = pb.STEP_TRANSPORT_UNIX_SOCKET

@@ -158,6 +158,12 @@ class ModelRunner:
                 self.step([prefill, decode])
                 if tree_tokens:  # a prompt arriving while trees are verified: an eager masked step
                     self.step([prefill, _chain_chunk(max(tree_tokens), start + tokens, bs)])
+        # Greedy tokens of logits rows taken from the middle of a step's logits (an eager step's trees
+        # after its prompt rows): with a vocabulary that is no multiple of 4, such rows start at
+        # addresses that are no multiple of 16 bytes, a specialisation of their own.
+        logits = torch.zeros(2, self.model.config.vocab_size, device=self.device)
+        self.kernels.argmax(logits)
+        self.kernels.argmax(logits[1:])
         if tree_tokens:
             self._warm_acceptance(max(tree_tokens), bs)
             for width in sorted(set(tree_tokens)):
