@@ -17,6 +17,7 @@ import grpc
 from common.errors import AddressInUseError, InvalidRequestError, UnsafeSocketFolderError
 
 NO_PORT_SHARING = ("grpc.so_reuseport", 0)
+UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sockaddr_un.sun_path on Linux, its closing NUL aside)
 
 
 def bind(server: grpc.Server, address: str, tls: grpc.ServerCredentials | None = None) -> int:
@@ -85,6 +86,11 @@ def _claim_unix_socket(address: str) -> None:
     """Create the socket's folder (owner-only) or check an existing one; remove a stale socket
     file, refuse a live one."""
     path = unix_socket_path(address)
+    size = len(os.fsencode(path))
+    if size > UNIX_PATH_MAX:  # gRPC would only log it and report the address as not available
+        raise AddressInUseError(f"cannot listen on {address}: the socket path is {size} bytes, more than the "
+                                f"{UNIX_PATH_MAX} a unix socket address holds; choose a shorter path "
+                                "(or a shorter TMPDIR / XDG_RUNTIME_DIR)")
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_socket_folder(path.parent)
     if not path.exists():

@@ -6,7 +6,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from common.errors import UnsafeSocketFolderError
+from common.errors import AddressInUseError, UnsafeSocketFolderError
 from common.listen import bind, default_internal_address
 
 
@@ -42,3 +42,23 @@ def test_the_default_socket_lives_in_a_per_user_folder(monkeypatch, tmp_path):
     assert default_internal_address() == f"unix:{tmp_path}/eagle3/draft.sock"
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     assert default_internal_address() == f"unix:/tmp/eagle3-{os.getuid()}/draft.sock"
+
+
+def test_a_socket_path_too_long_for_a_unix_address_is_refused_by_its_length(tmp_path):
+    """A path past the 107 bytes a unix socket address holds is refused with its length, not as an
+    address in use (gRPC itself would only log it); one of exactly 107 bytes binds."""
+    short = tmp_path / "s"
+    short.mkdir(mode=0o700)
+    room = 107 - len(os.fsencode(short)) - 1  # the file name's bytes that fit after "<short>/"
+    assert room > 5, "the test's temporary folder is too deep for this test"
+    with pytest.raises(AddressInUseError, match="the socket path is 108 bytes, more than the 107"):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+        try:
+            bind(server, f"unix:{short}/{'x' * (room + 1)}")
+        finally:
+            server.stop(0)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    try:
+        bind(server, f"unix:{short}/{'x' * room}")
+    finally:
+        server.stop(0)
