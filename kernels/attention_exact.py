@@ -158,10 +158,17 @@ def few_tree(meta: AttentionMetadata, group: int | None = None) -> bool:
     return meta.max_query_len <= TREE_FEW_TOKENS or (group is not None and one_tile_tree(meta, group))
 
 
-def tree_wide_wanted(max_seq_len: int) -> bool:
-    """Whether a tree step over at most ``max_seq_len`` keys asks for the wide rows (``TREE_WIDE``,
-    ``TREE_WIDE_MIN_KEYS``); ``wide_tile_ok(..., "tree")`` then says whether it gets them."""
-    return TREE_WIDE and max_seq_len >= TREE_WIDE_MIN_KEYS
+def tree_wide_wanted(max_seq_len: int, chunk: int | None = None, tokens: int | None = None,
+                     group: int = 1) -> bool:
+    """Whether a tree step over at most ``max_seq_len`` keys, folded in chunks of ``chunk`` keys
+    (default ``CHUNK``), asks for the wide rows (``TREE_WIDE``): over ``TREE_WIDE_MIN_KEYS`` keys or
+    more, or over fewer on chunks of ``TREE_WIDE_ANY_CHUNK`` keys or more where its ``tokens`` a
+    sequence (None: any) fill more than the ``TREE_TILES`` narrow query tiles of one whole-chunk
+    program for a KV head of ``group`` query heads. ``wide_tile_ok(..., "tree")`` then says whether
+    it gets them."""
+    chunk = chunk or CHUNK
+    past_tiles = tokens is None or tokens > TREE_TILES * narrow_tokens(group)
+    return TREE_WIDE and (max_seq_len >= TREE_WIDE_MIN_KEYS or 0 < TREE_WIDE_ANY_CHUNK <= chunk and past_tiles)
 
 
 def wide_tile_ok(q: torch.Tensor, group: int, chunk: int | None = None, tile: str = "wide") -> bool:
@@ -295,7 +302,22 @@ TREE_WIDE_ROWS = 64
 # 8B's 64-token tree took 329 against 456 us at 32K keys and 69 against 72 at 4K (capacity 32K);
 # SmolLM2's 60-token tree (capacity 8,192, 128-key chunks) 20.8 against 22.2 us at 2,048 keys but
 # 14.8 against 12.6 at 512, where fewer programs share the prefix's few chunks.
-TREE_WIDE_MIN_KEYS = 16384
+TREE_WIDE_MIN_KEYS = _env_count("EAGLE3_EXACT_TREE_WIDE_MIN_KEYS", 16384, "keys")
+# ... or over any number of keys where the fold chunk is at least ``TREE_WIDE_ANY_CHUNK`` keys
+# (``EAGLE3_EXACT_TREE_WIDE_ANY_CHUNK``, read at import; 0: never). Since the wide rows walk a loop a
+# chunk (``TREE_NESTED``), a chunk of eight key tiles or more keeps them ahead below 16K keys too. On
+# one H200 (``attention_kernel.py --capacity 4400 --exact --exact-settings TREE_WIDE_MIN_KEYS=0
+# --l2-flush 200``, cbf07fc, ``benchmarks/results/exact_mode/tree_wide_short_h200_cbf07fc/``) the 8B's
+# trees (512-key chunks) over 4,096 keys took 30.0 / 51.2 / 71.8 -> 29.1 / 32.5 / 45.9 us for 16 / 32 /
+# 60 tokens (8 tokens 24.6 -> 27.5), over 8,000 and 12,000 keys (capacity 12,400) 129.3 -> 87.8 and
+# 176.6 -> 105.0 us for 60 tokens; SmolLM2's (128-key chunks, capacity 8,192) lost at 300 and 512 keys
+# (60 tokens 11.3 -> 11.8 and 12.8 -> 13.5 us, 16 tokens 9.7 -> 11.1), so its chunks keep the
+# narrow tiles there. The 8B's replayed 60-token tree at 4K (batch 1, ``switch_ab.py --script replay
+# ... --case 4096:1 --config dynamic:7:10:59 --exact``): 8.857 / 8.891 -> 8.155 / 8.146 ms a step.
+# Below ``TREE_WIDE_MIN_KEYS`` a tree that one narrow whole-chunk program holds (``TREE_TILES`` tiles:
+# the 8B's 8 tokens) keeps the narrow tiles: at 4K keys batch 1 / 4 / 16, 24.6 / 50.2 / 162.2 us
+# narrow against 27.5 / 52.6 / 179.5 wide (over 32K keys the wide rows win there too: 87.6 against 92.3).
+TREE_WIDE_ANY_CHUNK = _env_count("EAGLE3_EXACT_TREE_WIDE_ANY_CHUNK", 512, "keys, 0 for never")
 # The wide tiles' whole-chunk programs, about this many an SM over the step's (wide tile, KV head)
 # pairs (``chunk_programs``; ``EAGLE3_EXACT_TREE_WIDE_PROGRAMS``, read at import). 2 (the 8B's
 # 64-token tree, capacity 32K): at 32K keys 1 / 2 / 3 / 4 took 380 / 329 / 303 / 293 us, at 4K
@@ -435,7 +457,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     one_tile = has_mask and one_tile_tree(meta, g)
     if tile == "auto":
         if has_mask:
-            tile = "tree" if not few and tree_wide_wanted(meta.max_seq_len) and \
+            tile = "tree" if not few and tree_wide_wanted(meta.max_seq_len, chunk, meta.max_query_len, g) and \
                 wide_tile_ok(q, g, chunk, "tree") else "narrow"
         else:
             tile = "wide" if meta.max_query_len >= WIDE_QUERY_LEN and wide_tile_ok(q, g, chunk) else "narrow"

@@ -152,7 +152,6 @@ def test_a_trees_wide_whole_chunk_tile_attends_as_the_narrow_one(g, d, dtype, pe
     meta = layout_step(step, BLOCK, torch.device(DEVICE), EXACT).meta
     scale = d ** -0.5
     wide = paged_attention_exact(q, cache.k, cache.v, meta, scale, "split", tile="tree")
-    narrow = paged_attention_exact(q, cache.k, cache.v, meta, scale, "split", tile="narrow")
     assert torch.equal(paged_attention_exact(q, cache.k, cache.v, meta, scale, "fold", tile="tree"),
                        paged_attention_exact(q, cache.k, cache.v, meta, scale, "fold", tile="narrow"))
     ref_meta = layout_step(step, BLOCK, torch.device(DEVICE), REFERENCE).meta
@@ -160,6 +159,7 @@ def test_a_trees_wide_whole_chunk_tile_attends_as_the_narrow_one(g, d, dtype, pe
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
     torch.testing.assert_close(wide.float(), want.float(), atol=tol, rtol=tol)
     if DEVICE == "cuda" and attention_exact.probe_wide_tile(torch.device(DEVICE), dtype, g, d, tile="tree"):
+        narrow = paged_attention_exact(q, cache.k, cache.v, meta, scale, "split", tile="narrow")
         assert torch.equal(wide, narrow)
         monkeypatch.setattr(attention_exact, "TREE_WIDE_MIN_KEYS", 0)  # (auto: the wide rows from any length)
         assert torch.equal(paged_attention_exact(q, cache.k, cache.v, meta, scale, "split"), narrow)
@@ -267,16 +267,29 @@ def test_a_one_tile_tree_takes_the_one_token_launch_shape_a_tile_a_program(token
     assert not attention_exact.one_tile_tree(meta, g)
 
 
-def test_trees_ask_for_the_wide_rows_over_long_prefixes_only(monkeypatch):
+def test_trees_ask_for_the_wide_rows_over_long_prefixes_or_long_chunks(monkeypatch):
     """``tree_wide_wanted``: launches over at least ``TREE_WIDE_MIN_KEYS`` keys (in a graph, the
-    cache's capacity), not with ``TREE_WIDE`` off; off the GPU the probe's answer keeps them narrow."""
+    cache's capacity), or over any number on fold chunks of at least ``TREE_WIDE_ANY_CHUNK`` keys (the
+    8B's 512, not SmolLM2's 128); not with ``TREE_WIDE`` off; off the GPU the probe's answer keeps them
+    narrow."""
     from kernels import attention_exact
 
     keys = attention_exact.TREE_WIDE_MIN_KEYS
-    assert attention_exact.tree_wide_wanted(keys) and attention_exact.tree_wide_wanted(4 * keys)
-    assert not attention_exact.tree_wide_wanted(keys - 1)
+    assert attention_exact.TREE_WIDE_ANY_CHUNK == 512
+    for chunk in (128, 256):
+        assert attention_exact.tree_wide_wanted(keys, chunk) and attention_exact.tree_wide_wanted(4 * keys, chunk)
+        assert not attention_exact.tree_wide_wanted(keys - 1, chunk)
+    assert attention_exact.tree_wide_wanted(100, 512) and attention_exact.tree_wide_wanted(100, 1024)
+    assert attention_exact.tree_wide_wanted(100) == (attention_exact.CHUNK >= 512)  # (the module's chunk)
+    # below TREE_WIDE_MIN_KEYS, only trees past one narrow whole-chunk program's two tiles (the 8B's
+    # four query heads a KV head: four tokens a tile, so more than eight tokens)
+    assert not attention_exact.tree_wide_wanted(4096, 512, tokens=8, group=4)
+    assert attention_exact.tree_wide_wanted(4096, 512, tokens=9, group=4)
+    assert attention_exact.tree_wide_wanted(keys, 512, tokens=8, group=4)  # (long prefixes: any tree)
+    monkeypatch.setattr(attention_exact, "TREE_WIDE_ANY_CHUNK", 0)
+    assert not attention_exact.tree_wide_wanted(keys - 1, 512) and attention_exact.tree_wide_wanted(keys, 512)
     monkeypatch.setattr(attention_exact, "TREE_WIDE", False)
-    assert not attention_exact.tree_wide_wanted(4 * keys)
+    assert not attention_exact.tree_wide_wanted(4 * keys) and not attention_exact.tree_wide_wanted(100, 512)
     if DEVICE != "cuda":
         assert not attention_exact.wide_tile_ok(torch.zeros(1, 4, 32), 4, tile="tree")
 
@@ -780,7 +793,6 @@ def test_the_wide_tile_attends_as_the_reference_does(g, d, dtype):
     meta = layout_step(chunks, BLOCK, torch.device(DEVICE), EXACT).meta
     scale = d ** -0.5
     wide = paged_attention_exact(q.to(DEVICE), cache.k, cache.v, meta, scale, "fold", tile="wide")
-    narrow = paged_attention_exact(q.to(DEVICE), cache.k, cache.v, meta, scale, "fold", tile="narrow")
     ref_meta = layout_step(chunks, BLOCK, torch.device(DEVICE), REFERENCE).meta
     want = paged_attention_ref(q.to(DEVICE), cache.k.nan_to_num(0.0), cache.v.nan_to_num(0.0), ref_meta, scale)
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
@@ -790,8 +802,9 @@ def test_the_wide_tile_attends_as_the_reference_does(g, d, dtype):
     part = paged_attention_exact(torch.cat([q_other, q[130:517]]).to(DEVICE), cache.k, cache.v, meta2, scale,
                                  tile="wide")[1:]
     torch.testing.assert_close(part.float(), want[130:517].float(), atol=tol, rtol=tol)
-    if DEVICE == "cuda":
+    if DEVICE == "cuda":  # (the narrow tile's bits: in Triton's interpreter they differ, so only here)
         assert attention_exact.probe_wide_tile(torch.device(DEVICE), dtype, g, d)  # (an H200 does)
+        narrow = paged_attention_exact(q.to(DEVICE), cache.k, cache.v, meta, scale, "fold", tile="narrow")
         assert torch.equal(wide, narrow) and torch.equal(part, narrow[130:517])
 
 

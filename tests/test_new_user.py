@@ -1,11 +1,14 @@
 """What a new user meets at the command line: addresses in use, one-line errors, quiet output."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -124,12 +127,14 @@ def test_the_draft_waits_quietly_and_a_normal_shutdown_is_no_warning(dirs, tmp_p
 
 
 @pytest.mark.slow
-def test_up_once_prints_the_answer_and_one_status_line(tmp_path):
+def test_up_once_prints_the_answer_and_one_status_line(request):
     """`up` speculates with the device's default tree (a chain of 3 on a CPU: measured faster there
     than plain decoding and than the dynamic tree), says so in one line, logs nothing at the
     default level, and leaves no temporary folder behind."""
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    # a short TMPDIR: the run folder's socket path must fit a unix address (107 bytes), and pytest's
+    # own folders run long (a worker's of pytest-xdist longer still)
+    scratch = Path(tempfile.mkdtemp(prefix="e3-up-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     run = eagle3("up", "--once", "--listen", f"127.0.0.1:{free_port()}", "--device", "cpu",
                  "--prompt", "What is the capital of France?", timeout=300, env={"TMPDIR": str(scratch)})
     assert run.returncode == 0, run.stderr

@@ -56,7 +56,7 @@ class Target:
                      "bits on %s: %s; the attention's %d-row tile for prompts keeps them: %s", chunk, self.device,
                      probe_layer(model.model.layers[0]), WIDE_TILE[0],
                      probe_wide_tile(self.device, self.dtype, g, mc.head_dim, chunk))
-            if tree_wide_wanted(self.max_model_len):  # (graphed steps see the capacity as their keys)
+            if tree_wide_wanted(self.max_model_len, chunk):  # (graphed steps see the capacity as their keys)
                 log.info("exact numerics: the attention's %d-row tile for a tree's prefix keeps a row's bits: %s",
                          TREE_WIDE_ROWS, probe_wide_tile(self.device, self.dtype, g, mc.head_dim, chunk, tile="tree"))
         graphs = not cfg.enforce_eager and (self.device.type == "cuda" and kernels.name in ("triton", "exact")
