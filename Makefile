@@ -25,4 +25,4 @@ demo: install
 	$(VENV)/bin/eagle3 up --once --prompt "$(PROMPT)"
 
 test: install
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --durations=30

@@ -12,6 +12,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (``make test`` runs ``-n auto``) each worker takes its share of the cores for
+# torch's own threads: two workers on two cores, each with two threads, would spin on each other.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 
 def _row_invariant_interpreter_dot() -> None:
     """Make the interpreter's ``tl.dot`` compute every output element the same way.
