@@ -298,7 +298,7 @@ assert TREE_TILES in (1, 2), "EAGLE3_EXACT_TREE_TILES: 1 or 2"
 TREE_WIDE = os.environ.get("EAGLE3_EXACT_TREE_WIDE", "1") != "0"
 TREE_WIDE_ROWS = 64
 # ... for a launch over at least this many keys (``meta.max_seq_len``: in a graph the cache's
-# capacity). On the H200 (``attention_kernel.py --exact --exact-tree-wide 0``, keys from HBM) the
+# capacity; ``EAGLE3_EXACT_TREE_WIDE_MIN_KEYS``, read at import). On the H200 (``attention_kernel.py --exact --exact-tree-wide 0``, keys from HBM) the
 # 8B's 64-token tree took 329 against 456 us at 32K keys and 69 against 72 at 4K (capacity 32K);
 # SmolLM2's 60-token tree (capacity 8,192, 128-key chunks) 20.8 against 22.2 us at 2,048 keys but
 # 14.8 against 12.6 at 512, where fewer programs share the prefix's few chunks.
