@@ -353,6 +353,19 @@ TREE_NESTED = _env_count("EAGLE3_EXACT_TREE_NESTED", 1, "0 or 1")
 if TREE_NESTED > 1:
     raise ValueError(f"EAGLE3_EXACT_TREE_NESTED={TREE_NESTED}: 0 or 1")
 NESTED_STAGES = 2
+# A tree's whole-chunk programs on the wide rows (``TREE_WIDE``) attend their key tiles without
+# ``_tile``'s visibility and activity selects (``_tile_seen``: every row there sees every key), or with
+# them (``EAGLE3_EXACT_OPEN_TILES=0``, read at import). Speed only: the same bits (tested). On one H200
+# (``attention_kernel.py --context 32768 --context 16384 --context 4396 --tokens 16 --tokens 32 --tokens
+# 64 --capacity 32768 --tree-depth 7 --exact --exact-settings OPEN_TILES=0 --l2-flush 200``,
+# ``benchmarks/results/exact_mode/open_tiles_h200/``; the same bits) the 8B's trees of 16 / 32 / 64
+# tokens took 85.6 / 128.9 / 214.6 -> 79.8 / 116.8 / 193.5 us a layer over 32K keys, 50.4 / 71.9 /
+# 120.1 -> 45.9 / 66.0 / 108.2 over 16K and 30.3 / 41.8 / 61.6 -> 27.9 / 41.0 / 58.9 over 4,396. On
+# the narrow tiles, two at a time, it was mixed (SmolLM2's 16-token tree over 2,048 keys 10.9 -> 12.1
+# us, its 60-token tree over 4,096 29.8 -> 28.2), so they keep the selects.
+OPEN_TILES = _env_count("EAGLE3_EXACT_OPEN_TILES", 1, "0 or 1")
+if OPEN_TILES > 1:
+    raise ValueError(f"EAGLE3_EXACT_OPEN_TILES={OPEN_TILES}: 0 or 1")
 # A tree step of at most this many tokens a sequence takes a one-token step's launch shape: the
 # narrow tile, whose tree launch holds two programs an SM (sm_90: 234 registers, 81.9 KB of shared
 # memory; the wide rows' one, 255 and 149.5 KB), and ``SPLIT_PROGRAMS_PER_SM`` programs an SM for
@@ -523,7 +536,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32), USE_GDC=pdl,
         RAGGED=meta.ragged, BLOCK_B=triton.next_power_of_2(meta.num_seqs) if meta.ragged else 1,
-        FLAT=walks_flat(has_mask, chunk), NESTED=nested,
+        FLAT=walks_flat(has_mask, chunk), NESTED=nested, OPEN=wide_rows and bool(OPEN_TILES),
         num_warps=warps, num_stages=stages, **launch_options(pdl))
     if split:
         _fold_chunks_kernel[(T, H)](part_m, part_l, part_acc, out, meta.positions,
@@ -566,6 +579,34 @@ def _tile(acc, m_i, l_i, q, k, v, visible, active, scale_log2, BLOCK_N: tl.const
     l_new = l_i * alpha + tl.max(tl.dot(p, ones, input_precision=PRECISION), 1)  # (every column the row's sum)
     acc_new = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=PRECISION)
     return (tl.where(active[:, None], acc_new, acc), tl.where(active, m_new, m_i), tl.where(active, l_new, l_i))
+
+
+@triton.jit
+def _tile_seen(acc, m_i, l_i, q, k, v, scale_log2, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+               DOT_DTYPE: tl.constexpr):
+    """``_tile`` for rows that see every key of the tile: no visibility or activity selects. For such
+    a row ``_tile`` keeps every score and takes its own new state, and its maximum is finite (so is
+    this one's: a key tile's scores are), so the arithmetic, and the bits, are the same. Rows
+    outside the step compute on their zero queries and are never stored."""
+    s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)  # (M, N)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+    p = tl.exp2(s * scale_log2 - m_new[:, None]).to(DOT_DTYPE)
+    alpha = tl.exp2(m_i - m_new)
+    ones = tl.full([BLOCK_N, 16], 1.0, DOT_DTYPE)
+    l_new = l_i * alpha + tl.max(tl.dot(p, ones, input_precision=PRECISION), 1)  # (every column the row's sum)
+    acc_new = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=PRECISION)
+    return acc_new, m_new, l_new
+
+
+@triton.jit
+def _whole_tile(acc, m_i, l_i, q, k, v, keys, pos, ok, start, scale_log2, BLOCK_N: tl.constexpr,
+                PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, OPEN: tl.constexpr):
+    """A key tile of a tree's whole chunks (every key before each row's position) for a query tile's
+    rows: ``_tile_seen`` (``OPEN``), or ``_tile`` with its selects: the same bits."""
+    if OPEN:
+        return _tile_seen(acc, m_i, l_i, q, k, v, scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+    return _tile(acc, m_i, l_i, q, k, v, (keys[None, :] <= pos[:, None]) & ok[:, None], ok & (pos >= start),
+                 scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
 
 
 @triton.jit
@@ -705,7 +746,8 @@ def _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part
                    stride_kb, stride_ks, stride_kh, stride_bt, stride_mc, stride_mt, stride_ac, stride_at, stride_ah,
                    G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, TWO: tl.constexpr, NESTED: tl.constexpr):
+                   PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, TWO: tl.constexpr, NESTED: tl.constexpr,
+                   OPEN: tl.constexpr):
     """A tree step's whole-chunk program for query tiles 2 * pair and 2 * pair + 1 (``TWO``), or for
     the one tile ``pair`` of ``BLOCK_Q`` tokens in ``BLOCK_M`` rows (the caller's wide rows): chunks
     first, first + walkers, ... before the tree's first (every key at its own position, every row
@@ -744,11 +786,11 @@ def _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part
                 ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < limit, other=0)
                 k, v = _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, keys, keys < limit, kvh, d, d_ok, stride_kb,
                                      stride_ks, stride_kh, BLOCK_SIZE)
-                a0, m0, l0 = _tile(a0, m0, l0, q0, k, v, (keys[None, :] <= p0[:, None]) & ok0[:, None],
-                                   ok0 & (p0 >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+                a0, m0, l0 = _whole_tile(a0, m0, l0, q0, k, v, keys, p0, ok0, start, scale_log2, BLOCK_N, PRECISION,
+                                         DOT_DTYPE, OPEN)
                 if TWO:
-                    a1, m1, l1 = _tile(a1, m1, l1, q1, k, v, (keys[None, :] <= p1[:, None]) & ok1[:, None],
-                                       ok1 & (p1 >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+                    a1, m1, l1 = _whole_tile(a1, m1, l1, q1, k, v, keys, p1, ok1, start, scale_log2, BLOCK_N,
+                                             PRECISION, DOT_DTYPE, OPEN)
             _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t0, h0, ok0, d, d_ok, m0, l0, a0, stride_mc,
                             stride_mt, stride_ac, stride_at, stride_ah)
             if TWO:
@@ -774,11 +816,11 @@ def _shared_chunks(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part
             ids = tl.load(tables_ptr + b * stride_bt + ahead // BLOCK_SIZE, mask=ahead < limit, other=0)
             k, v = _kv_in_blocks(k_cache_ptr, v_cache_ptr, block, keys, keys < limit, kvh, d, d_ok, stride_kb,
                                  stride_ks, stride_kh, BLOCK_SIZE)
-            a0, m0, l0 = _tile(a0, m0, l0, q0, k, v, (keys[None, :] <= p0[:, None]) & ok0[:, None],
-                               ok0 & (p0 >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+            a0, m0, l0 = _whole_tile(a0, m0, l0, q0, k, v, keys, p0, ok0, start, scale_log2, BLOCK_N, PRECISION,
+                                     DOT_DTYPE, OPEN)
             if TWO:
-                a1, m1, l1 = _tile(a1, m1, l1, q1, k, v, (keys[None, :] <= p1[:, None]) & ok1[:, None],
-                                   ok1 & (p1 >= start), scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+                a1, m1, l1 = _whole_tile(a1, m1, l1, q1, k, v, keys, p1, ok1, start, scale_log2, BLOCK_N, PRECISION,
+                                         DOT_DTYPE, OPEN)
             if (i % TILES) == TILES - 1:  # the chunk's last tile
                 c = start // CHUNK
                 _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, c, t0, h0, ok0, d, d_ok, m0, l0, a0, stride_mc,
@@ -804,7 +846,7 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
                             BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
                             USE_GDC: tl.constexpr, RAGGED: tl.constexpr, BLOCK_B: tl.constexpr,
-                            FLAT: tl.constexpr, NESTED: tl.constexpr):
+                            FLAT: tl.constexpr, NESTED: tl.constexpr, OPEN: tl.constexpr):
     if USE_GDC:  # launched dependent (kernels/pdl.py): wait before any load and any early return
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -826,7 +868,7 @@ def _exact_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr
                             b, group, kvh, q_start, q_len, pid, walkers, (m_start // BLOCK_N) * BLOCK_N, scale_log2,
                             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_mc, stride_mt,
                             stride_ac, stride_at, stride_ah, G, SHARED_Q, SHARED_M, BLOCK_N, CHUNK, HEAD_DIM, BLOCK_D,
-                            BLOCK_SIZE, PRECISION, DOT_DTYPE, SHARED_TWO, NESTED)
+                            BLOCK_SIZE, PRECISION, DOT_DTYPE, SHARED_TWO, NESTED, OPEN)
             return
         tile = group * SUB + (pid - walkers) // BLOCK_Q
         if tile * BLOCK_Q >= q_len:

@@ -184,6 +184,28 @@ def test_a_wide_trees_loop_a_chunk_gives_the_one_loops_bits(monkeypatch):
     assert torch.equal(got[0], got[1])
 
 
+def test_a_trees_wide_rows_without_selects_give_their_bits(monkeypatch):
+    """``OPEN_TILES``: a tree's whole-chunk programs on the wide rows attend their key tiles without
+    ``_tile``'s visibility and activity selects (every row there sees every key) and give the bits of
+    the tiles with them, walking a loop a chunk or one loop: a 24-token tree after 700 keys beside a
+    decoding neighbour, 128-key chunks, programs that walk every few chunks. Breaking ``_tile_seen``
+    (its weights' exponent taken in another order) fails it."""
+    from kernels import attention_exact
+
+    monkeypatch.setattr(attention_exact, "CHUNK", 128)
+    monkeypatch.setattr(attention_exact, "TREE_WIDE_PROGRAMS_PER_SM", 1)
+    cache, step, q = binary_tree_step(24, 700, 2, 3, 64, torch.bfloat16, seed=6)
+    q = q.to(DEVICE)
+    meta = layout_step(step, BLOCK, torch.device(DEVICE), EXACT).meta
+    for nested in (0, 1):
+        monkeypatch.setattr(attention_exact, "TREE_NESTED", nested)
+        got = {}
+        for open_tiles in (0, 1):
+            monkeypatch.setattr(attention_exact, "OPEN_TILES", open_tiles)
+            got[open_tiles] = paged_attention_exact(q, cache.k, cache.v, meta, 64 ** -0.5, "split", tile="tree")
+        assert torch.equal(got[0], got[1]), nested
+
+
 def test_a_few_token_tree_takes_the_one_token_launch_shape(monkeypatch):
     """``TREE_FEW_TOKENS``: a tree step of at most that many tokens a sequence keeps the narrow tile
     where the wide rows are wanted and allowed, and sizes its chunks' programs as a one-token step
