@@ -61,7 +61,8 @@ def compile_config(block_m: int, block_n: int, warps: int, stages: int, group: i
     const.update(CHUNK=attention_exact.CHUNK, USE_GDC=False, RAGGED=False, BLOCK_B=1, SUB=sub,
                  SHARED_Q=block_m // group * (sub if wide else 1), SHARED_M=block_m * (sub if wide else 1),
                  SHARED_TWO=not wide,
-                 FLAT=attention_exact.walks_flat(masked, attention_exact.CHUNK), NESTED=nested) if exact else const.update(
+                 FLAT=attention_exact.walks_flat(masked, attention_exact.CHUNK), NESTED=nested,
+                 OPEN=wide and bool(attention_exact.OPEN_TILES)) if exact else const.update(
         EVEN_D=True, RAGGED=False, BLOCK_B=1, USE_GDC=False, PREFETCH_TILES=prefetch,
         ROW_LINES=max(1, head_dim * 2 // 128), LINE=64)
     out_type = "*bf16" if exact else "*fp32"  # (the exact kernel writes bf16 outputs, its partials float32)
