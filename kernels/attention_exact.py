@@ -97,6 +97,7 @@ TILES = ("auto", "narrow", "wide", "tree")
 WIDE_TILE = (64, 8, 3)
 WIDE_QUERY_LEN = 64  # a step without a tree whose longest run of new tokens is at least this long takes it
 WIDE_PROBE_TOKENS = 600  # the probe's prompt: across a 512-key chunk's end
+PROBE_TREE_TOKENS = 16  # the tree probe's chain over the prompt's last positions (past a 512-key chunk)
 _WIDE_OK: dict[tuple, bool] = {}  # (device, dtype, query heads a KV head, head_dim, tile) -> the probe's verdict
 
 
@@ -113,10 +114,11 @@ def probe_wide_tile(device: torch.device, dtype: torch.dtype, group: int, head_d
     """Whether the ``tile`` (``wide`` or ``tree``, ``tile_shape``) gives every query row the bits of
     the narrow tile on this device and dtype, for a KV head of ``group`` query heads of
     ``head_dim``: one random prompt of ``WIDE_PROBE_TOKENS`` tokens attended in one launch on each
-    tile, compared bit for bit. The narrow tile's rows do not depend on the step, so equal bits here
-    make the other tile's rows those of any step: a row's dots, its maximum and its sums are the same
-    ``_tile`` steps in a prompt's programs and in a tree's whole-chunk ones. Kept for the device,
-    dtype, geometry and tile. Not inside a CUDA graph's capture."""
+    tile, compared bit for bit, and for ``tree`` also a tree step over that prompt (its last
+    ``PROBE_TREE_TOKENS`` positions as a chain) in the split launch, whose whole-chunk programs take
+    the wide rows (``_shared_chunks``, ``_tile_seen`` where ``OPEN_TILES``) or the narrow tiles. The
+    narrow tile's rows do not depend on the step, so equal bits here make the other tile's rows those
+    of any step. Kept for the device, dtype, geometry and tile. Not inside a CUDA graph's capture."""
     assert tile in ("wide", "tree"), tile
     gen = torch.Generator().manual_seed(2)
     n, blocks, size = WIDE_PROBE_TOKENS, triton.cdiv(WIDE_PROBE_TOKENS, 16), 16
@@ -129,8 +131,18 @@ def probe_wide_tile(device: torch.device, dtype: torch.dtype, group: int, head_d
     meta = AttentionMetadata(query_start_loc=ints([0, n]), seq_lens=ints([n]), block_tables=ints([list(range(blocks))]),
                              slot_mapping=ints(range(n)), positions=ints(range(n)), token_seq=ints([0] * n),
                              token_q_idx=ints(range(n)), max_query_len=n, max_seq_len=n)
-    outs = [paged_attention_exact(q, k, v, meta, head_dim ** -0.5, "fold", chunk, tile=t) for t in ("narrow", tile)]
+    scale = head_dim ** -0.5
+    outs = [paged_attention_exact(q, k, v, meta, scale, "fold", chunk, tile=t) for t in ("narrow", tile)]
     same = torch.equal(*outs)
+    if same and tile == "tree":
+        t, first = PROBE_TREE_TOKENS, n - PROBE_TREE_TOKENS
+        chain = torch.tril(torch.ones(t, t, dtype=torch.bool, device=device))
+        tree = AttentionMetadata(query_start_loc=ints([0, t]), seq_lens=ints([n]), block_tables=meta.block_tables,
+                                 slot_mapping=ints(range(first, n)), positions=ints(range(first, n)),
+                                 token_seq=ints([0] * t), token_q_idx=ints(range(t)), max_query_len=t, max_seq_len=n,
+                                 custom_mask=ancestor_table(chain), mask_start=ints([first]))
+        outs = [paged_attention_exact(q[first:], k, v, tree, scale, "split", chunk, tile=x) for x in ("narrow", tile)]
+        same = torch.equal(*outs)
     _WIDE_OK[(q.device, dtype, group, head_dim, tile)] = same  # (the tensor's device: "cuda" names cuda:0 there)
     if not same:
         log.warning("the batch-invariant attention's %d-row %s tile changes a row's bits on %s (%s, %s): %s keep "

@@ -855,6 +855,35 @@ def test_the_wide_tile_probe_sees_a_tile_that_changes_bits(monkeypatch, caplog):
     assert attention_exact._WIDE_OK == {(torch.zeros(1, device=DEVICE).device, torch.float32, 4, 32, "wide"): True}
 
 
+def test_the_tree_tile_probe_sees_a_tree_step_that_changes_bits(monkeypatch, caplog):
+    """``probe_wide_tile(..., "tree")`` also attends a tree step over its prompt in the split launch on
+    the wide rows and on the narrow tiles (its whole-chunk programs: ``_shared_chunks``, the selects
+    left out): a tree step broken on purpose (one output element nudged) while the prompt agrees is
+    caught; agreeing, the tile is taken."""
+    from kernels import attention_exact
+
+    real = attention_exact.paged_attention_exact
+    calls = []
+
+    def nudged(q, k, v, meta, scale, mode="auto", chunk=None, tile="auto"):
+        calls.append((mode, tile, meta.custom_mask is not None))
+        out = real(q, k, v, meta, scale, mode, chunk, tile="narrow")
+        if tile == "tree" and meta.custom_mask is not None:
+            out.view(-1)[5] = torch.nextafter(out.view(-1)[5].float(), torch.tensor(1e9, device=out.device)).to(out.dtype)
+        return out
+
+    monkeypatch.setattr(attention_exact, "_WIDE_OK", {})
+    monkeypatch.setattr(attention_exact, "WIDE_PROBE_TOKENS", 80)
+    monkeypatch.setattr(attention_exact, "paged_attention_exact", nudged)
+    assert not attention_exact.probe_wide_tile(torch.device(DEVICE), torch.float32, 4, 32, chunk=64, tile="tree")
+    assert "changes a row's bits" in caplog.text
+    assert ("split", "tree", True) in calls and ("split", "narrow", True) in calls
+    monkeypatch.setattr(attention_exact, "paged_attention_exact",
+                        lambda q, k, v, meta, scale, mode="auto", chunk=None, tile="auto":
+                        real(q, k, v, meta, scale, mode, chunk, tile="narrow"))
+    assert attention_exact.probe_wide_tile(torch.device(DEVICE), torch.float32, 4, 32, chunk=64, tile="tree")
+
+
 def test_no_wide_tile_off_the_gpu():
     """In Triton's interpreter a prefill step keeps the narrow tile, and nothing is probed."""
     from kernels import attention_exact
