@@ -45,12 +45,13 @@ _POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "
 
 def compile_config(block_m: int, block_n: int, warps: int, stages: int, group: int, head_dim: int, masked: bool,
                    split: bool, exact: bool = False, capability: int = 90, prefetch: int = 0,
-                   tree_wide: bool = False, nested: bool = False):
+                   tree_wide: bool = False, nested: bool = False, rowsum_cols: int = 16):
     """The attention kernel (``exact``: the batch-invariant one, whose tiles are fixed: ``block_m`` and
     ``block_n`` are its module's) compiled for ``sm_<capability>`` with these tiles and launch constants
     (``prefetch``: key tiles asked of L2 before the dependent launch's wait, EAGLE3_ATTN_PREFETCH;
     ``tree_wide``: a tree's split launch with its whole-chunk programs on ``TREE_WIDE_ROWS`` rows;
-    ``nested``: those programs in a loop a chunk, ``TREE_NESTED``)."""
+    ``nested``: those programs in a loop a chunk, ``TREE_NESTED``; ``rowsum_cols``: the columns of ones
+    in their row sums, ``nested_tile``)."""
     kernel = attention_exact._exact_attention_kernel if exact else _attention_kernel
     names = kernel.arg_names
     const = dict(G=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
@@ -62,7 +63,7 @@ def compile_config(block_m: int, block_n: int, warps: int, stages: int, group: i
                  SHARED_Q=block_m // group * (sub if wide else 1), SHARED_M=block_m * (sub if wide else 1),
                  SHARED_TWO=not wide,
                  FLAT=attention_exact.walks_flat(masked, attention_exact.CHUNK), NESTED=nested,
-                 OPEN=wide and bool(attention_exact.OPEN_TILES)) if exact else const.update(
+                 OPEN=rowsum_cols if wide and attention_exact.OPEN_TILES else 0) if exact else const.update(
         EVEN_D=True, RAGGED=False, BLOCK_B=1, USE_GDC=False, PREFETCH_TILES=prefetch,
         ROW_LINES=max(1, head_dim * 2 // 128), LINE=64)
     out_type = "*bf16" if exact else "*fp32"  # (the exact kernel writes bf16 outputs, its partials float32)
@@ -102,6 +103,9 @@ def main() -> None:
                     help="with --exact: a tree's whole-chunk programs on TREE_WIDE_ROWS rows (the wide tree tile)")
     ap.add_argument("--nested", action="store_true",
                     help="with --exact: a tree's whole-chunk programs in a loop a chunk (TREE_NESTED)")
+    ap.add_argument("--rowsum-cols", type=int, choices=(8, 16), default=16,
+                    help="with --tree-wide: the columns of ones in the wide rows' row sums (ROWSUM_COLS: 8 on "
+                         "the three stages of a tree of more than one wide tile, nested_tile)")
     ap.add_argument("--prefetch", type=int, default=0,
                     help="key tiles asked of L2 before the wait (EAGLE3_ATTN_PREFETCH; not with --exact)")
     ap.add_argument("--out", default=None)
@@ -110,7 +114,8 @@ def main() -> None:
     for text in args.config:
         m, n, w, s = (int(x) for x in text.split(","))
         r = resources(compile_config(m, n, w, s, args.group, args.head_dim, not args.causal, not args.one_split,
-                                     args.exact, prefetch=args.prefetch, tree_wide=args.tree_wide, nested=args.nested))
+                                     args.exact, prefetch=args.prefetch, tree_wide=args.tree_wide, nested=args.nested,
+                                     rowsum_cols=args.rowsum_cols))
         rows.append({"config": [m, n, w, s], **r})
         print(f"m{m:>3} n{n:>3} w{w} s{s}: {r['registers']:>3} registers, {r['stack_bytes']:>4} stack bytes, "
               f"{r['shared_bytes']:>6} shared bytes, in flight {r['in_flight']}", flush=True)
@@ -119,6 +124,7 @@ def main() -> None:
                                               "head_dim": args.head_dim, "masked": not args.causal,
                                               "split": not args.one_split, "exact": args.exact, "prefetch": args.prefetch,
                                               "tree_wide": args.tree_wide, "nested": args.nested,
+                                              "rowsum_cols": args.rowsum_cols,
                                               "configs": rows}, indent=2) + "\n")
 
 

@@ -97,7 +97,6 @@ TILES = ("auto", "narrow", "wide", "tree")
 WIDE_TILE = (64, 8, 3)
 WIDE_QUERY_LEN = 64  # a step without a tree whose longest run of new tokens is at least this long takes it
 WIDE_PROBE_TOKENS = 600  # the probe's prompt: across a 512-key chunk's end
-PROBE_TREE_TOKENS = 16  # the tree probe's chain over the prompt's last positions (past a 512-key chunk)
 _WIDE_OK: dict[tuple, bool] = {}  # (device, dtype, query heads a KV head, head_dim, tile) -> the probe's verdict
 
 
@@ -113,15 +112,18 @@ def probe_wide_tile(device: torch.device, dtype: torch.dtype, group: int, head_d
                     chunk: int | None = None, tile: str = "wide") -> bool:
     """Whether the ``tile`` (``wide`` or ``tree``, ``tile_shape``) gives every query row the bits of
     the narrow tile on this device and dtype, for a KV head of ``group`` query heads of
-    ``head_dim``: one random prompt of ``WIDE_PROBE_TOKENS`` tokens attended in one launch on each
-    tile, compared bit for bit, and for ``tree`` also a tree step over that prompt (its last
-    ``PROBE_TREE_TOKENS`` positions as a chain) in the split launch, whose whole-chunk programs take
+    ``head_dim``: one random prompt of ``WIDE_PROBE_TOKENS`` tokens (more where a chunk and the tree
+    steps below need them) attended in one launch on each tile, compared bit for bit, and for ``tree``
+    also two tree steps over that prompt (its last positions as a chain: one wide tile's tokens, then
+    two tiles', the two shapes of ``nested_tile``) in the split launch, whose whole-chunk programs take
     the wide rows (``_shared_chunks``, ``_tile_seen`` where ``OPEN_TILES``) or the narrow tiles. The
     narrow tile's rows do not depend on the step, so equal bits here make the other tile's rows those
     of any step. Kept for the device, dtype, geometry and tile. Not inside a CUDA graph's capture."""
     assert tile in ("wide", "tree"), tile
     gen = torch.Generator().manual_seed(2)
-    n, blocks, size = WIDE_PROBE_TOKENS, triton.cdiv(WIDE_PROBE_TOKENS, 16), 16
+    chains = probe_tree_tokens(group) if tile == "tree" else ()
+    n = max(WIDE_PROBE_TOKENS, (chunk or CHUNK) + BLOCK_N + max(chains, default=0))  # (whole chunks before a tree)
+    blocks, size = triton.cdiv(n, 16), 16
     k, v = (torch.randn(blocks, size, 1, head_dim, generator=gen).to(device, dtype) for _ in range(2))
     q = torch.randn(n, group, head_dim, generator=gen).to(device, dtype)
 
@@ -134,8 +136,10 @@ def probe_wide_tile(device: torch.device, dtype: torch.dtype, group: int, head_d
     scale = head_dim ** -0.5
     outs = [paged_attention_exact(q, k, v, meta, scale, "fold", chunk, tile=t) for t in ("narrow", tile)]
     same = torch.equal(*outs)
-    if same and tile == "tree":
-        t, first = PROBE_TREE_TOKENS, n - PROBE_TREE_TOKENS
+    for t in chains:
+        if not same:
+            break
+        first = n - t
         chain = torch.tril(torch.ones(t, t, dtype=torch.bool, device=device))
         tree = AttentionMetadata(query_start_loc=ints([0, t]), seq_lens=ints([n]), block_tables=meta.block_tables,
                                  slot_mapping=ints(range(first, n)), positions=ints(range(first, n)),
@@ -150,6 +154,13 @@ def probe_wide_tile(device: torch.device, dtype: torch.dtype, group: int, head_d
                     torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu", dtype,
                     "prefill steps" if tile == "wide" else "trees' whole-chunk programs", BLOCK_M)
     return same
+
+
+def probe_tree_tokens(group: int) -> tuple[int, int]:
+    """The tree probe's chains for a KV head of ``group`` query heads: the tokens of one wide tile
+    (``TREE_WIDE_ROWS`` rows: two stages of copies, ``nested_tile``) and of two (the steps of more)."""
+    wide = max(1, TREE_WIDE_ROWS // max(BLOCK_M, triton.next_power_of_2(group))) * narrow_tokens(group)
+    return wide, 2 * wide
 
 
 def narrow_tokens(group: int) -> int:
@@ -365,6 +376,22 @@ TREE_NESTED = _env_count("EAGLE3_EXACT_TREE_NESTED", 1, "0 or 1")
 if TREE_NESTED > 1:
     raise ValueError(f"EAGLE3_EXACT_TREE_NESTED={TREE_NESTED}: 0 or 1")
 NESTED_STAGES = 2
+# ... on ``NESTED_MANY_STAGES`` stages (``EAGLE3_EXACT_NESTED_MANY_STAGES``, read at import) where a
+# sequence's tree fills more than one wide tile (the 8B: more than 16 tokens), with ``ROWSUM_COLS``
+# columns of ones in the row sums' product (``_tile_seen``; ``EAGLE3_EXACT_ROWSUM_COLS``, 8 or 16): at
+# 16 the ones' 2 KB took the loop's three stages 1 KB past two programs an SM (116,736 bytes of
+# shared memory), at 8 they fit (115,712; sm_90 offline, ``kernel_resources.py --exact --tree-wide
+# --nested``). Every column of the product is the row's sum, so the bits are the same (the start-up
+# probe compares both shapes against the narrow tiles, and the tests). On one H200 (``attention_kernel.py
+# --context 32768 --context 16384 --context 4396 --tokens 8 ... --tokens 64 --capacity 32768
+# --tree-depth 7 --exact --exact-settings ROWSUM_COLS=8,NESTED_STAGES=3 --l2-flush 200``,
+# ``benchmarks/results/exact_mode/nested_three_stages_h200/``, the same bits) the 8B's trees over 32K
+# keys of 24 / 32 / 48 / 64 tokens took 112.3 / 117.7 / 155.7 / 193.6 -> 105.6 / 108.5 / 142.6 / 176.1
+# us a layer, over 16K 64.7 / 66.3 / 89.4 / 108.8 -> 63.0 / 64.6 / 83.1 / 104.0; 8 and 16 tokens (one
+# wide tile) lost (32K: 65.8 / 80.4 -> 72.0 / 81.1), so they keep two stages and 16 columns. The
+# replayed 60-token tree's step (``switch_ab.py --script replay``, exact): 32K batch 1 12.936 -> 12.373
+# ms, 16K batch 4 26.033 -> 24.500. Speed only.
+NESTED_MANY_STAGES = _env_count("EAGLE3_EXACT_NESTED_MANY_STAGES", 3, "stages of copies")
 # A tree's whole-chunk programs on the wide rows (``TREE_WIDE``) attend their key tiles without
 # ``_tile``'s visibility and activity selects (``_tile_seen``: every row there sees every key), or with
 # them (``EAGLE3_EXACT_OPEN_TILES=0``, read at import). Speed only: the same bits (tested). On one H200
@@ -378,6 +405,11 @@ NESTED_STAGES = 2
 OPEN_TILES = _env_count("EAGLE3_EXACT_OPEN_TILES", 1, "0 or 1")
 if OPEN_TILES > 1:
     raise ValueError(f"EAGLE3_EXACT_OPEN_TILES={OPEN_TILES}: 0 or 1")
+# Columns of ones in the open tiles' row-sum product for trees of more than one wide tile a sequence
+# (``NESTED_MANY_STAGES`` above; ``EAGLE3_EXACT_ROWSUM_COLS``, read at import): 8, or 16 as ``_tile``.
+ROWSUM_COLS = _env_count("EAGLE3_EXACT_ROWSUM_COLS", 8, "8 or 16")
+if ROWSUM_COLS not in (8, 16):
+    raise ValueError(f"EAGLE3_EXACT_ROWSUM_COLS={ROWSUM_COLS}: 8 or 16")
 # A tree step of at most this many tokens a sequence takes a one-token step's launch shape: the
 # narrow tile, whose tree launch holds two programs an SM (sm_90: 234 registers, 81.9 KB of shared
 # memory; the wide rows' one, 255 and 149.5 KB), and ``SPLIT_PROGRAMS_PER_SM`` programs an SM for
@@ -408,6 +440,13 @@ if ONE_TILE_TREES > 1:
 # H200 the one loop took 8B decode attention at batch 64 and 4K from 279.0 to 252.7 us (512-key
 # chunks) but SmolLM2's at batch 64 and 512 from 18.6 to 19.0 us (128-key chunks: two tiles).
 FLAT_TILES = 4
+
+
+def nested_tile(many: bool) -> tuple[int, int]:
+    """(stages of copies, columns of ones in the row sums) of a tree's wide rows walking a loop a chunk
+    (``TREE_NESTED``): ``many``, where a sequence's tree fills more than one wide tile,
+    ``NESTED_MANY_STAGES`` and ``ROWSUM_COLS``, else ``NESTED_STAGES`` and 16."""
+    return (NESTED_MANY_STAGES, ROWSUM_COLS) if many else (NESTED_STAGES, 16)
 
 
 def walks_flat(has_mask: bool, chunk: int) -> bool:
@@ -522,10 +561,11 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # the group's tiles
     wide_rows = split and wants_rows
     nested = bool(TREE_NESTED) and wide_rows
-    if nested:
-        stages = NESTED_STAGES
     sub = (TREE_WIDE_ROWS // block_m if wide_rows else 1 if one_tile else TREE_TILES) if split and has_mask else 1
     q_groups = triton.cdiv(q_tiles, sub)
+    sum_cols = 16
+    if nested:
+        stages, sum_cols = nested_tile(q_groups > 1)
     per_token = sub * block_q if split and has_mask else 0
     per_sm = TREE_WIDE_PROGRAMS_PER_SM if wide_rows else SPLIT_PROGRAMS_PER_SM if few else None
     walkers = chunk_programs(chunks, meta.num_seqs * q_groups * kvh, q.device, per_sm=per_sm, tree=has_mask,
@@ -548,7 +588,7 @@ def paged_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=tl.float32 if not q.is_cuda else _DOT_DTYPES.get(k_cache.dtype, tl.float32), USE_GDC=pdl,
         RAGGED=meta.ragged, BLOCK_B=triton.next_power_of_2(meta.num_seqs) if meta.ragged else 1,
-        FLAT=walks_flat(has_mask, chunk), NESTED=nested, OPEN=wide_rows and bool(OPEN_TILES),
+        FLAT=walks_flat(has_mask, chunk), NESTED=nested, OPEN=sum_cols if wide_rows and OPEN_TILES else 0,
         num_warps=warps, num_stages=stages, **launch_options(pdl))
     if split:
         _fold_chunks_kernel[(T, H)](part_m, part_l, part_acc, out, meta.positions,
@@ -595,16 +635,17 @@ def _tile(acc, m_i, l_i, q, k, v, visible, active, scale_log2, BLOCK_N: tl.const
 
 @triton.jit
 def _tile_seen(acc, m_i, l_i, q, k, v, scale_log2, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-               DOT_DTYPE: tl.constexpr):
+               DOT_DTYPE: tl.constexpr, SUM_COLS: tl.constexpr):
     """``_tile`` for rows that see every key of the tile: no visibility or activity selects. For such
     a row ``_tile`` keeps every score and takes its own new state, and its maximum is finite (so is
     this one's: a key tile's scores are), so the arithmetic, and the bits, are the same. Rows
-    outside the step compute on their zero queries and are never stored."""
+    outside the step compute on their zero queries and are never stored. The row sums' product takes
+    ``SUM_COLS`` columns of ones (``ROWSUM_COLS``): every column is the same sum."""
     s = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION)  # (M, N)
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
     p = tl.exp2(s * scale_log2 - m_new[:, None]).to(DOT_DTYPE)
     alpha = tl.exp2(m_i - m_new)
-    ones = tl.full([BLOCK_N, 16], 1.0, DOT_DTYPE)
+    ones = tl.full([BLOCK_N, SUM_COLS], 1.0, DOT_DTYPE)
     l_new = l_i * alpha + tl.max(tl.dot(p, ones, input_precision=PRECISION), 1)  # (every column the row's sum)
     acc_new = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=PRECISION)
     return acc_new, m_new, l_new
@@ -614,9 +655,10 @@ def _tile_seen(acc, m_i, l_i, q, k, v, scale_log2, BLOCK_N: tl.constexpr, PRECIS
 def _whole_tile(acc, m_i, l_i, q, k, v, keys, pos, ok, start, scale_log2, BLOCK_N: tl.constexpr,
                 PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, OPEN: tl.constexpr):
     """A key tile of a tree's whole chunks (every key before each row's position) for a query tile's
-    rows: ``_tile_seen`` (``OPEN``), or ``_tile`` with its selects: the same bits."""
+    rows: ``_tile_seen`` (``OPEN``: its row sums' columns of ones), or ``_tile`` with its selects (0):
+    the same bits."""
     if OPEN:
-        return _tile_seen(acc, m_i, l_i, q, k, v, scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
+        return _tile_seen(acc, m_i, l_i, q, k, v, scale_log2, BLOCK_N, PRECISION, DOT_DTYPE, OPEN)
     return _tile(acc, m_i, l_i, q, k, v, (keys[None, :] <= pos[:, None]) & ok[:, None], ok & (pos >= start),
                  scale_log2, BLOCK_N, PRECISION, DOT_DTYPE)
 

@@ -187,23 +187,27 @@ def test_a_wide_trees_loop_a_chunk_gives_the_one_loops_bits(monkeypatch):
 def test_a_trees_wide_rows_without_selects_give_their_bits(monkeypatch):
     """``OPEN_TILES``: a tree's whole-chunk programs on the wide rows attend their key tiles without
     ``_tile``'s visibility and activity selects (every row there sees every key) and give the bits of
-    the tiles with them, walking a loop a chunk or one loop: a 24-token tree after 700 keys beside a
-    decoding neighbour, 128-key chunks, programs that walk every few chunks. Breaking ``_tile_seen``
-    (its weights' exponent taken in another order) fails it."""
+    the tiles with them, walking a loop a chunk or one loop: trees after 700 keys beside a decoding
+    neighbour, 128-key chunks, programs that walk every few chunks; a 12-token tree (one wide tile: 16
+    columns of ones in the row sums) and a 24-token one (two: ``ROWSUM_COLS``, 8 or 16; ``nested_tile``).
+    Breaking ``_tile_seen`` (its weights' exponent taken in another order) fails it."""
     from kernels import attention_exact
 
     monkeypatch.setattr(attention_exact, "CHUNK", 128)
     monkeypatch.setattr(attention_exact, "TREE_WIDE_PROGRAMS_PER_SM", 1)
-    cache, step, q = binary_tree_step(24, 700, 2, 3, 64, torch.bfloat16, seed=6)
-    q = q.to(DEVICE)
-    meta = layout_step(step, BLOCK, torch.device(DEVICE), EXACT).meta
-    for nested in (0, 1):
-        monkeypatch.setattr(attention_exact, "TREE_NESTED", nested)
-        got = {}
-        for open_tiles in (0, 1):
-            monkeypatch.setattr(attention_exact, "OPEN_TILES", open_tiles)
-            got[open_tiles] = paged_attention_exact(q, cache.k, cache.v, meta, 64 ** -0.5, "split", tile="tree")
-        assert torch.equal(got[0], got[1]), nested
+    assert attention_exact.probe_tree_tokens(3) == (20, 40)  # (the wide tile's tokens for three query heads)
+    for tokens, cols in ((12, 8), (24, 8), (24, 16)):
+        monkeypatch.setattr(attention_exact, "ROWSUM_COLS", cols)
+        cache, step, q = binary_tree_step(tokens, 700, 2, 3, 64, torch.bfloat16, seed=6)
+        q = q.to(DEVICE)
+        meta = layout_step(step, BLOCK, torch.device(DEVICE), EXACT).meta
+        for nested in (0, 1):
+            monkeypatch.setattr(attention_exact, "TREE_NESTED", nested)
+            got = {}
+            for open_tiles in (0, 1):
+                monkeypatch.setattr(attention_exact, "OPEN_TILES", open_tiles)
+                got[open_tiles] = paged_attention_exact(q, cache.k, cache.v, meta, 64 ** -0.5, "split", tile="tree")
+            assert torch.equal(got[0], got[1]), (tokens, cols, nested)
 
 
 def test_a_few_token_tree_takes_the_one_token_launch_shape(monkeypatch):
@@ -866,7 +870,7 @@ def test_the_tree_tile_probe_sees_a_tree_step_that_changes_bits(monkeypatch, cap
     calls = []
 
     def nudged(q, k, v, meta, scale, mode="auto", chunk=None, tile="auto"):
-        calls.append((mode, tile, meta.custom_mask is not None))
+        calls.append((mode, tile, meta.custom_mask is not None, meta.max_query_len))
         out = real(q, k, v, meta, scale, mode, chunk, tile="narrow")
         if tile == "tree" and meta.custom_mask is not None:
             out.view(-1)[5] = torch.nextafter(out.view(-1)[5].float(), torch.tensor(1e9, device=out.device)).to(out.dtype)
@@ -877,11 +881,17 @@ def test_the_tree_tile_probe_sees_a_tree_step_that_changes_bits(monkeypatch, cap
     monkeypatch.setattr(attention_exact, "paged_attention_exact", nudged)
     assert not attention_exact.probe_wide_tile(torch.device(DEVICE), torch.float32, 4, 32, chunk=64, tile="tree")
     assert "changes a row's bits" in caplog.text
-    assert ("split", "tree", True) in calls and ("split", "narrow", True) in calls
+    assert ("split", "tree", True, 16) in calls and ("split", "narrow", True, 16) in calls
+    calls.clear()
+    monkeypatch.setattr(attention_exact, "_WIDE_OK", {})
     monkeypatch.setattr(attention_exact, "paged_attention_exact",
                         lambda q, k, v, meta, scale, mode="auto", chunk=None, tile="auto":
+                        calls.append((mode, tile, meta.custom_mask is not None, meta.max_query_len)) or
                         real(q, k, v, meta, scale, mode, chunk, tile="narrow"))
     assert attention_exact.probe_wide_tile(torch.device(DEVICE), torch.float32, 4, 32, chunk=64, tile="tree")
+    # agreeing, both of ``nested_tile``'s shapes were compared: one wide tile's 16 tokens and two tiles' 32
+    assert {c for c in calls if c[2]} == {(m, t, True, n) for m in ("split",) for t in ("narrow", "tree")
+                                          for n in (16, 32)}, calls
 
 
 def test_no_wide_tile_off_the_gpu():

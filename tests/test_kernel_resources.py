@@ -74,13 +74,32 @@ def test_the_exact_decode_attention_keeps_copies_in_flight(tmp_path):
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton carries no ptxas for NVIDIA targets")
 def test_the_exact_wide_tree_tile_fits_two_programs_an_sm_without_spilling(tmp_path):
     """A tree over a long prefix: the batch-invariant kernel's wide rows walking their whole chunks a
-    loop a chunk (``TREE_NESTED``, on ``NESTED_STAGES``), as its launch compiles them. Two programs an
-    SM are what made that loop pay (the 8B's 64-token tree over 32K keys 284.5 -> 216.9 us a layer on
-    an H200), and without the visibility selects (``OPEN_TILES``) the tile holds 198 registers with
-    none spilled where with them it held 255 and spilled (Triton 3.9; on the H200 193.5 against 214.6
-    us)."""
+    loop a chunk (``TREE_NESTED``) as its launch compiles them for a tree of one wide tile a sequence
+    (``nested_tile(False)``: ``NESTED_STAGES``, 16 columns of ones). Two programs an SM are what made
+    that loop pay (the 8B's 64-token tree over 32K keys 284.5 -> 216.9 us a layer on an H200), and
+    without the visibility selects (``OPEN_TILES``) the tile holds 198 registers with none spilled
+    where with them it held 255 and spilled (Triton 3.9; on the H200 193.5 against 214.6 us)."""
     from kernels import attention_exact as ex
-    row = compiled(tmp_path, "--exact", "--tree-wide", "--nested", "--config",
-                   f"{ex.BLOCK_M},{ex.BLOCK_N},{ex.NUM_WARPS},{ex.NESTED_STAGES}")
+    stages, cols = ex.nested_tile(False)
+    row = compiled(tmp_path, "--exact", "--tree-wide", "--nested", "--rowsum-cols", str(cols), "--config",
+                   f"{ex.BLOCK_M},{ex.BLOCK_N},{ex.NUM_WARPS},{stages}")
     assert _programs_per_sm(row["registers"], row["shared_bytes"], ex.NUM_WARPS, HOPPER) >= 2, row
     assert row["stack_bytes"] == 0, row
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton carries no ptxas for NVIDIA targets")
+def test_a_larger_trees_wide_tile_keeps_two_programs_an_sm_on_three_stages(tmp_path):
+    """A tree of more than one wide tile a sequence (``nested_tile(True)``): three stages of copies,
+    the next tile's two copy groups in flight, still two programs an SM, which the row sums' ones fit
+    at 8 columns (115,712 bytes of shared memory, Triton 3.9) and not at 16 (116,736: one program).
+    On an H200 that took the 8B's 64-token tree over 32K keys from 193.6 to 176.1 us a layer."""
+    from kernels import attention_exact as ex
+    stages, cols = ex.nested_tile(True)
+    assert stages == 3 and cols == 8, (stages, cols)
+    row = compiled(tmp_path, "--exact", "--tree-wide", "--nested", "--rowsum-cols", str(cols), "--config",
+                   f"{ex.BLOCK_M},{ex.BLOCK_N},{ex.NUM_WARPS},{stages}")
+    assert _programs_per_sm(row["registers"], row["shared_bytes"], ex.NUM_WARPS, HOPPER) >= 2, row
+    assert row["in_flight"] >= 2, row
+    wider = compiled(tmp_path, "--exact", "--tree-wide", "--nested", "--rowsum-cols", "16", "--config",
+                     f"{ex.BLOCK_M},{ex.BLOCK_N},{ex.NUM_WARPS},{stages}")
+    assert _programs_per_sm(wider["registers"], wider["shared_bytes"], ex.NUM_WARPS, HOPPER) == 1, wider
