@@ -122,7 +122,7 @@ def probe_wide_tile(device: torch.device, dtype: torch.dtype, group: int, head_d
     assert tile in ("wide", "tree"), tile
     gen = torch.Generator().manual_seed(2)
     chains = probe_tree_tokens(group) if tile == "tree" else ()
-    n = max(WIDE_PROBE_TOKENS, (chunk or CHUNK) + BLOCK_N + max(chains, default=0))  # (whole chunks before a tree)
+    n = max(WIDE_PROBE_TOKENS, (chunk or CHUNK) + BLOCK_N + max(chains)) if chains else WIDE_PROBE_TOKENS  # (a whole chunk before a tree)
     blocks, size = triton.cdiv(n, 16), 16
     k, v = (torch.randn(blocks, size, 1, head_dim, generator=gen).to(device, dtype) for _ in range(2))
     q = torch.randn(n, group, head_dim, generator=gen).to(device, dtype)
