@@ -163,7 +163,8 @@ def main() -> None:
             rows, secs = through_services(client, prompts, args.max_tokens, c, True, timings)
             for spy in spies:
                 spy.wait(60)
-            steps = {k: client.metrics()[k] - before[k] for k in ("speculative_steps", "plain_steps", "chained_steps")}
+            steps = {k: client.metrics()[k] - before[k]
+                     for k in ("speculative_steps", "plain_steps", "chained_steps", "decode_steps_ahead")}
             phases = None if phases_before is None else {
                 "services": phased_serve.per_step(phases_before, idle_phases(tmp / "phases.json"),
                                                   max(1, steps["speculative_steps"] + steps["plain_steps"])),
