@@ -103,6 +103,13 @@ ATTN_PREFETCH_TILES = int(os.environ.get("EAGLE3_ATTN_PREFETCH", "2"))
 assert ATTN_PREFETCH_TILES in (0, 1, 2, 4, 8), "EAGLE3_ATTN_PREFETCH: 0, 1, 2, 4 or 8 tiles"
 _LINE_BYTES = 128
 MAX_SPLITS = 64  # key splits of one launch at most
+# The combine's block of splits for launches of at most this many (``combine_block``; 0: ``MAX_SPLITS``
+# for every launch; ``EAGLE3_COMBINE_NARROW``, read at import). A block of 64 splits holds its
+# partials in 168 registers a thread (sm_90): three programs an SM, so a tree step's (token, head)
+# programs ran in waves (the 8B's 64-token tree, 8 splits: 2,048 programs, 18.8 us a layer at 4K and
+# at 32K keys, as long as the attention at 4K); a block of 16 takes 48 registers.
+COMBINE_NARROW = int(os.environ.get("EAGLE3_COMBINE_NARROW", "16"))
+assert COMBINE_NARROW in (0, 8, 16, 32), "EAGLE3_COMBINE_NARROW: 0, 8, 16 or 32 splits"
 SPLIT_TILES = 4  # key tiles a split at least, in the host's split count (a capacity's, in a graph)
 TAIL_N = tl.constexpr(32)  # keys a masked tile
 _CPU_SLOTS = 8  # programs "at once" under the CPU interpreter (only the split logic is exercised there)
@@ -481,11 +488,30 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, used_pt
 
 
 def combine_block(splits: int) -> int:
-    """The combine's block of splits for a launch of ``splits``: all of them, ``MAX_SPLITS`` for any
-    count up to it, so one compiled variant serves every launch the server makes (a variant per block
-    size would compile mid-serving as a sequence's keys grew past a split count's threshold on an
-    eager step); more only where a benchmark forces more splits."""
+    """The combine's block of splits for a launch of ``splits``: all of them, ``COMBINE_NARROW`` for
+    a count up to it and ``MAX_SPLITS`` for any count above, so two compiled variants serve every
+    launch the server makes, both compiled at its start (``warm_combine``: a variant per block size
+    would compile mid-serving as a sequence's keys grew past a split count's threshold on an eager
+    step); more only where a benchmark forces more splits."""
+    if 0 < splits <= COMBINE_NARROW:
+        return COMBINE_NARROW
     return max(MAX_SPLITS, triton.next_power_of_2(splits))
+
+
+def warm_combine(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int) -> None:
+    """Compile the combine's variants (``combine_block``: the narrow block and ``MAX_SPLITS``) for
+    partials of ``heads`` x ``head_dim`` and outputs of ``dtype``, as the attention launches them
+    (the same strides, the same dependent launch), before serving. CUDA only."""
+    q = torch.zeros(1, heads, head_dim, dtype=dtype, device=device)
+    pdl = dependent(q, PDL_ALL)
+    for splits in sorted({max(1, COMBINE_NARROW), MAX_SPLITS}):
+        part = torch.zeros(splits, 1, heads, head_dim, dtype=torch.float32, device=device)
+        lse = torch.zeros(splits, 1, heads, dtype=torch.float32, device=device)
+        used = torch.full((1,), splits, dtype=torch.int32, device=device)
+        _combine_kernel[(1, heads)](part, lse, used, q, splits, part.stride(0), part.stride(1), part.stride(2),
+                                    lse.stride(0), lse.stride(1), q.stride(0), q.stride(1), head_dim,
+                                    BLOCK_S=combine_block(splits), BLOCK_D=triton.next_power_of_2(head_dim),
+                                    USE_GDC=pdl, **launch_options(pdl))
 
 
 @triton.jit(do_not_specialize=["splits", "stride_ps", "stride_ls"])

@@ -232,8 +232,9 @@ def test_combine_merges_any_number_of_splits(splits):
     """The combine kernel reads a launch's splits in one block (``combine_block``): every count up to
     MAX_SPLITS merges to the softmax-weighted mean of the partials (splits that saw no key, lse -inf,
     weigh nothing), each token's first ``used`` of them."""
-    from kernels.attention_triton import MAX_SPLITS, _combine_kernel, combine_block
+    from kernels.attention_triton import COMBINE_NARROW, MAX_SPLITS, _combine_kernel, combine_block
     assert splits <= MAX_SPLITS
+    assert combine_block(splits) == (COMBINE_NARROW if splits <= COMBINE_NARROW else MAX_SPLITS)
     gen = torch.Generator().manual_seed(splits)
     T, H, D = 4, 2, 32
     part = torch.randn(splits, T, H, D, generator=gen)
@@ -254,6 +255,20 @@ def test_combine_merges_any_number_of_splits(splits):
         w = torch.softmax(lse[:n, t] * np.log(2), dim=0)  # lse is in base 2
         want = (w[..., None] * part[:n, t]).sum(0)
         torch.testing.assert_close(out[t], want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_combines_blocks_compile_at_start_up():
+    """``warm_combine`` launches the combine once for each of its two blocks (the narrow one, and
+    ``MAX_SPLITS``), shaped as the attention launches it, so no launch compiles one while serving."""
+    from kernels import attention_triton
+    assert attention_triton.combine_block(2) == attention_triton.COMBINE_NARROW < attention_triton.MAX_SPLITS
+    assert attention_triton.combine_block(attention_triton.COMBINE_NARROW + 1) == attention_triton.MAX_SPLITS
+    blocks = []
+    real = attention_triton.combine_block
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention_triton, "combine_block", lambda s: blocks.append(real(s)) or blocks[-1])
+        attention_triton.warm_combine(torch.device(DEVICE), torch.float32, 4, 32)
+    assert sorted(blocks) == [attention_triton.COMBINE_NARROW, attention_triton.MAX_SPLITS]
 
 
 @pytest.mark.parametrize("splits", [3, 40])

@@ -164,6 +164,10 @@ class ModelRunner:
         logits = torch.zeros(2, self.model.config.vocab_size, device=self.device)
         self.kernels.argmax(logits)
         self.kernels.argmax(logits[1:])
+        if self.kernels.name != "reference":  # both blocks of the split attention's combine
+            from kernels.attention_triton import warm_combine
+            cfg = self.model.config
+            warm_combine(self.device, self.model.model.embed_tokens.weight.dtype, cfg.num_heads, cfg.head_dim)
         if tree_tokens:
             self._warm_acceptance(max(tree_tokens), bs)
             for width in sorted(set(tree_tokens)):
