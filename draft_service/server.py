@@ -49,6 +49,7 @@ from protos.eagle3.v1 import draft_link_pb2 as pb
 from protos.eagle3.v1 import draft_link_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+STOP_TIMEOUT_S = 20.0  # on SIGTERM, the session's close waited for at most this long (it takes a few seconds)
 SERVICE = "eagle3.draft"
 IPC_EVENT_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
 
@@ -326,11 +327,23 @@ def serve(cfg: DraftServerConfig) -> None:
     srv = create_server(cfg)
     # Loaded: the head, its kernels and the config stay for good; out of every later full collection's walk.
     log.info("garbage collector: %d startup objects frozen", freeze_startup_heap())
+    stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: srv.worker.stop())
+        signal.signal(sig, lambda *_: stopping.set())
     print(f"draft service dialing {cfg.verify}; health on {cfg.listen}", flush=True)
     if srv.metrics is not None:
         print(f"draft service metrics on {srv.metrics.endpoint.url}", flush=True)
-    srv.worker.run()
+    # Python runs signal handlers on the main thread, and a process signal may land on any thread: a
+    # main thread that ran the sessions itself sat in the step socket's read while no step came, and a
+    # SIGTERM taken by another thread was never seen (the service did not stop). The sessions run on a
+    # thread of their own; the main thread only polls (as the verify service's does).
+    worker = threading.Thread(target=srv.worker.run, name="draft-sessions", daemon=True)
+    worker.start()
+    while worker.is_alive() and not stopping.wait(0.2):
+        pass
+    srv.worker.stop()
+    worker.join(STOP_TIMEOUT_S)  # the session closes its link, cut after stop()'s grace
+    if worker.is_alive():
+        log.warning("the draft session did not end within %g s of the stop; exiting anyway", STOP_TIMEOUT_S)
     srv.stop()
     unfreeze_for_exit()

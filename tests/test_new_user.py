@@ -126,6 +126,47 @@ def test_the_draft_waits_quietly_and_a_normal_shutdown_is_no_warning(dirs, tmp_p
         stack.close()
 
 
+_TGKILL = {"x86_64": 234, "aarch64": 131}.get(__import__("platform").machine())  # Linux syscall numbers
+
+
+def _signal_a_thread_other_than_main(pid: int, sig: int) -> None:
+    """``sig`` to one thread of process ``pid`` that is not its main thread (tgkill): a process signal
+    may land on any thread, and this is the case the main thread never sees by itself."""
+    import ctypes
+    tid = next(int(t) for t in sorted(os.listdir(f"/proc/{pid}/task"), key=int) if int(t) != pid)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(_TGKILL, pid, tid, sig) == 0, os.strerror(ctypes.get_errno())
+
+
+@pytest.mark.skipif(_TGKILL is None or not Path("/proc/self/task").is_dir(), reason="Linux (tgkill, /proc) only")
+def test_the_draft_stops_on_a_sigterm_that_lands_on_another_thread(dirs, tmp_path):
+    """Python runs signal handlers on the main thread; the kernel may hand a process's SIGTERM to any of
+    its threads. A connected draft with no steps to answer (its step socket idle) still stops at once
+    and closes its link normally (its main thread does not sit in a read nothing interrupts)."""
+    model, draft = dirs
+    internal = f"unix:{tmp_path}/run/draft.sock"
+    stack = Stack(tmp_path, model, None, start_draft=False)
+    stack.internal = internal
+    waiting = ServiceProcess(["serve-draft", "--draft", str(draft), "--verify", internal,
+                              "--listen", f"unix:{tmp_path}/draft-health.sock", "--device", "cpu"], tmp_path / "d.log")
+    try:
+        deadline = time.monotonic() + 60
+        while "connected to the verify service" not in waiting.log() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # the session idle: the draft waits for a step
+        _signal_a_thread_other_than_main(waiting.proc.pid, signal.SIGTERM)
+        try:
+            rc = waiting.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the draft service did not stop within 15 s of a SIGTERM on another thread:\n" + waiting.log())
+        assert rc == 0, waiting.log()
+        time.sleep(0.5)
+        assert "WARNING" not in stack.verify.log(), stack.verify.log()  # it closed its link
+    finally:
+        waiting.kill()
+        stack.close()
+
+
 @pytest.mark.slow
 def test_up_once_prints_the_answer_and_one_status_line(request):
     """`up` speculates with the device's default tree (a chain of 3 on a CPU: measured faster there
