@@ -337,7 +337,15 @@ def serve(cfg: DraftServerConfig) -> None:
     # main thread that ran the sessions itself sat in the step socket's read while no step came, and a
     # SIGTERM taken by another thread was never seen (the service did not stop). The sessions run on a
     # thread of their own; the main thread only polls (as the verify service's does).
-    worker = threading.Thread(target=srv.worker.run, name="draft-sessions", daemon=True)
+    failed: list[BaseException] = []
+
+    def sessions() -> None:
+        try:
+            srv.worker.run()
+        except BaseException as exc:  # raised again on the main thread: the service fails as before
+            failed.append(exc)
+
+    worker = threading.Thread(target=sessions, name="draft-sessions", daemon=True)
     worker.start()
     while worker.is_alive() and not stopping.wait(0.2):
         pass
@@ -347,3 +355,5 @@ def serve(cfg: DraftServerConfig) -> None:
         log.warning("the draft session did not end within %g s of the stop; exiting anyway", STOP_TIMEOUT_S)
     srv.stop()
     unfreeze_for_exit()
+    if failed:
+        raise failed[0]

@@ -183,3 +183,32 @@ def test_up_once_prints_the_answer_and_one_status_line(request):
     [line] = run.stderr.strip().splitlines()
     assert line.startswith("[verify + draft services; a chain of 3 (the CPU default): tau "), line
     assert not list(scratch.glob("eagle3-*"))  # the run folder (internal socket) is gone
+
+
+def test_a_draft_whose_sessions_fail_stops_with_the_error(monkeypatch):
+    """``serve`` runs the sessions on a thread of their own (the main thread polls for signals): what
+    escapes them ends the service with that error on the main thread, as when the main thread ran them."""
+    from types import SimpleNamespace
+
+    from draft_service import server
+
+    class Broken:
+        stopped = 0
+
+        def run(self):
+            raise RuntimeError("the sessions broke")
+
+        def stop(self):
+            Broken.stopped += 1
+
+    stops = []
+    fake = SimpleNamespace(worker=Broken(), metrics=None, stop=lambda: stops.append(True))
+    monkeypatch.setattr(server, "create_server", lambda cfg: fake)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(RuntimeError, match="the sessions broke"):
+            server.serve(SimpleNamespace(verify="unix:/nowhere", listen="unix:/nowhere-health"))
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert Broken.stopped == 1 and stops == [True]  # stopped and closed before the error is raised
