@@ -1,6 +1,7 @@
 """What a new user meets at the command line: addresses in use, one-line errors, quiet output."""
 
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -126,7 +127,7 @@ def test_the_draft_waits_quietly_and_a_normal_shutdown_is_no_warning(dirs, tmp_p
         stack.close()
 
 
-_TGKILL = {"x86_64": 234, "aarch64": 131}.get(__import__("platform").machine())  # Linux syscall numbers
+_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())  # Linux syscall numbers
 
 
 def _signal_a_thread_other_than_main(pid: int, sig: int) -> None:
