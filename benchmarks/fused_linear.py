@@ -17,6 +17,9 @@ that changes a row's bits cannot serve the batch-invariant set).
 
     python benchmarks/fused_linear.py --rows 1 --rows 16 --sweep --out fused.json
     python benchmarks/fused_linear.py --rows 4096 --sweep --geometry 8b --out fused_prefill.json
+
+``--geometry head`` times the shipped SmolLM2 draft head's projections instead (its LM head scaled,
+as a tree level's is); ``--warm`` reads one copy of each weight at every call (L2-warm).
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ SWEEP = [RowLinearConfig(n, k, w, s) for n in (16, 32, 64, 128) for k in (128, 2
 WIDE_SWEEP = [RowLinearConfig(n, k, w, s, group_m=g) for n in (64, 128, 256) for k in (64, 128) for w in (4, 8)
               for s in (3, 4) for g in (1, 8) if n * k <= 16384]
 LM_HEADS = {"8b.lm_head": (128256, 4096), "smol.lm_head": (49152, 576)}
+# The shipped SmolLM2 draft head's projections (a tree level's few rows): its MLP is 4,608 wide, its
+# LM head 14,336 draft tokens over the 576-wide output (``hub/heads/smollm2-135m-instruct``).
+HEAD_SHAPES = {"head.qkv": (960, 1152), "head.o": (576, 576), "head.gate_up": (9216, 576), "head.down": (576, 4608),
+               "head.lm_head": (14336, 576)}
 EPS = 1e-5
 
 
@@ -103,22 +110,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, action="append", required=True)
     ap.add_argument("--sweep", action="store_true", help="also time every tile of SWEEP for the fused kernel")
-    ap.add_argument("--geometry", choices=["8b", "smol"], action="append",
-                    help="only this geometry's shapes (default: both)")
+    ap.add_argument("--geometry", choices=["8b", "smol", "head"], action="append",
+                    help="only this geometry's shapes (default: 8b and smol; head: the SmolLM2 draft head's)")
+    ap.add_argument("--warm", action="store_true",
+                    help="one copy of each weight, read again at every call (L2-warm, as a draft's levels may "
+                         "find theirs), instead of copies cycled past the L2")
     ap.add_argument("--out", default=None, help="JSON file for the results")
     args = ap.parse_args()
     bw = copy_bandwidth_gbs(torch.device("cuda"))
     results = []
-    for name, (n, k) in {**SHAPES, **LM_HEADS}.items():
-        if args.geometry and name.split(".")[0] not in args.geometry:
+    for name, (n, k) in {**SHAPES, **LM_HEADS, **HEAD_SHAPES}.items():
+        if name.split(".")[0] not in (args.geometry or ["8b", "smol"]):
             continue
-        copies = max(2, -(-256 * 2**20 // (n * k * 2)))  # > 2x the L2 of an H100/H200
+        copies = 1 if args.warm else max(2, -(-256 * 2**20 // (n * k * 2)))  # > 2x the L2 of an H100/H200
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         floor = n * k * 2 / (bw * 1e9) * 1e6
         for m in args.rows:
             if m > 64 and name in LM_HEADS:  # (a prefill chunk's LM head runs over its last rows alone)
                 continue
-            separate, fused = _pair(_kind(name), m, n, k)
+            # (the head's LM head reads its input scaled, as a level's does: the final norm folded in)
+            separate, fused = _pair("qkv" if name == "head.lm_head" else _kind(name), m, n, k)
             gate_up = _kind(name) == "gate_up"
             config = row_linear_config(n // 2 if gate_up else n, k, 1 + gate_up,
                                        row_tile(m, n // 2 if gate_up else n, k, 1 + gate_up))
@@ -138,7 +149,7 @@ def main() -> None:
                   flush=True)
         del ws
     for m in args.rows:
-        for prefix in ("8b.", "smol."):
+        for prefix in ("8b.", "smol.", "head."):
             rows = [r for r in results if r["rows"] == m and r["shape"].startswith(prefix) and "lm_head" not in r["shape"]]
             if not rows:
                 continue

@@ -69,10 +69,9 @@ def extend_forward(net: EagleNet, kv: PagedKVCache, kernels: KernelSet, ids: tor
     meta = AttentionMetadata(query_start_loc=lay["qsl"], seq_lens=lay["seq_lens"], block_tables=tables,
                              slot_mapping=lay["slots"], positions=lay["positions"], token_seq=lay["token_seq"],
                              token_q_idx=lay["q_idx"], max_query_len=rows_per_seq, max_seq_len=max_seq_len)
-    out = net(ids, features, kernels.prepare_attention(meta), kv, kernels)
-    last = out[lay["rows"]]
+    out, logits = net.extend(ids, features, kernels.prepare_attention(meta), kv, kernels, lay["rows"])
     # (In float32 as it reads the head's logits: one kernel, no float32 copy of them first.)
-    return last, torch.log_softmax(net.compute_logits(last, kernels, float32=False), dim=-1, dtype=torch.float32)
+    return out[lay["rows"]], torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
 
 class DraftGraphs:

@@ -285,9 +285,8 @@ class EagleDrafter:
         """Draft forward, eager; returns every row's output [T, H] and log-probs at the logits rows.
         ``input_ids``/``custom_mask``: already on the device (see ``layout_step``): a tree level."""
         lay = layout_step(chunks, self.kv.block_size, self.device, self.kernels, self.staging, input_ids, custom_mask)
-        out = self.net(lay.input_ids, hidden, lay.meta, self.kv, self.kernels)
-        logits = self.net.compute_logits(out[lay.logits_rows], self.kernels)
-        return out, torch.log_softmax(logits, dim=-1)
+        out, logits = self.net.extend(lay.input_ids, hidden, lay.meta, self.kv, self.kernels, lay.logits_rows)
+        return out, torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
     # --- tree growth -------------------------------------------------------------------------
 

@@ -16,6 +16,8 @@ One step over T new tokens (H = draft width, Ht = target width)::
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -25,6 +27,23 @@ from kernels.metadata import AttentionMetadata
 from runtime.kv_cache import PagedKVCache
 from runtime.layers import MLP, Attention, RMSNorm, StepContext
 from runtime.rope import rope_tables
+
+
+# ``EagleNet.extend``'s few-row path (``EAGLE3_DRAFT_FUSED_EXTEND=0``: every extend through ``forward``
+# and ``compute_logits``, as before; read at import, for A/B runs).
+FUSED_EXTEND = os.environ.get("EAGLE3_DRAFT_FUSED_EXTEND", "1") != "0"
+_OWN_ROWS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _own_rows(T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.level_input``'s arguments for T rows that are their own parents, and no feed mask:
+    slots [1, T] = 0 .. T-1 and a mask word of zeros a row [T, 1]. Made once (the first call runs
+    eagerly, before a graph captures the extend) and kept."""
+    key = (T, torch.device(device))
+    got = _OWN_ROWS.get(key)
+    if got is None:
+        got = _OWN_ROWS[key] = (torch.arange(T, device=device)[None], torch.zeros(T, 1, dtype=torch.int32, device=device))
+    return got
 
 
 class MidLayer(nn.Module):
@@ -114,6 +133,30 @@ class EagleNet(nn.Module):
         # index_select's (which is slow for a few rows).
         emb = self.embed_weight[input_ids].to(h.dtype)  # (T, H)
         return self.midlayer(emb, h, ctx)
+
+    def extend(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache,
+               kernels: KernelSet, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` over committed tokens, then the LM head at ``rows`` (each sequence's last row):
+        (out [T, H], logits [len(rows), draft_vocab] in the head's dtype). A step of at most
+        ``kernels.fused_rows`` rows goes as a tree level does (``level_logits``): the fc in one
+        few-row kernel, the embedding lookup and both input norms in one launch (``kernels.level_input``,
+        each row its own parent), the fused projections with the final norm in the last one's
+        epilogue, and the LM head on the picked rows' scaled outputs: some ten launches fewer than
+        ``forward`` and ``compute_logits`` (on an H200, the chained step's extend of a SmolLM2 head)."""
+        T, H = input_ids.shape[0], self.config.hidden_size
+        mid = self.midlayer
+        if not FUSED_EXTEND or T > kernels.fused_rows(H) or mid.mlp.gate_up_weight is None:
+            out = self.forward(input_ids, hidden, meta, kv_cache, kernels)
+            return out, self.compute_logits(out[rows], kernels, float32=False)
+        assert self.cos is not None, "call init_rope() before forward()"
+        assert self.embed_weight is not None, "call attach_embedding() before forward()"
+        ctx = StepContext(meta, kv_cache, self.cos, self.sin, kernels)
+        h = hidden if hidden.shape[-1] == H else kernels.scaled_linear(hidden, None, 0.0, self.fc.weight)
+        slots, no_mask = _own_rows(T, h.device)
+        x, h, _ = kernels.level_input(h[None], slots, input_ids[None], self.embed_weight, mid.input_layernorm.weight,
+                                      mid.input_layernorm.eps, mid.hidden_norm.weight, mid.hidden_norm.eps, None, no_mask)
+        out, outn, ss = mid.forward_rows(x, h, ctx, self.norm)
+        return out, kernels.scaled_linear(outn[rows], ss[:, rows], self.norm.eps, self.lm_head.weight)
 
     def level_logits(self, x: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache,
                      kernels: KernelSet, float32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

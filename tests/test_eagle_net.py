@@ -357,3 +357,41 @@ def test_level_logits_matches_naive_reference(tmp_path, embedding, fused):
     torch.testing.assert_close(logits.double().cpu(), ref_logits, **tolerance())
     # one kernel projected q/k/v, rotated q and k and wrote the draft's KV (none in the separate path)
     assert len(calls) == (0 if fused in ("separate", "fused") else 1)
+
+
+@pytest.mark.parametrize("kernels_name", ["reference", "fused", "triton"])
+def test_extend_matches_naive_reference(tmp_path, embedding, kernels_name):
+    """The draft's extend over committed tokens (``EagleNet.extend``: the forward, then the LM head at
+    the rows asked for): with few enough rows (``fused_rows``) as a tree level goes, the fc in a few-row
+    kernel, the embedding and input norms in one ``level_input`` launch, the fused projections and the
+    final norm in the last one's epilogue (the reference kernels, or the Triton set through Triton's
+    interpreter on a CPU); else ``forward`` and ``compute_logits``. Every way the oracle's."""
+    import dataclasses
+    from kernels import REFERENCE
+    draft_dir = make_eagle_dir(tmp_path / "d", TARGET_RAW, DRAFT_VOCAB)
+    model = load(draft_dir, embedding)
+    model.fuse_projections()
+    if kernels_name == "triton":
+        pytest.importorskip("triton")
+        base = select_kernels(TEST_DEVICE, "triton")
+    else:
+        base = dataclasses.replace(REFERENCE, fused_rows=REFERENCE.fused_rows if kernels_name == "reference"
+                                   else (lambda hidden: T))
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return base.level_input(*args, **kwargs)
+
+    kernels = dataclasses.replace(base, level_input=counted)
+    ids, feats = inputs(3)
+    lay = layout_step([SeqChunk(ids, 0, list(range(10)))], BLOCK, torch.device(TEST_DEVICE), kernels)
+    rows = torch.tensor([0, T // 2, T - 1], device=TEST_DEVICE)
+    with torch.inference_mode():
+        out, logits = model.extend(lay.input_ids, feats.to(TEST_DEVICE, DTYPE), lay.meta, new_cache(model), kernels,
+                                   rows)
+    assert logits.dtype == DTYPE and logits.shape == (3, DRAFT_VOCAB)
+    ref_out, ref_logits = reference(draft_dir, embedding, ids, feats)
+    torch.testing.assert_close(out.double().cpu(), ref_out, **tolerance())
+    torch.testing.assert_close(logits.double().cpu(), ref_logits[rows.cpu()], **tolerance())
+    assert len(calls) == (0 if kernels_name == "reference" else 1)  # the fused path: one launch for the inputs
