@@ -315,6 +315,20 @@ def test_capture_layers_from_config_or_target_default():
     assert (cfg.head_dim, cfg.num_kv_heads, cfg.draft_vocab_size, cfg.target_hidden_size) == (16, 4, 97, 64)
 
 
+def fused_head(tmp_path, embedding, triton: bool, **reference_fields):
+    """A head with its fused projections (as served) and the kernels to run it on: the Triton set (on a
+    CPU through Triton's interpreter), or the reference set with ``reference_fields`` replaced."""
+    import dataclasses
+    from kernels import REFERENCE
+    draft_dir = make_eagle_dir(tmp_path / "d", TARGET_RAW, DRAFT_VOCAB)
+    model = load(draft_dir, embedding)
+    model.fuse_projections()
+    if triton:
+        pytest.importorskip("triton")
+        return draft_dir, model, select_kernels(TEST_DEVICE, "triton")
+    return draft_dir, model, dataclasses.replace(REFERENCE, **reference_fields)
+
+
 @pytest.mark.parametrize("fused", ["separate", "fused", "rope in projection", "triton"])
 def test_level_logits_matches_naive_reference(tmp_path, embedding, fused):
     """A tree level's forward and logits from its inputs (``kernels.level_input``: every node's parent
@@ -325,14 +339,8 @@ def test_level_logits_matches_naive_reference(tmp_path, embedding, fused):
     import dataclasses
     from kernels import REFERENCE
     from kernels.fused_linear import scaled_qkv_rope_ref
-    draft_dir = make_eagle_dir(tmp_path / "d", TARGET_RAW, DRAFT_VOCAB)
-    model = load(draft_dir, embedding)
-    model.fuse_projections()
-    if fused == "triton":
-        pytest.importorskip("triton")
-        base = select_kernels(TEST_DEVICE, "triton")
-    else:
-        base = dataclasses.replace(REFERENCE, scaled_qkv_rope=scaled_qkv_rope_ref if fused != "fused" else None)
+    draft_dir, model, base = fused_head(tmp_path, embedding, fused == "triton",
+                                        scaled_qkv_rope=scaled_qkv_rope_ref if fused != "fused" else None)
     calls = []
 
     def counted(*args, **kwargs):
@@ -368,15 +376,9 @@ def test_extend_matches_naive_reference(tmp_path, embedding, kernels_name):
     interpreter on a CPU); else ``forward`` and ``compute_logits``. Every way the oracle's."""
     import dataclasses
     from kernels import REFERENCE
-    draft_dir = make_eagle_dir(tmp_path / "d", TARGET_RAW, DRAFT_VOCAB)
-    model = load(draft_dir, embedding)
-    model.fuse_projections()
-    if kernels_name == "triton":
-        pytest.importorskip("triton")
-        base = select_kernels(TEST_DEVICE, "triton")
-    else:
-        base = dataclasses.replace(REFERENCE, fused_rows=REFERENCE.fused_rows if kernels_name == "reference"
-                                   else (lambda hidden: T))
+    draft_dir, model, base = fused_head(tmp_path, embedding, kernels_name == "triton",
+                                        fused_rows=REFERENCE.fused_rows if kernels_name == "reference"
+                                        else (lambda hidden: T))
     calls = []
 
     def counted(*args, **kwargs):
