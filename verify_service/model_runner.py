@@ -220,13 +220,18 @@ class ModelRunner:
 
     def _graph_meta(self, layout: StaticLayout) -> AttentionMetadata:
         """The layout's metadata as this kernel set takes it. The layout holds the mask packed as the
-        Triton set's ``prepare_attention`` packs it; another set (the exact one: an ancestor table)
-        prepares its own from the unpacked mask, inside the graph."""
+        Triton set's ``prepare_attention`` packs it. The batch-invariant set reads the packed words
+        too (its ancestor table, inside the graph: one launch on CUDA, ``ancestor_table_triton``; the
+        mask unpacked first took the torch table's 13 small launches a tree step); another set
+        prepares its own from the unpacked mask."""
+        from kernels.attention_exact import prepare_attention_exact
         from kernels.attention_triton import prepare_attention_triton  # graphs imply Triton
 
         meta = layout.meta
         if meta.custom_mask is None or self.kernels.prepare_attention is prepare_attention_triton:
             return meta
+        if self.kernels.prepare_attention is prepare_attention_exact:
+            return prepare_attention_exact(meta)
         return self.kernels.prepare_attention(dataclasses.replace(meta, custom_mask=unpack_mask(meta.custom_mask)))
 
     def _prefill_as_decodes(self, chunks: list[SeqChunk], capture: bool = True) -> StepOutput | None:
