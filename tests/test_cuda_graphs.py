@@ -497,11 +497,12 @@ def test_a_capture_survives_garbage_that_holds_an_old_graph():
 
 
 def test_an_exact_tree_graph_builds_its_ancestor_table_from_the_packed_mask(tmp_path, monkeypatch):
-    """A tree graph on the batch-invariant set hands the layout's packed mask to the set's
-    ``prepare_attention`` as it is (``ModelRunner._graph_meta``): on CUDA the table then takes one
-    launch from the words (``ancestor_table_triton``) inside the graph, where the mask unpacked first
+    """A tree graph hands the layout's packed mask to the kernel set's ``prepare_attention`` as it is
+    (``ModelRunner._graph_meta``): on the batch-invariant set the ancestor table then takes one launch
+    from the words on CUDA (``ancestor_table_triton``) inside the graph, where the mask unpacked first
     took the torch table's 13 launches a tree step. The same table either way."""
-    import verify_service.model_runner as model_runner
+    import dataclasses
+
     from kernels import attention_exact
     from kernels.attention import unpack_mask
 
@@ -510,12 +511,15 @@ def test_an_exact_tree_graph_builds_its_ancestor_table_from_the_packed_mask(tmp_
     runner = target.runner
     static = StaticLayout(Bucket(4, 8, True), 8, target.max_model_len, target.kv_cache.block_size, target.device)
     static.fill(chunks_for(target, [20, 9, 14]))
-    unpacked, tables = [], []
-    monkeypatch.setattr(model_runner, "unpack_mask", lambda words: unpacked.append(1) or unpack_mask(words))
+    given, tables = [], []
+    prepare = runner.kernels.prepare_attention
+    assert prepare is attention_exact.prepare_attention_exact
+    monkeypatch.setattr(runner, "kernels", dataclasses.replace(
+        runner.kernels, prepare_attention=lambda meta: given.append(meta.custom_mask.dtype) or prepare(meta)))
     kernel = attention_exact.ancestor_table_triton
     monkeypatch.setattr(attention_exact, "ancestor_table_triton", lambda words: tables.append(1) or kernel(words))
     got = runner._graph_meta(static).custom_mask
-    assert not unpacked  # the runner leaves the words packed
+    assert given == [torch.int32]  # the packed words, once
     assert len(tables) == (1 if static.meta.custom_mask.is_cuda else 0)  # one launch on CUDA
     want = attention_exact.ancestor_table(unpack_mask(static.meta.custom_mask))
     assert torch.equal(got.cpu(), want.cpu())

@@ -18,7 +18,6 @@ bucket run eagerly (``layout_step``), as does everything off CUDA, with the refe
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Callable
@@ -29,7 +28,6 @@ import torch
 
 from common.errors import UnsupportedModelError
 from kernels import KernelSet
-from kernels.attention import unpack_mask
 from kernels.metadata import AttentionMetadata
 from runtime.block_manager import blocks_for
 from runtime.graphs import capture_graph
@@ -219,20 +217,13 @@ class ModelRunner:
         return StepGraph(layout, graph, logits, hidden, captured, greedy, parts)
 
     def _graph_meta(self, layout: StaticLayout) -> AttentionMetadata:
-        """The layout's metadata as this kernel set takes it. The layout holds the mask packed as the
-        Triton set's ``prepare_attention`` packs it. The batch-invariant set reads the packed words
-        too (its ancestor table, inside the graph: one launch on CUDA, ``ancestor_table_triton``; the
-        mask unpacked first took the torch table's 13 small launches a tree step); another set
-        prepares its own from the unpacked mask."""
-        from kernels.attention_exact import prepare_attention_exact
-        from kernels.attention_triton import prepare_attention_triton  # graphs imply Triton
-
+        """The layout's metadata as this kernel set takes it, inside the graph. The layout holds the
+        mask packed, and every set's ``prepare_attention`` reads the packed words: the Triton set keeps
+        them, the batch-invariant set builds its ancestor table from them (one launch on CUDA,
+        ``ancestor_table_triton``; the mask unpacked first took the torch table's 13 small launches a
+        tree step), the references unpack them."""
         meta = layout.meta
-        if meta.custom_mask is None or self.kernels.prepare_attention is prepare_attention_triton:
-            return meta
-        if self.kernels.prepare_attention is prepare_attention_exact:
-            return prepare_attention_exact(meta)
-        return self.kernels.prepare_attention(dataclasses.replace(meta, custom_mask=unpack_mask(meta.custom_mask)))
+        return meta if meta.custom_mask is None else self.kernels.prepare_attention(meta)
 
     def _prefill_as_decodes(self, chunks: list[SeqChunk], capture: bool = True) -> StepOutput | None:
         """A step of prompt chunks (and decodes) small enough for a captured decode graph, replayed as
