@@ -104,6 +104,10 @@ def verify_side(model_dir: Path, internal: str, device: str):
                "tree_tokens": exporter.allocate("tree_tokens", trees, torch.int64, host=True),
                "tree_parents": exporter.allocate("tree_parents", trees, torch.int64, host=True),
                "tree_log_probs": exporter.allocate("tree_log_probs", trees, torch.float32, host=True),
+               # (the chained steps' buffers, which the draft's handshake asks for; this benchmark's steps
+               # go through the host trees: a verify side sizes the feeds by its tree depth, the count first)
+               "chain_feeds": exporter.allocate("chain_feeds", (MAX_SEQS, CHAIN + 2), torch.int64),
+               "chain_trees": exporter.allocate("chain_trees", (4, *trees), torch.int64),
                "embedding": exporter.share("embedding", embedding)}
     remote = RemoteDraft(exporter, buffers, capture, timeout_s=10.0,
                          step_socket_folder=unix_socket_path(internal).parent if step_socket.supported() else None)
@@ -206,9 +210,9 @@ def compare(links: list[Link], batch: int, steps: int, warmup: int, chunk: int =
     samplers = [Sampler(link.remote, link.capture, batch, link.device) for link in links]
     for sampler in samplers:
         sampler.run(warmup, keep=False)
-    for _ in range(0, steps, chunk):
+    for start in range(0, steps, chunk):
         for sampler in samplers:
-            sampler.run(chunk)
+            sampler.run(min(chunk, steps - start))  # (--steps not a multiple of the chunk: the last turn shorter)
     rows = []
     for link, sampler in zip(links, samplers):
         sampler.release()

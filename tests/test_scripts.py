@@ -268,3 +268,18 @@ def test_warm_up_coverage_runs_its_serving_scenario_on_a_cpu(tmp_path):
                    "--pieces", "12,2", "--out", str(tmp_path / "r.json")])
     assert report["compilations_after_warm_up"] == 0 and report["warm_pieces"] == [12, 2]
     assert report["warm_up_s"] == 0.0 and (tmp_path / "r.json").exists()
+
+
+def test_link_rtt_runs_both_transports_on_a_cpu(tmp_path):
+    """``link_rtt.py`` end to end on a CPU, a few steps of each transport: its stand-in verify side
+    offers every buffer the draft's handshake asks for (it lacked the chained steps' two once, and the
+    draft refused every session)."""
+    import json
+
+    out = tmp_path / "rtt.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "link_rtt.py"), "--batch", "2", "--steps", "20",
+                          "--warmup", "5", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert {r["transport"] for r in rows} == {"stream", "socket"}
+    assert all(r["steps"] == 20 and r["link_us"]["p50"] > 0 for r in rows)
