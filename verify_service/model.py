@@ -148,6 +148,9 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor, linear: Callable = F.linear) -> torch.Tensor:
-        """Logits [N, vocab] in float32 for the rows of ``hidden`` that need them; ``linear`` is the
-        kernel set's matmul (the batch-invariant one in exact mode)."""
-        return linear(hidden, self.lm_head_weight()).float()
+        """Logits [N, vocab] in the model's dtype for the rows of ``hidden`` that need them; ``linear``
+        is the kernel set's matmul (the batch-invariant one in exact mode). Not upcast here: greedy
+        tokens (``argmax``) read the model's dtype, and ``logits_to_probs`` upcasts what it samples
+        from (the same float32 values). A copy to float32 of every row took 8.9 us of a SmolLM2
+        speculative step (60 rows of 49,152) on an H200."""
+        return linear(hidden, self.lm_head_weight())

@@ -48,7 +48,7 @@ class StepOutput:
     """A step's results. After a graphed step, ``logits`` and ``hidden`` are views of the graph's
     outputs, valid until the next step; ``captured`` is always the caller's own."""
 
-    logits: torch.Tensor  # [sum(len(logits_rows)), vocab] float32, in chunk order
+    logits: torch.Tensor  # [sum(len(logits_rows)), vocab] in the model's dtype, in chunk order
     hidden: torch.Tensor  # [T, hidden] final-normed hidden of every new token
     captured: torch.Tensor | None  # [T, k * hidden] EAGLE-3 features, when capture layers are set
     query_start_loc: list[int]  # chunk i owns rows query_start_loc[i]:query_start_loc[i+1]
@@ -159,7 +159,8 @@ class ModelRunner:
         # Greedy tokens of logits rows taken from the middle of a step's logits (an eager step's trees
         # after its prompt rows): with a vocabulary that is no multiple of 4, such rows start at
         # addresses that are no multiple of 16 bytes, a specialisation of their own.
-        logits = torch.zeros(2, self.model.config.vocab_size, device=self.device)
+        logits = torch.zeros(2, self.model.config.vocab_size, device=self.device,
+                             dtype=self.model.lm_head_weight().dtype)  # (logits come in the model's dtype)
         self.kernels.argmax(logits)
         self.kernels.argmax(logits[1:])
         if self.kernels.name != "reference":  # both blocks of the split attention's combine

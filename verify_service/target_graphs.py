@@ -22,7 +22,7 @@ from runtime.step_layout import SeqChunk
 
 log = logging.getLogger(__name__)
 
-# Most tokens a graphed step holds: its logits ([tokens, vocab] float32) live in the graph pool.
+# Most tokens a graphed step holds: its logits ([tokens, vocab], the model's dtype) live in the graph pool.
 MAX_GRAPH_TOKENS = 2048
 # Prompt steps of up to this many tokens (prompt chunks and decodes) replay a decode graph of as
 # many one-token sequences, beyond the decode graphs' max_num_seqs: an eager prompt step launches
